@@ -1,0 +1,137 @@
+"""The DeepSeek-V3.2 transformer: embedding, pre-norm decoder blocks (MLA + DSA, dense MLP or MoE), final norm,
+untied LM head, and the multi-token-prediction (MTP) module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv32_jax.config import ModelConfig
+from dsv32_jax.layers import Dense, RMSNorm, normal_param
+from dsv32_jax.mla import MLA, Positions
+from dsv32_jax.moe import MLP, MoE
+from dsv32_jax.options import RunOptions
+from dsv32_jax.rope import rope_angles, yarn_inv_freq
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = MLA(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        if cfg.is_moe_layer(layer):
+            self.ffn = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                           std=cfg.initializer_range)
+        self.is_moe = cfg.is_moe_layer(layer)
+
+    def __call__(self, h, pos: Positions, opts: RunOptions, replay_ids=None):
+        """h [B, T, D] -> (h, top-k indices or None, expert ids or None)."""
+        attn_out, topk_idx = self.attn(self.attn_norm(h), pos, opts)
+        h = h + attn_out
+        if self.is_moe:
+            ffn_out, expert_ids = self.ffn(self.ffn_norm(h), replay_ids)
+        else:
+            ffn_out, expert_ids = self.ffn(self.ffn_norm(h)), None
+        return h + ffn_out, topk_idx, expert_ids
+
+
+class MTPLayer(nnx.Module):
+    """h' = eh_proj([enorm(Emb(t_{i+1})) ; hnorm(h_i)]) (embedding half first), one decoder block, shared_head.norm;
+    the main model's embedding and LM head are shared."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.eh_proj = Dense(2 * cfg.hidden_size, cfg.hidden_size, (None, "embed"), rngs=rngs, dtype=dtype,
+                             param_dtype=param_dtype, std=cfg.initializer_range)
+        self.block = DecoderLayer(cfg, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+
+class Transformer(nnx.Module):
+    """DeepSeek-V3.2 causal LM.
+
+    `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds
+    `topk` (layer -> indexer selections [B, T, k]), `routing` (layer -> expert ids [B, T, k]; MTP layers keyed
+    "mtp{i}"), `mtp_logits` (list of [B, T, V]; entry i predicts token t+2+i) and `hidden` (final normed state).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 options: RunOptions | None = None):
+        cfg = config
+        self.config = cfg
+        self.options = options or RunOptions()
+        self.dtype = dtype
+        self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype,
+                                  cfg.initializer_range)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=jnp.float32,
+                             param_dtype=param_dtype, std=cfg.initializer_range)
+        self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                             for i in range(cfg.num_nextn_predict_layers)])
+
+    def positions(self, tokens, positions=None, segment_ids=None) -> Positions:
+        b, t = tokens.shape
+        index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = index if positions is None else positions.astype(jnp.int32)
+        segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        cos, sin = rope_angles(positions, yarn_inv_freq(self.config), self.config.rope_attention_factor)
+        return Positions(cos=cos, sin=sin, q_index=index, q_segment=segments, kv_segment=segments)
+
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+
+    def logits(self, h):
+        return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))
+
+    def __call__(self, tokens, positions=None, segment_ids=None, routing=None, return_aux: bool = False):
+        """tokens int [B, T]; positions [B, T] (RoPE positions, default 0..T-1); segment_ids [B, T] (packed
+        documents: attention and the indexer never cross a segment boundary); routing: {layer: ids [B, T, k]}
+        to replay recorded expert choices."""
+        _check_tokens(tokens, self.config.vocab_size)
+        pos = self.positions(tokens, positions, segment_ids)
+        h, aux = self.backbone(self.embed_tokens(tokens), pos, routing)
+        logits = self.logits(h)
+        if not return_aux:
+            return logits
+        aux["hidden"] = h
+        aux["mtp_logits"] = self.mtp_logits(tokens, h, pos, routing, aux)
+        return logits, aux
+
+    def backbone(self, h, pos: Positions, routing=None):
+        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing} per layer."""
+        routing = routing or {}
+        aux = {"topk": {}, "routing": {}}
+        for i, layer in enumerate(self.layers):
+            h, aux["topk"][i], aux["routing"][i] = layer(h, pos, self.options, routing.get(i))
+        return self.norm(h), aux
+
+    def mtp_logits(self, tokens, h, pos: Positions, routing, aux) -> list:
+        """MTP depth j predicts token t+2+j from h_t and Emb(t_{t+1+j}); positions past the end see token 0."""
+        routing = routing or {}
+        out = []
+        next_tokens = tokens
+        for j, mtp in enumerate(self.mtp):
+            next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
+            x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
+            h, aux["topk"][f"mtp{j}"], aux["routing"][f"mtp{j}"] = mtp.block(
+                mtp.eh_proj(x), pos, self.options, routing.get(f"mtp{j}"))
+            out.append(self.logits(mtp.norm(h)))
+        return out
+
+
+def _check_tokens(tokens, vocab_size: int) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if isinstance(tokens, np.ndarray | jax.Array) and not isinstance(tokens, jax.core.Tracer):
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got range [{lo}, {hi}]")

@@ -1,0 +1,41 @@
+"""Run-time options of the model's forward pass (which attention path, which indexer path). Static: changing
+them changes the traced program. Set them on a model with `model.options = RunOptions(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_IMPLS = ("sparse", "dense", "kernel")
+MLA_MODES = ("mqa", "mha")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    # "sparse": gathered top-k rows in plain JAX (eq. 2, O(T*k)); "dense": masked dense reference;
+    # "kernel": the Pallas sparse MLA kernel from `pallas_kernels`.
+    attention: str = "sparse"
+    # Execution mode of the dense reference: absorbed MQA ("mqa") or decompressed per-head MHA ("mha").
+    mla_mode: str = "mqa"
+    # False: plain dense causal attention and no indexer selection (the dense warm-up stage, a dense model).
+    dsa: bool = True
+    # Production indexer path: Hadamard rotation + e4m3 with ue8m0 scales (else exact float32 scores).
+    indexer_fp8: bool = False
+    # Simulate the FP8 latent cache (c_kv quantize/dequantize in 128-blocks, as the official demo since 2025-11-17).
+    fp8_kv: bool = False
+    # Query-chunk sizes that bound the references' memory.
+    attn_chunk: int = 64
+    index_chunk: int = 128
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"RunOptions.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.mla_mode not in MLA_MODES:
+            raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
+        if self.mla_mode == "mha" and self.attention != "dense":
+            raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        for name in ("attn_chunk", "index_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunOptions.{name} must be >= 1, got {getattr(self, name)}")
+
+    def replace(self, **changes) -> "RunOptions":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,113 @@
+"""Attention references: gathered sparse == masked dense MQA == MHA mode, against a float64 numpy oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+
+from dsv32_jax import attention
+
+
+def numpy_sparse_mla(q, kv, idx, scale, d_v):
+    """Float64 loop oracle for eq. (2): per query, softmax over its valid selected rows (duplicates count twice)."""
+    b, t, h, _ = q.shape
+    s = kv.shape[1]
+    out = np.zeros((b, t, h, d_v))
+    for bi in range(b):
+        for ti in range(t):
+            sel = [int(j) for j in idx[bi, ti] if 0 <= j < s]
+            if not sel:
+                continue
+            rows = kv[bi, sel].astype(np.float64)
+            logits = q[bi, ti].astype(np.float64) @ rows.T * scale
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[bi, ti] = p @ rows[:, :d_v]
+    return out
+
+
+def random_case(rng, b=2, t=13, s=13, h=3, d=24, d_v=16, k=5):
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    kv = rng.standard_normal((b, s, d)).astype(np.float32)
+    idx = np.stack([np.stack([rng.choice(min(ti, s - 1) + 1, size=k, replace=min(ti, s - 1) + 1 < k)
+                              for ti in range(t)]) for _ in range(b)]).astype(np.int32)
+    return q, kv, idx, d_v
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_sparse_matches_numpy_oracle_with_invalid_slots(rng, chunk):
+    q, kv, idx, d_v = random_case(rng)
+    idx[0, 3, :2] = -1  # empty slots
+    idx[1, 5, 1] = 10_000  # out of range -> empty
+    idx[1, 7, :] = -1  # all-invalid row -> zeros
+    idx[0, 9, 1] = idx[0, 9, 0]  # duplicate index: counted twice, as a kernel gathering rows would
+    out, lse = attention.sparse_mla(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), 0.3, d_v, q_chunk=chunk)
+    ref = numpy_sparse_mla(q, kv, idx, 0.3, d_v)
+    assert rel_err(out, ref) < 1e-5
+    assert np.all(np.asarray(out)[1, 7] == 0) and np.all(np.isneginf(np.asarray(lse)[1, 7]))
+    assert np.all(np.isfinite(np.asarray(lse)[0, :7]))
+
+
+def test_sparse_equals_masked_dense_mqa_and_gradients(rng):
+    q, kv, idx, d_v = random_case(rng, t=11, s=11)
+    b, t = idx.shape[:2]
+    q_index = np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)
+    seg = np.zeros((b, t), np.int32)
+    # distinct selections so that the dense mask and the gather agree (the indexer never repeats a key)
+    idx = np.stack([np.stack([np.where(np.arange(5) <= ti, rng.permutation(max(ti + 1, 5))[:5], -1)
+                              for ti in range(t)]) for _ in range(b)]).astype(np.int32)
+    idx = np.where(idx <= q_index[..., None], idx, -1)
+
+    def sparse(q_, kv_):
+        return attention.sparse_mla(q_, kv_, jnp.asarray(idx), 0.25, d_v, q_chunk=3)[0]
+
+    def dense(q_, kv_):
+        return attention.dense_mqa(q_, kv_, jnp.asarray(q_index), jnp.asarray(seg), jnp.asarray(seg), 0.25, d_v,
+                                   topk_idx=jnp.asarray(idx), q_chunk=4)[0]
+
+    args = (jnp.asarray(q), jnp.asarray(kv))
+    assert rel_err(sparse(*args), dense(*args)) < 1e-5
+    w = jnp.asarray(rng.standard_normal((b, t, q.shape[2], d_v)), jnp.float32)
+    gs = jax.grad(lambda a, c: jnp.sum(sparse(a, c) * w), argnums=(0, 1))(*args)
+    gd = jax.grad(lambda a, c: jnp.sum(dense(a, c) * w), argnums=(0, 1))(*args)
+    for x, y in zip(gs, gd):
+        assert rel_err(x, y) < 1e-5
+
+
+def test_head_summed_probabilities_are_normalized(rng):
+    q, kv, idx, d_v = random_case(rng)
+    _, _, probs = attention.sparse_mla(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), 0.3, d_v,
+                                       return_probs=True)
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), q.shape[2], rtol=1e-5)
+
+
+def test_mha_equals_mqa_with_decompressed_heads(rng):
+    b, t, h, c, nope, rope, dv = 2, 9, 3, 12, 8, 4, 8
+    c_kv = rng.standard_normal((b, t, c)).astype(np.float32)
+    k_pe = rng.standard_normal((b, t, rope)).astype(np.float32)
+    q_nope = rng.standard_normal((b, t, h, nope)).astype(np.float32)
+    q_pe = rng.standard_normal((b, t, h, rope)).astype(np.float32)
+    w_uk = rng.standard_normal((c, h, nope)).astype(np.float32)
+    w_uv = rng.standard_normal((c, h, dv)).astype(np.float32)
+    q_index = np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)
+    seg = np.array([[0] * 4 + [1] * 5, [0] * 9], np.int32)  # a document boundary in row 0
+    vis = (jnp.asarray(q_index), jnp.asarray(seg), jnp.asarray(seg))
+    k = np.concatenate([np.einsum("btc,chd->bthd", c_kv, w_uk), np.broadcast_to(k_pe[:, :, None], (b, t, h, rope))], -1)
+    v = np.einsum("btc,chd->bthd", c_kv, w_uv)
+    mha, _ = attention.dense_mha(jnp.asarray(np.concatenate([q_nope, q_pe], -1)), jnp.asarray(k), jnp.asarray(v),
+                                 *vis, 0.2)
+    q_lat = np.concatenate([np.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], -1)
+    o_lat, _ = attention.dense_mqa(jnp.asarray(q_lat), jnp.asarray(np.concatenate([c_kv, k_pe], -1)), *vis, 0.2, c)
+    mqa = np.einsum("bthc,chd->bthd", np.asarray(o_lat), w_uv)
+    assert rel_err(mha, mqa) < 1e-5
+    # query 4 of row 0 starts a new document: it sees only itself, so its output is its own value
+    np.testing.assert_allclose(np.asarray(mha)[0, 4], v[0, 4], rtol=1e-5, atol=1e-6)
+
+
+def test_topk_to_mask_and_visibility():
+    idx = jnp.asarray([[[0, 2, -1], [5, 1, 1]]], jnp.int32)
+    m = np.asarray(attention.topk_to_mask(idx, 4))
+    np.testing.assert_array_equal(m, [[[1, 0, 1, 0], [0, 1, 0, 0]]])
+    vis = np.asarray(attention.visible(jnp.asarray([[0, 2]]), jnp.asarray([[0, 1]]), jnp.asarray([[0, 0, 1, 1]])))
+    np.testing.assert_array_equal(vis, [[[1, 0, 0, 0], [0, 0, 1, 0]]])

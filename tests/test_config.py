@@ -1,0 +1,92 @@
+import json
+
+import pytest
+from flax import nnx
+
+from dsv32_jax import ConfigError, ModelConfig, Transformer, load_preset
+from dsv32_jax.config import preset_path
+
+PRESETS = ["tiny", "small", "deepseek_v32_671b"]
+
+
+def official_raw():
+    with open(preset_path("deepseek_v32_671b")) as f:
+        return json.load(f)
+
+
+def test_671b_preset_has_official_values():
+    cfg = load_preset("deepseek_v32_671b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (7168, 61, 128)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
+        1536, 512, 128, 64, 128)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group) == (256, 8, 8, 4)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
+    assert cfg.first_k_dense_replace == 3 and cfg.routed_scaling_factor == 2.5
+    assert cfg.rope_type == "yarn" and cfg.rope_factor == 40 and cfg.rope_original_max_position_embeddings == 4096
+    assert cfg.quantization_config["weight_block_size"] == [128, 128]
+
+
+def test_rope_parameters_as_transformers5_writes_them():
+    raw = official_raw()
+    rope = raw.pop("rope_scaling")
+    raw["rope_parameters"] = {"rope_type": rope["type"], "rope_theta": 10000.0,
+                              **{k: v for k, v in rope.items() if k != "type"}}
+    raw.pop("rope_theta", None)
+    assert ModelConfig.from_hf(raw) == load_preset("deepseek_v32_671b")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_to_hf_round_trip(name, tmp_path):
+    cfg = load_preset(name)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_hf()))
+    again = ModelConfig.from_hf(str(tmp_path))
+    assert again == cfg
+    assert again.quantization_config == cfg.quantization_config
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_build_abstractly(name):
+    cfg = load_preset(name)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert len(model.layers) == cfg.num_hidden_layers
+    assert len(model.mtp) == cfg.num_nextn_predict_layers
+
+
+def test_tiny_preset_exercises_every_feature():
+    cfg = load_preset("tiny")
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    assert cfg.first_k_dense_replace >= 1 and len(moe_layers) >= 2
+    assert cfg.n_group >= 2 and cfg.index_topk < 64
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("scoring_func", "softmax", "scoring_func"),
+    ("n_routed_experts", 10, "divisible by n_group"),
+    ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
+    ("index_topk", 0, "index_topk"),
+    ("topk_group", 9, "topk_group"),
+    ("num_attention_heads", 0, "num_attention_heads"),
+    ("hidden_act", "gelu", "hidden_act"),
+])
+def test_validation_names_the_field(field, value, needle):
+    raw = official_raw()
+    raw[field] = value
+    with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_hf(raw)
+
+
+def test_error_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    raw = official_raw()
+    raw["scoring_func"] = "softmax"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=str(path)):
+        ModelConfig.from_hf(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(str(path))
+    with pytest.raises(ConfigError, match="no such file"):
+        ModelConfig.from_hf(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="available presets"):
+        load_preset("nope")

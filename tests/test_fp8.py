@@ -1,0 +1,69 @@
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsv32_jax.fp8 import (act_dequant, act_quant, dequant_weight_blocks, fake_quant, hadamard_matrix,
+                           hadamard_rotate, ue8m0_round_up)
+
+
+def test_hadamard_is_orthonormal_and_sylvester():
+    h = hadamard_matrix(128).astype(np.float64) / np.sqrt(128)
+    np.testing.assert_allclose(h @ h.T, np.eye(128), atol=1e-12)
+    np.testing.assert_array_equal(hadamard_matrix(2), [[1, 1], [1, -1]])
+    h4 = hadamard_matrix(4)
+    np.testing.assert_array_equal(h4, np.block([[hadamard_matrix(2), hadamard_matrix(2)],
+                                                [hadamard_matrix(2), -hadamard_matrix(2)]]))
+    with pytest.raises(ValueError):
+        hadamard_matrix(96)
+
+
+def test_hadamard_preserves_dot_products(rng):
+    q, k = rng.standard_normal((2, 5, 128)).astype(np.float32)
+    hq, hk = np.asarray(hadamard_rotate(jnp.asarray(q))), np.asarray(hadamard_rotate(jnp.asarray(k)))
+    np.testing.assert_allclose((hq * hk).sum(-1), (q * k).sum(-1), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(hq, q)
+
+
+def test_act_quant_spec_example():
+    x = np.zeros(128, np.float32)
+    x[0], x[5] = 3.7, -1.0
+    codes, scale = act_quant(jnp.asarray(x))
+    assert float(scale[0]) == 2.0**-6  # smallest power of two >= 3.7 / 448
+    assert codes.dtype == jnp.float8_e4m3fn
+    expected = (x / 2.0**-6).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(codes).view(np.uint8), expected.view(np.uint8))
+    assert float(np.max(np.abs(np.asarray(codes, np.float32)))) <= 448
+
+
+def test_ue8m0_is_exact_power_of_two_ceiling(rng):
+    s = rng.uniform(1e-6, 10, 1000).astype(np.float32)
+    s = np.concatenate([s, 2.0 ** np.arange(-20, 5, dtype=np.float32)])
+    r = np.asarray(ue8m0_round_up(jnp.asarray(s)))
+    assert np.all(r >= s) and np.all(r < 2 * s)
+    assert np.all(np.log2(r) == np.round(np.log2(r)))
+
+
+def test_non_ue8m0_scale_and_roundtrip_error(rng):
+    x = jnp.asarray(rng.standard_normal((4, 256)) * 3, jnp.float32)
+    codes, scale = act_quant(x, scale_fmt=None)
+    np.testing.assert_allclose(np.asarray(scale), np.abs(np.asarray(x)).reshape(4, 2, 128).max(-1) / 448, rtol=1e-6)
+    back = np.asarray(act_dequant(codes, scale))
+    # e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4 (plus subnormal floor)
+    err = np.abs(back - np.asarray(x))
+    bound = np.abs(np.asarray(x)) * 2.0**-4 + np.repeat(np.asarray(scale), 128, -1) * 2.0**-9
+    assert np.all(err <= bound)
+    np.testing.assert_array_equal(np.asarray(fake_quant(x, scale_fmt=None)), back)
+
+
+def test_dequant_weight_blocks_crops_ragged_edges(rng):
+    w = rng.standard_normal((576, 200)).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(0.5, 2.0, (5, 2)).astype(np.float32)  # not powers of two
+    out = dequant_weight_blocks(w, s)
+    ref = np.empty((576, 200), np.float64)
+    for i in range(576):
+        for j in range(200):
+            ref[i, j] = float(w[i, j]) * s[i // 128, j // 128]
+    np.testing.assert_allclose(out, ref, rtol=1e-7)
+    with pytest.raises(ValueError, match="scale shape"):
+        dequant_weight_blocks(w, s[:4])
