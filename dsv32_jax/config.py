@@ -194,6 +194,12 @@ class ModelConfig:
             raise ConfigError(str(e).replace("ModelConfig", source, 1)) from None
         except TypeError as e:
             raise ConfigError(f"{source}: {e}") from None
+        layer_types = raw.get("mlp_layer_types")
+        if layer_types is not None:
+            ours = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
+            if list(layer_types) != ours:
+                raise ConfigError(f"{source}: field 'mlp_layer_types' {layer_types} disagrees with "
+                                  f"first_k_dense_replace={cfg.first_k_dense_replace} / moe_layer_freq={cfg.moe_layer_freq}")
         return cfg
 
     def to_hf(self) -> dict[str, Any]:

@@ -90,3 +90,12 @@ def test_error_names_the_file(tmp_path):
         ModelConfig.from_hf(str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="available presets"):
         load_preset("nope")
+
+
+def test_mlp_layer_types_must_agree():
+    raw = official_raw()
+    raw["mlp_layer_types"] = ["dense"] * 3 + ["sparse"] * 58
+    assert ModelConfig.from_hf(raw).first_k_dense_replace == 3
+    raw["mlp_layer_types"] = ["dense"] * 4 + ["sparse"] * 57
+    with pytest.raises(ConfigError, match="mlp_layer_types"):
+        ModelConfig.from_hf(raw)
