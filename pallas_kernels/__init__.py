@@ -1,0 +1,20 @@
+"""Pallas kernels for DeepSeek Sparse Attention: one public function per op, backend dispatch by platform.
+
+  hadamard_quant  -- 128-dim Hadamard rotation + e4m3 quantization with power-of-two scales (indexer q and k)
+  indexer_logits  -- FP8 lightning-indexer logits, eq. (1) (DeepGEMM fp8_mqa_logits semantics), [start, end) ranges
+  topk            -- exact per-row top-k by radix/threshold select (-1 in empty slots)
+  indexer_topk    -- scoring + selection chunked over queries (the model's composition)
+  sparse_mla      -- gathered sparse MLA forward/backward (eq. 2) and the head-summed probabilities (eq. 4)
+
+Each takes impl=None|"reference"|"pallas_gpu"|"pallas_tpu"|"interpret" (see `_dispatch`).
+"""
+
+from pallas_kernels._dispatch import ENV_VAR, IMPLS, set_default_impl
+from pallas_kernels.hadamard_quant import hadamard_quant
+from pallas_kernels.indexer_logits import indexer_logits
+from pallas_kernels.indexer_topk import indexer_topk
+from pallas_kernels.sparse_mla import sparse_mla
+from pallas_kernels.topk import topk
+
+__all__ = ["ENV_VAR", "IMPLS", "hadamard_quant", "indexer_logits", "indexer_topk", "set_default_impl", "sparse_mla",
+           "topk"]

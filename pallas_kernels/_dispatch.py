@@ -1,0 +1,54 @@
+"""Backend selection shared by every op: one public function per op, `impl` picks the implementation.
+
+impl values:
+  "reference"   plain JAX (the dsv32_jax semantics; always available),
+  "pallas_gpu"  the Pallas kernel compiled for GPU (Triton backend of Pallas),
+  "pallas_tpu"  a Pallas Mosaic-TPU kernel where the op has one,
+  "interpret"   the GPU kernel body run with `interpret=True` on any platform (what the CPU tests exercise).
+impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform:
+gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". An op without a kernel for the resolved
+backend (or a shape that backend cannot serve) runs its reference instead; each op's docstring says when.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+IMPLS = ("reference", "pallas_gpu", "pallas_tpu", "interpret")
+ENV_VAR = "DSV32_KERNEL_IMPL"
+_default_impl: str | None = None
+
+
+def _check(impl: str, where: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"{where}: unknown kernel impl {impl!r}; expected one of {IMPLS}")
+    return impl
+
+
+def set_default_impl(impl: str | None) -> None:
+    """Process-wide default for impl=None (None: back to env var / platform)."""
+    global _default_impl
+    _default_impl = None if impl is None else _check(impl, "set_default_impl")
+
+
+def resolve_impl(impl: str | None, available: tuple[str, ...]) -> str:
+    """The implementation to run: the requested/default one when the op has it, else "reference"."""
+    if impl is None:
+        impl = _default_impl or os.environ.get(ENV_VAR) or None
+        if impl is not None:
+            _check(impl, f"{ENV_VAR} / set_default_impl")
+    if impl is None:
+        impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+    _check(impl, "impl")
+    return impl if impl in available else "reference"
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    n = max(int(n), minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m

@@ -1,0 +1,90 @@
+"""Hadamard rotation + e4m3 quantization of the indexer's q and k (reference_spec.md 5.2 steps 3-4, 5.3).
+
+One row = one 128-dim vector (a q head of a token, or a token's k): y = x @ H_128 * 128^-1/2 rounded to x's dtype
+(as `dsv32_jax.fp8.hadamard_rotate`), then one power-of-two (ue8m0) scale per row and e4m3 codes
+(`dsv32_jax.fp8.act_quant` with block = 128).
+
+Kernel: rows are tiled [BR, 128]; the rotation is one MMA against the +-1 Sylvester matrix (exact in bf16 for bf16
+inputs, IEEE fp32 FMA for fp32 inputs) followed by the 128^-1/2 scale, the row amax, the exponent bit trick for
+2^ceil(log2(amax/448)) and the e4m3 cast. The same body serves Triton ("pallas_gpu"), Mosaic TPU ("pallas_tpu")
+and interpret mode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dsv32_jax.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
+from pallas_kernels._dispatch import resolve_impl, round_up
+
+DIM = 128
+
+
+def hadamard_quant_reference(x: jnp.ndarray, scale_fmt: str | None = "ue8m0"):
+    codes, scale = act_quant(hadamard_rotate(x), block=x.shape[-1], scale_fmt=scale_fmt)
+    return codes, scale[..., 0]
+
+
+def _pow2_ceil(s: jnp.ndarray) -> jnp.ndarray:
+    """Smallest power of two >= s for normal positive f32 s (exponent + 1 when the mantissa is non-zero)."""
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = jnp.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
+    return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+
+
+def _kernel(x_ref, h_ref, codes_ref, scale_ref, *, scale_fmt):
+    x = x_ref[...]
+    mma_dtype = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    y = jnp.dot(x.astype(mma_dtype), h_ref[...].astype(mma_dtype), preferred_element_type=jnp.float32)
+    y = (y * DIM**-0.5).astype(x.dtype).astype(jnp.float32)  # the reference rounds the rotation to x's dtype
+    amax = jnp.maximum(jnp.max(jnp.abs(y), axis=1), 1e-4)
+    scale = amax / FP8_MAX
+    if scale_fmt == "ue8m0":
+        scale = _pow2_ceil(scale)
+    codes_ref[...] = jnp.clip(y / scale[:, None], -FP8_MAX, FP8_MAX).astype(codes_ref.dtype)
+    scale_ref[...] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("scale_fmt", "block_rows", "backend"))
+def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, DIM)
+    n = rows.shape[0]
+    br = min(block_rows, round_up(n, 16))
+    n_pad = round_up(n, br)
+    rows = jnp.pad(rows, ((0, n_pad - n), (0, 0)))
+    h = jnp.asarray(hadamard_matrix(DIM), jnp.float32)  # +-1 entries, exact in any MMA dtype
+    kwargs = {}
+    if backend == "pallas_gpu":
+        from jax.experimental.pallas import triton as pltriton
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    codes, scale = pl.pallas_call(
+        functools.partial(_kernel, scale_fmt=scale_fmt),
+        grid=(n_pad // br,),
+        in_specs=[pl.BlockSpec((br, DIM), lambda i: (i, 0)), pl.BlockSpec((DIM, DIM), lambda i: (0, 0))],
+        out_specs=[pl.BlockSpec((br, DIM), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((n_pad, DIM), FP8_DTYPE), jax.ShapeDtypeStruct((n_pad,), jnp.float32)],
+        interpret=backend == "interpret",
+        **kwargs,
+    )(rows, h)
+    return codes[:n].reshape(*lead, DIM), scale[:n].reshape(lead)
+
+
+def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str | None = None,
+                   block_rows: int = 64):
+    """x [..., 128] (one indexer q head or one k row per vector) -> (e4m3 codes [..., 128], f32 scale [...]).
+
+    codes * scale ~= x @ H_128 / sqrt(128). Same result as `act_quant(hadamard_rotate(x), 128)` (scales squeezed).
+    Backends: pallas_gpu, pallas_tpu, interpret; other last dims than 128 run the reference.
+    """
+    if scale_fmt not in ("ue8m0", None):
+        raise ValueError(f"hadamard_quant: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
+    impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret"))
+    if impl == "reference" or x.shape[-1] != DIM:
+        return hadamard_quant_reference(x, scale_fmt)
+    return _hadamard_quant_pallas(x, scale_fmt=scale_fmt, block_rows=block_rows, backend=impl)

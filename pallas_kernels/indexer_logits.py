@@ -1,0 +1,127 @@
+"""FP8 lightning-indexer logits, eq. (1), with DeepGEMM `fp8_mqa_logits` semantics (reference_spec.md 5.2, 5.5):
+
+    I[t, s] = k_scale[s] * sum_h w'[t, h] * ReLU(q_fp8[t, h] . k_fp8[s])    for s in [start_t, end_t), else -inf
+
+with the q scales and all constants folded into w' (`dsv32_jax.indexer.quantize_indexer`).
+
+Kernel (Pallas, Triton backend): one program per (batch, block of BQ query tokens); q (BQ x H x D e4m3) and w'
+stay resident while the program walks the key axis in blocks of BK rows (DeepGEMM's q-resident layout, the K
+working set streams from L2): per query row one FP8 MMA [BK, D] x [D, H] with fp32 accumulation, then ReLU, the
+weighted head sum and the k scale (applied after the head sum) on the CUDA cores. Key blocks outside
+[min start, max end) of the program's rows are not computed, only filled with -inf (causal block skipping).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv32_jax.indexer import index_scores_fp8
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+
+
+def _ranges(starts, ends, b, t, s):
+    starts = jnp.zeros((b, t), jnp.int32) if starts is None else jnp.clip(starts.astype(jnp.int32), 0, s)
+    ends = jnp.full((b, t), s, jnp.int32) if ends is None else jnp.clip(ends.astype(jnp.int32), 0, s)
+    return starts, ends
+
+
+def indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts=None, ends=None, out_dtype=jnp.float32):
+    b, t, _, _ = q_fp8.shape
+    s = k_fp8.shape[1]
+    starts, ends = _ranges(starts, ends, b, t, s)
+    col = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+    inside = (col >= starts[..., None]) & (col < ends[..., None])
+    logits = index_scores_fp8(q_fp8, k_fp8, k_scale, weights.astype(jnp.float32))
+    return jnp.where(inside, logits, -jnp.inf).astype(out_dtype)
+
+
+def _kernel(q_ref, k_ref, ks_ref, w_ref, st_ref, en_ref, o_ref, *, block_q, block_k, num_keys, mma_dtype):
+    n_blocks = pl.cdiv(num_keys, block_k)
+    starts = [st_ref[r] for r in range(block_q)]
+    ends = [en_ref[r] for r in range(block_q)]
+    lo = functools.reduce(jnp.minimum, starts)
+    hi = functools.reduce(jnp.maximum, ends)
+    first = jnp.where(hi > lo, lo // block_k, 0)
+    last = jnp.where(hi > lo, pl.cdiv(hi, block_k), 0)
+    neg_inf = jnp.full((1, block_k), -jnp.inf, o_ref.dtype)
+
+    def fill(j, _):
+        cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        for r in range(block_q):
+            pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(j * block_k, block_k)], neg_inf, mask=cols[None] < num_keys)
+        return 0
+
+    def compute(j, _):
+        cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        in_range = cols < num_keys
+        k = pltriton.load(k_ref.at[pl.ds(j * block_k, block_k), :], mask=in_range[:, None], other=0.0)
+        k_scale = pltriton.load(ks_ref.at[pl.ds(j * block_k, block_k)], mask=in_range, other=0.0)
+        for r in range(block_q):
+            dots = jax.lax.dot_general(k.astype(mma_dtype), q_ref[r].astype(mma_dtype), (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)  # [BK, H]
+            row = jnp.sum(jnp.maximum(dots, 0.0) * w_ref[r][None, :], axis=1) * k_scale
+            row = jnp.where((cols >= starts[r]) & (cols < ends[r]), row, -jnp.inf)
+            pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(j * block_k, block_k)], row[None].astype(o_ref.dtype),
+                           mask=in_range[None])
+        return 0
+
+    jax.lax.fori_loop(0, first, fill, 0)
+    jax.lax.fori_loop(first, last, compute, 0)
+    jax.lax.fori_loop(last, n_blocks, fill, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "backend", "num_warps",
+                                             "num_stages"))
+def _indexer_logits_pallas(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dtype, block_q, block_k, backend,
+                           num_warps, num_stages):
+    b, t, h, d = q_fp8.shape
+    s = k_fp8.shape[1]
+    hp, dp, tp = next_pow2(h, 16), next_pow2(d, 32), round_up(t, block_q)
+    block_k = min(block_k, next_pow2(s, 16))
+    q = jnp.pad(q_fp8, ((0, 0), (0, tp - t), (0, hp - h), (0, dp - d)))
+    k = jnp.pad(k_fp8, ((0, 0), (0, 0), (0, dp - d)))
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, tp - t), (0, hp - h)))
+    starts, ends = (jnp.pad(a, ((0, 0), (0, tp - t))) for a in _ranges(starts, ends, b, t, s))
+    extra = {}
+    if backend == "pallas_gpu":
+        extra["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    # FP8 MMA on the GPU; interpret mode widens the e4m3 codes to bf16 (exact) for the host dot.
+    mma_dtype = q.dtype if backend == "pallas_gpu" else jnp.bfloat16
+    rows = pl.BlockSpec((None, block_q), lambda bi, i: (bi, i))
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_q=block_q, block_k=block_k, num_keys=s, mma_dtype=mma_dtype),
+        grid=(b, tp // block_q),
+        in_specs=[pl.BlockSpec((None, block_q, hp, dp), lambda bi, i: (bi, i, 0, 0)),
+                  pl.BlockSpec((None, s, dp), lambda bi, i: (bi, 0, 0)),
+                  pl.BlockSpec((None, s), lambda bi, i: (bi, 0)),
+                  pl.BlockSpec((None, block_q, hp), lambda bi, i: (bi, i, 0)), rows, rows],
+        out_specs=pl.BlockSpec((None, block_q, s), lambda bi, i: (bi, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, tp, s), out_dtype),
+        interpret=backend == "interpret",
+        **extra,
+    )(q, k, k_scale.astype(jnp.float32), w, starts, ends)
+    return out[:, :t]
+
+
+def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, out_dtype=jnp.float32,
+                   impl: str | None = None, block_q: int = 2, block_k: int = 128, num_warps: int = 4,
+                   num_stages: int = 3):
+    """Indexer logits [B, T, S] (out_dtype f32 or bf16) from q_fp8 [B, T, H, D] e4m3, k_fp8 [B, S, D] e4m3,
+    k_scale [B, S] f32 and folded weights w' [B, T, H] f32; key s is scored for query t iff starts[b, t] <= s <
+    ends[b, t] (defaults: all keys; causal = starts 0, ends q_index + 1), -inf elsewhere.
+
+    Backends: pallas_gpu, interpret; TPU and CPU run the reference (`dsv32_jax.indexer.index_scores_fp8`).
+    """
+    if out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    if impl == "reference":
+        return indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype)
+    return _indexer_logits_pallas(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
+                                  block_q=block_q, block_k=block_k, backend=impl, num_warps=num_warps,
+                                  num_stages=num_stages)

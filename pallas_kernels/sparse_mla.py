@@ -1,0 +1,391 @@
+"""Gathered sparse MLA (absorbed MQA mode, eq. 2): forward, backward and the head-summed probabilities (eq. 4).
+
+Semantics are `dsv32_jax.attention.sparse_mla`: q [B, T, H, Dqk], kv [B, S, Dqk] (value = first d_v dims),
+topk_idx [B, T, K]; slots that are -1 or >= S contribute nothing, duplicates count twice, a row with no valid slot
+gives out = 0 and lse = -inf; lse is a natural log.
+
+Kernel design (Pallas, Triton backend; kernels.md section 9):
+  * layout: tokens of all batches are flattened (N = B*T) and indices made global (b*S + idx, invalid -> -1), so
+    one kernel serves both an explicit batch and flattened tokens. Dqk is split into a "main" part (the d_v value
+    dims, 512) and a "tail" (rope, 64) because Triton tensors must have power-of-two sizes; other sizes are
+    zero-padded inside the wrapper (free for the production 512 + 64 layout).
+  * forward: one program per (query token, block of BH heads); loop over the K selected slots in blocks of BI:
+    gather the BI rows by index inside the kernel (masked loads, invalid -> 0), S = Q K^T on the MMA,
+    invalid slots -> -inf, online softmax in base 2 (fp32), O += P V with P in the value dtype; lse is returned
+    as a natural log.
+  * backward: Delta = rowsum(O * dO) - dlse, then two atomic-free kernels:
+      dq   -- one program per (token, head block), recompute P from lse, dP = dO V^T, dS = P (dP - Delta),
+              dq += dS K (accumulated over the slot loop in registers);
+      dkv  -- one program per (token, block of BI slots) that loops over ALL head blocks of the token, so the
+              head sum happens in registers: partial[t, slot] = scale dS^T q + P^T dO. Each partial row is
+              written exactly once (no atomics), then reduced into [B*S, Dqk] by a segment sum over the
+              (sorted) transposed index map.
+    Trade-off: S and dP are recomputed in both kernels (3264 instead of 2752 MMA FLOP per pair-head, +19%) and
+    the partials cost T*K*Dqk*4 bytes; the backward therefore walks the tokens in chunks that keep the partial
+    buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
+  * probabilities summed over heads (return_probs): the dkv program structure without the gradients, from the
+    final lse; returned with stop_gradient (it is the target of the indexer's KL loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv32_jax import attention
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    scale: float
+    d_v: int
+    d_tail: int  # Dqk - d_v
+    dv_p: int  # padded main width (power of two)
+    dt_p: int  # padded tail width
+    block_h: int
+    block_i: int
+    backend: str  # "pallas_gpu" | "interpret"
+    num_warps: int
+    num_stages: int
+    bwd_partial_bytes: int
+    num_keys: int  # B * S rows of the flattened cache
+
+    @property
+    def padded(self) -> bool:
+        return (self.dv_p, self.dt_p) != (self.d_v, self.d_tail)
+
+
+def _call(cfg: _Cfg, kernel, **kwargs):
+    extra = {}
+    if cfg.backend == "pallas_gpu":
+        extra["compiler_params"] = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pl.pallas_call(kernel, interpret=cfg.backend == "interpret", **extra, **kwargs)
+
+
+def _gather_rows(kv_ref, ids, cfg: _Cfg):
+    """Rows kv[ids] split into main [BI, dv_p] and tail [BI, dt_p]; invalid slots load zeros."""
+    valid = (ids >= 0) & (ids < cfg.num_keys)
+    safe = jnp.where(valid, ids, 0)[:, None]
+    cols_m = jnp.arange(cfg.dv_p, dtype=jnp.int32)[None, :]
+    cols_t = cfg.dv_p + jnp.arange(cfg.dt_p, dtype=jnp.int32)[None, :]
+    k_main = pltriton.load(kv_ref.at[safe, cols_m], mask=valid[:, None], other=0)
+    k_tail = pltriton.load(kv_ref.at[safe, cols_t], mask=valid[:, None], other=0)
+    return valid, k_main, k_tail
+
+
+def _nt(a, b):
+    """a [M, D] . b [N, D]^T -> [M, N] f32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tn(a, b):
+    """a [M, N]^T . b [M, D] -> [N, D] f32."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _nn(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _logits2(q_main, q_tail, k_main, k_tail, valid, cfg: _Cfg):
+    """Base-2 logits [BH, BI]: scale * log2(e) * q.k, -inf on invalid slots."""
+    s = _nt(q_main, k_main) + _nt(q_tail, k_tail)
+    return jnp.where(valid[None, :], s * (cfg.scale * LOG2E), -jnp.inf)
+
+
+def _load_q(q_ref, cfg: _Cfg, heads=None):
+    h = slice(None) if heads is None else heads
+    return q_ref[h, pl.ds(0, cfg.dv_p)], q_ref[h, pl.ds(cfg.dv_p, cfg.dt_p)]
+
+
+# ----------------------------------------------------------------------------------------------- forward
+def _fwd_kernel(q_ref, kv_ref, idx_ref, o_ref, lse_ref, *, cfg: _Cfg, n_blocks: int):
+    q_main, q_tail = _load_q(q_ref, cfg)
+    bh, bi = cfg.block_h, cfg.block_i
+
+    def body(j, carry):
+        acc, m, l = carry
+        valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[pl.ds(j * bi, bi)], cfg)
+        s = _logits2(q_main, q_tail, k_main, k_tail, valid, cfg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _nn(p.astype(k_main.dtype), k_main)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bh, cfg.dv_p), jnp.float32), jnp.full((bh,), -1e30, jnp.float32),
+            jnp.zeros((bh,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    nonempty = l > 0
+    o_ref[...] = (acc / jnp.where(nonempty, l, 1.0)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(nonempty, (m + jnp.log2(jnp.where(nonempty, l, 1.0))) * LN2, -jnp.inf)
+
+
+def _forward(qf, kvf, idxf, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    kp = idxf.shape[1]
+    bh = cfg.block_h
+    return _call(
+        cfg, functools.partial(_fwd_kernel, cfg=cfg, n_blocks=kp // cfg.block_i),
+        grid=(n, hp // bh),
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda t, h: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda t, h: (t, 0))],
+        out_specs=[pl.BlockSpec((None, bh, cfg.dv_p), lambda t, h: (t, h, 0)),
+                   pl.BlockSpec((None, bh), lambda t, h: (t, h))],
+        out_shape=[jax.ShapeDtypeStruct((n, hp, cfg.dv_p), qf.dtype), jax.ShapeDtypeStruct((n, hp), jnp.float32)],
+    )(qf, kvf, idxf)
+
+
+# --------------------------------------------------------------------------- per-slot programs (dkv, probs)
+def _probs_block(q_main, q_tail, k_main, k_tail, valid, lse2, cfg: _Cfg):
+    """P [BH, BI] from the final base-2 lse (0 on invalid slots and empty rows)."""
+    s = _logits2(q_main, q_tail, k_main, k_tail, valid, cfg)
+    ok = valid[None, :] & (lse2 > -jnp.inf)[:, None]
+    return jnp.where(ok, jnp.exp2(s - jnp.where(ok, lse2[:, None], 0.0)), 0.0)
+
+
+def _probs_kernel(q_ref, kv_ref, idx_ref, lse_ref, p_ref, *, cfg: _Cfg, n_head_blocks: int):
+    valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[...], cfg)
+    bh = cfg.block_h
+
+    def body(hb, acc):
+        heads = pl.ds(hb * bh, bh)
+        q_main, q_tail = _load_q(q_ref, cfg, heads)
+        p = _probs_block(q_main, q_tail, k_main, k_tail, valid, lse_ref[heads] * LOG2E, cfg)
+        return acc + jnp.sum(p, axis=0)
+
+    p_ref[...] = jax.lax.fori_loop(0, n_head_blocks, body, jnp.zeros((cfg.block_i,), jnp.float32))
+
+
+def _head_summed_probs(qf, kvf, idxf, lse, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    kp, bi = idxf.shape[1], cfg.block_i
+    return _call(
+        cfg, functools.partial(_probs_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
+        grid=(n, kp // bi),
+        in_specs=[pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
+                  pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
+                  pl.BlockSpec((None, bi), lambda t, j: (t, j)),
+                  pl.BlockSpec((None, hp), lambda t, j: (t, 0))],
+        out_specs=pl.BlockSpec((None, bi), lambda t, j: (t, j)),
+        out_shape=jax.ShapeDtypeStruct((n, kp), jnp.float32),
+    )(qf, kvf, idxf, lse)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+def _ds_block(q_main, q_tail, do, k_main, k_tail, valid, lse2, delta, cfg: _Cfg):
+    """(P, dS) [BH, BI] with dS = P (dO V^T - Delta), the gradient w.r.t. the natural-log logits."""
+    p = _probs_block(q_main, q_tail, k_main, k_tail, valid, lse2, cfg)
+    dp = _nt(do, k_main)
+    return p, p * (dp - delta[:, None])
+
+
+def _dq_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg, n_blocks: int):
+    q_main, q_tail = _load_q(q_ref, cfg)
+    do = do_ref[...]
+    lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
+    bi = cfg.block_i
+
+    def body(j, carry):
+        dq_main, dq_tail = carry
+        valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[pl.ds(j * bi, bi)], cfg)
+        _, ds = _ds_block(q_main, q_tail, do, k_main, k_tail, valid, lse2, delta, cfg)
+        ds = ds.astype(k_main.dtype)
+        return dq_main + _nn(ds, k_main), dq_tail + _nn(ds, k_tail)
+
+    init = (jnp.zeros((cfg.block_h, cfg.dv_p), jnp.float32), jnp.zeros((cfg.block_h, cfg.dt_p), jnp.float32))
+    dq_main, dq_tail = jax.lax.fori_loop(0, n_blocks, body, init)
+    dq_ref[:, pl.ds(0, cfg.dv_p)] = (dq_main * cfg.scale).astype(dq_ref.dtype)
+    dq_ref[:, pl.ds(cfg.dv_p, cfg.dt_p)] = (dq_tail * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, part_ref, *, cfg: _Cfg, n_head_blocks: int):
+    valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[...], cfg)
+    bh, bi = cfg.block_h, cfg.block_i
+
+    def body(hb, carry):
+        dk_main, dk_tail, dv = carry
+        heads = pl.ds(hb * bh, bh)
+        q_main, q_tail = _load_q(q_ref, cfg, heads)
+        do = do_ref[heads, :]
+        p, ds = _ds_block(q_main, q_tail, do, k_main, k_tail, valid, lse_ref[heads] * LOG2E, delta_ref[heads], cfg)
+        ds = ds.astype(q_main.dtype)
+        return dk_main + _tn(ds, q_main), dk_tail + _tn(ds, q_tail), dv + _tn(p.astype(do.dtype), do)
+
+    init = (jnp.zeros((bi, cfg.dv_p), jnp.float32), jnp.zeros((bi, cfg.dt_p), jnp.float32),
+            jnp.zeros((bi, cfg.dv_p), jnp.float32))
+    dk_main, dk_tail, dv = jax.lax.fori_loop(0, n_head_blocks, body, init)
+    part_ref[:, pl.ds(0, cfg.dv_p)] = (dk_main * cfg.scale + dv).astype(part_ref.dtype)
+    part_ref[:, pl.ds(cfg.dv_p, cfg.dt_p)] = (dk_tail * cfg.scale).astype(part_ref.dtype)
+
+
+def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    kp, bh = idxf.shape[1], cfg.block_h
+    row = pl.BlockSpec((None, bh), lambda t, h: (t, h))
+    return _call(
+        cfg, functools.partial(_dq_kernel, cfg=cfg, n_blocks=kp // cfg.block_i),
+        grid=(n, hp // bh),
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda t, h: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda t, h: (t, 0)),
+                  pl.BlockSpec((None, bh, cfg.dv_p), lambda t, h: (t, h, 0)), row, row],
+        out_specs=pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
+        out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
+    )(qf, kvf, idxf, do, lse, delta)
+
+
+def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    kp, bi = idxf.shape[1], cfg.block_i
+    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+    heads = pl.BlockSpec((None, hp), lambda t, j: (t, 0))
+    return _call(
+        cfg, functools.partial(_dkv_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
+        grid=(n, kp // bi),
+        in_specs=[pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
+                  pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
+                  pl.BlockSpec((None, bi), lambda t, j: (t, j)),
+                  pl.BlockSpec((None, hp, cfg.dv_p), lambda t, j: (t, 0, 0)), heads, heads],
+        out_specs=pl.BlockSpec((None, bi, dp), lambda t, j: (t, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, kp, dp), part_dtype),
+    )(qf, kvf, idxf, do, lse, delta)
+
+
+def _reduce_dkv(parts, idxf, cfg: _Cfg):
+    """Segment sum of the per-(token, slot) rows into the cache rows: sort the transposed index map, then a sorted
+    segment sum (no atomics in the attention kernels; XLA reduces contiguous runs). Invalid slots are dropped."""
+    ids = idxf.reshape(-1)
+    ids = jnp.where((ids >= 0) & (ids < cfg.num_keys), ids, cfg.num_keys)
+    order = jnp.argsort(ids)
+    rows = parts.reshape(ids.shape[0], -1)[order].astype(jnp.float32)
+    return jax.ops.segment_sum(rows, ids[order], num_segments=cfg.num_keys, indices_are_sorted=True)
+
+
+def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    do = do.astype(qf.dtype)
+    delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
+    dq = _dq(qf, kvf, idxf, do, lse, delta, cfg)
+    kp = idxf.shape[1]
+    chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+
+    def split(a, fill=0):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        return a.reshape(n_chunks, chunk, *a.shape[1:])
+
+    def step(dkv, xs):
+        q_c, idx_c, do_c, lse_c, delta_c = xs
+        parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
+        return dkv + _reduce_dkv(parts, idx_c, cfg), None
+
+    xs = (split(qf), split(idxf, -1), split(do), split(lse, -jnp.inf), split(delta))
+    dkv, _ = jax.lax.scan(step, jnp.zeros((cfg.num_keys, dp), jnp.float32), xs)
+    return dq, dkv.astype(kvf.dtype)
+
+
+# ------------------------------------------------------------------------------------------ custom VJP core
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _core(qf, kvf, idxf, cfg: _Cfg):
+    return _forward(qf, kvf, idxf, cfg)
+
+
+def _core_fwd(qf, kvf, idxf, cfg: _Cfg):
+    out, lse = _forward(qf, kvf, idxf, cfg)
+    return (out, lse), (qf, kvf, idxf, out, lse)
+
+
+def _core_bwd(cfg: _Cfg, res, cts):
+    qf, kvf, idxf, out, lse = res
+    do, dlse = cts
+    dq, dkv = _backward(qf, kvf, idxf, out, lse, do, jnp.where(jnp.isfinite(lse), dlse, 0.0), cfg)
+    return dq, dkv, None
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+# ------------------------------------------------------------------------------------------------ layout
+def _split_pad(x, cfg: _Cfg):
+    """[..., Dqk] -> [..., dv_p + dt_p]: value dims zero-padded to dv_p, rope dims to dt_p."""
+    if not cfg.padded:
+        return x
+    pad = [(0, 0)] * (x.ndim - 1)
+    return jnp.concatenate([jnp.pad(x[..., :cfg.d_v], pad + [(0, cfg.dv_p - cfg.d_v)]),
+                            jnp.pad(x[..., cfg.d_v:], pad + [(0, cfg.dt_p - cfg.d_tail)])], axis=-1)
+
+
+def _unsplit(x, cfg: _Cfg):
+    if not cfg.padded:
+        return x
+    return jnp.concatenate([x[..., :cfg.d_v], x[..., cfg.dv_p:cfg.dv_p + cfg.d_tail]], axis=-1)
+
+
+def _prepare(q, kv, topk_idx, cfg: _Cfg):
+    b, t, h, _ = q.shape
+    s, k = kv.shape[1], topk_idx.shape[-1]
+    hp = round_up(h, cfg.block_h)
+    kp = round_up(k, cfg.block_i)
+    qf = _split_pad(q.astype(kv.dtype), cfg).reshape(b * t, h, -1)
+    qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
+    kvf = _split_pad(kv, cfg).reshape(b * s, -1)
+    idx = topk_idx.astype(jnp.int32)
+    idx = jnp.where((idx >= 0) & (idx < s), idx + (jnp.arange(b, dtype=jnp.int32) * s)[:, None, None], -1)
+    idxf = jnp.pad(idx.reshape(b * t, k), ((0, 0), (0, kp - k)), constant_values=-1)
+    return qf, kvf, idxf
+
+
+def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, num_warps, num_stages, bwd_partial_bytes):
+    h, dqk = q.shape[2], q.shape[3]
+    if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
+        raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
+                         f"(got d_v={d_v})")
+    if topk_idx.shape[:2] != q.shape[:2] or kv.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
+                         "disagree")
+    d_tail = dqk - d_v
+    return _Cfg(scale=float(scale), d_v=d_v, d_tail=d_tail, dv_p=next_pow2(d_v, 16),
+                dt_p=next_pow2(max(d_tail, 1), 16), block_h=min(block_h, next_pow2(h, 16)),
+                block_i=min(block_i, next_pow2(topk_idx.shape[-1], 16)), backend=impl, num_warps=num_warps,
+                num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
+
+
+def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
+               block_h: int = 64, block_i: int = 64, num_warps: int = 8, num_stages: int = 2,
+               bwd_partial_bytes: int = 1 << 29):
+    """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
+    [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
+
+    Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
+    too). The head-summed probabilities carry no gradient. Backends: pallas_gpu, interpret; TPU and CPU run the
+    reference `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
+    """
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    if impl == "reference":
+        return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
+    cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, num_warps, num_stages, bwd_partial_bytes)
+    b, t, h, _ = q.shape
+    k = topk_idx.shape[-1]
+    qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)
+    out, lse = _core(qf, kvf, idxf, cfg)
+    out = out[:, :h, :d_v].reshape(b, t, h, d_v).astype(q.dtype)
+    lse_bth = lse[:, :h].reshape(b, t, h)
+    if not return_probs:
+        return out, lse_bth
+    lse_real = jnp.where(jnp.arange(lse.shape[1]) < h, jax.lax.stop_gradient(lse), -jnp.inf)  # drop padded heads
+    probs = _head_summed_probs(*jax.lax.stop_gradient((qf, kvf)), idxf, lse_real, cfg)
+    return out, lse_bth, probs[:, :k].reshape(b, t, k)

@@ -1,0 +1,221 @@
+"""Exact per-row top-k (k up to 2048 over 128K+ candidates) by threshold/radix select, without a sort.
+
+Semantics = `dsv32_jax.indexer.select_topk`: per row, the k largest values among the candidates -- columns below
+the row's valid length whose value is > -inf -- with ties broken towards the lower index (as `jax.lax.top_k`);
+slots beyond the number of candidates are -1. The order of the returned indices is unspecified (the kernel
+returns them in ascending column order).
+
+Kernel (Pallas, Triton backend), two programs per row, on the order-preserving int32 image of fp32
+(bits ^ ((bits >> 31) & 0x7fffffff)):
+  1. bracket + compaction: 16 thresholds are taken from a 256-element strided sample of the row (ranks of the
+     sample elements around the expected rank k * 256 / n), one streaming pass counts the candidates >= each
+     threshold, which brackets the k-th key in [lo, hi] (count(>= lo) >= k > count(> hi)). While more than C
+     (= 2k, at least 1024) candidates lie in the bracket, another pass splits it 16 ways (at most ~8 passes,
+     exactness never depends on the sample). A last pass writes the keys > hi and, in column order, the keys in
+     [lo, hi] (capped at C, which only drops surplus ties) to a per-row buffer of C entries.
+  2. select + emit: a 32-step bisection over the buffer finds the exact k-th key; keys above it and the first
+     ties (lowest columns) are written out with prefix sums, the rest of the row's k slots get -1.
+Typical cost: 1 sample + 2 streaming reads of the row + O(C) work per row. The read floor is one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from dsv32_jax.indexer import select_topk
+from pallas_kernels._dispatch import next_pow2, resolve_impl
+
+INT_MIN = -(2**31)
+INT_MAX = 2**31 - 1
+NEG_INF_KEY = -2139095041  # key of -inf; candidates have larger keys
+N_THRESH = 16
+
+
+def topk_reference(scores: jnp.ndarray, k: int, lengths=None) -> jnp.ndarray:
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    rows = scores.reshape(1, -1, n)
+    valid = jnp.ones(rows.shape, bool)
+    if lengths is not None:
+        valid = jnp.arange(n)[None, None, :] < lengths.reshape(1, -1, 1)
+    if k > n:  # lax.top_k needs k <= n: pad with -inf columns, which are never candidates
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, k - n)), constant_values=-jnp.inf)
+        valid = jnp.pad(valid, ((0, 0), (0, 0), (0, k - n)))
+    return select_topk(rows, valid, k).reshape(*lead, k)
+
+
+def _keys(x, col, n):
+    """Order-preserving int32 keys; non-candidates (col >= n) get INT_MIN."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    key = bits ^ ((bits >> 31) & INT_MAX)
+    return jnp.where(col < n, key, INT_MIN)
+
+
+def _load_keys(x_ref, col, n):
+    x = pltriton.load(x_ref.at[col], mask=col < n, other=-jnp.inf)
+    return _keys(x, col, n)
+
+
+def _split_thresholds(lo, hi):
+    """16 increasing thresholds in [lo, hi] (inclusive, int32, no overflow), the first one == lo, the second > lo."""
+    j = jnp.arange(N_THRESH, dtype=jnp.int32)
+    small = (hi >> 1) - (lo >> 1) < (1 << 19)
+    w = jnp.where(small, hi - lo, 0)
+    t_small = lo + ((w * j + (N_THRESH - 1)) >> 4)
+    t_big = 2 * ((lo >> 5) * (N_THRESH - j) + (hi >> 5) * j)
+    t = jnp.where(small, t_small, jnp.clip(t_big, lo, hi))
+    return jnp.where(j == 0, lo, t)
+
+
+def _bracket_kernel(x_ref, n_ref, stats_ref, bkey_ref, bidx_ref, *, k, buf, block, sample, max_len):
+    n = jnp.minimum(n_ref[0], max_len)
+    j16 = jnp.arange(N_THRESH, dtype=jnp.int32)
+
+    # -- first thresholds: sample elements whose rank in the sample is near the expected rank of the k-th key
+    stride = jnp.maximum(n // sample, 1)
+    s_cols = jnp.arange(sample, dtype=jnp.int32) * stride
+    s_keys = _load_keys(x_ref, s_cols, n)
+    est = (k * sample) // jnp.maximum(n, 1)
+    targets = jnp.where(j16 == 0, -1, est - N_THRESH // 2 + j16)
+    thresh = jnp.full((N_THRESH,), INT_MIN, jnp.int32)
+    chunk = 64
+    for c in range(sample // chunk):
+        pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        c_keys = _load_keys(x_ref, pos * stride, n)
+        above = (s_keys[None, :] > c_keys[:, None]) | (
+            (s_keys[None, :] == c_keys[:, None]) & (jnp.arange(sample)[None, :] < pos[:, None]))
+        rank = jnp.sum(above.astype(jnp.int32), axis=1)  # [chunk], distinct ranks
+        hit = rank[None, :] == targets[:, None]
+        thresh = jnp.maximum(thresh, jnp.max(jnp.where(hit, c_keys[None, :], INT_MIN), axis=1))
+    lo_init = NEG_INF_KEY + 1
+    thresh = jnp.where(j16 == 0, lo_init, jnp.maximum(thresh, lo_init))
+
+    def count_ge(t):
+        def body(b, acc):
+            keys = _load_keys(x_ref, b * block + jnp.arange(block, dtype=jnp.int32), n)
+            return acc + (keys[:, None] >= t[None, :]).astype(jnp.int32)
+        acc = jax.lax.fori_loop(0, pl.cdiv(n, block), body, jnp.zeros((block, N_THRESH), jnp.int32))
+        return jnp.sum(acc, axis=0)
+
+    def update(state, t, counts, need):
+        lo, cnt_lo, hi, cnt_hi = state
+        ge = counts >= need
+        lo = jnp.maximum(lo, jnp.max(jnp.where(ge, t, INT_MIN)))
+        cnt_lo = jnp.minimum(cnt_lo, jnp.min(jnp.where(ge, counts, INT_MAX)))
+        first_below = jnp.min(jnp.where(ge, INT_MAX, t))
+        hi = jnp.minimum(hi, jnp.where(first_below == INT_MAX, first_below, first_below - 1))
+        cnt_hi = jnp.maximum(cnt_hi, jnp.max(jnp.where(ge, -1, counts)))
+        return lo, cnt_lo, hi, cnt_hi
+
+    counts = count_ge(thresh)
+    n_cand = jnp.sum(jnp.where(j16 == 0, counts, 0))
+    need = jnp.minimum(k, n_cand)
+    state = update((jnp.int32(lo_init), n_cand, jnp.int32(INT_MAX), jnp.int32(0)), thresh, counts, need)
+
+    def refine(state):
+        t = _split_thresholds(state[0], state[2])
+        return update(state, t, count_ge(t), need)
+
+    lo, _, hi, cnt_hi = jax.lax.while_loop(lambda s: (s[1] > buf) & (s[0] < s[2]), refine, state)
+
+    # -- compaction: keys > hi at [0, cnt_hi), keys in [lo, hi] after them in column order (capped at buf)
+    def compact(b, carry):
+        run_gt, run_mid = carry
+        cols = b * block + jnp.arange(block, dtype=jnp.int32)
+        keys = _load_keys(x_ref, cols, n)
+        gt = keys > hi
+        mid = (keys >= lo) & ~gt
+        pos_gt = run_gt + jnp.cumsum(gt.astype(jnp.int32)) - 1
+        pos_mid = cnt_hi + run_mid + jnp.cumsum(mid.astype(jnp.int32)) - 1
+        pos = jnp.where(gt, pos_gt, jnp.where(mid & (pos_mid < buf), pos_mid, buf))
+        pltriton.store(bkey_ref.at[pos], keys, mask=pos < buf)
+        pltriton.store(bidx_ref.at[pos], cols, mask=pos < buf)
+        return run_gt + jnp.sum(gt.astype(jnp.int32)), run_mid + jnp.sum(mid.astype(jnp.int32))
+
+    _, n_mid = jax.lax.fori_loop(0, pl.cdiv(n, block), compact, (jnp.int32(0), jnp.int32(0)))
+    j8 = jnp.arange(8, dtype=jnp.int32)
+    n_buf = cnt_hi + jnp.minimum(n_mid, buf - cnt_hi)
+    stats = jnp.where(j8 == 0, lo, jnp.where(j8 == 1, hi, jnp.where(j8 == 2, cnt_hi, jnp.where(
+        j8 == 3, n_buf, jnp.where(j8 == 4, need, 0)))))
+    stats_ref[...] = stats
+
+
+def _upper_mid(lo, hi):
+    """ceil((lo + hi) / 2) without int32 overflow."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1) + ((lo ^ hi) & 1)
+
+
+def _emit_kernel(stats_ref, bkey_ref, bidx_ref, out_ref, *, k, k_pad, buf):
+    lo, hi, cnt_hi, n_buf, need = (stats_ref[i] for i in range(5))
+    pos = jnp.arange(buf, dtype=jnp.int32)
+    keys = bkey_ref[...]
+    idx = bidx_ref[...]
+    is_gt = pos < cnt_hi
+    is_mid = (pos >= cnt_hi) & (pos < n_buf)
+    need_mid = need - cnt_hi
+
+    def bisect(_, bounds):
+        a, b = bounds
+        m = _upper_mid(a, b)
+        ok = jnp.sum((is_mid & (keys >= m)).astype(jnp.int32)) >= need_mid
+        return jnp.where(ok, m, a), jnp.where(ok, b, m - 1)
+
+    kth, _ = jax.lax.fori_loop(0, 32, bisect, (lo, hi))
+    take = need_mid > 0
+    above = is_mid & (keys > kth) & take
+    ties = is_mid & (keys == kth) & take
+    n_above = jnp.sum(above.astype(jnp.int32))
+    slot = jnp.where(is_gt, pos, jnp.where(above, cnt_hi + jnp.cumsum(above.astype(jnp.int32)) - 1,
+                                           cnt_hi + n_above + jnp.cumsum(ties.astype(jnp.int32)) - 1))
+    keep = is_gt | above | (ties & (slot < need))
+    slot = jnp.where(keep, slot, k)
+    pltriton.store(out_ref.at[slot], idx, mask=keep)
+    tail = jnp.arange(k_pad, dtype=jnp.int32)
+    pltriton.store(out_ref.at[tail], jnp.full((k_pad,), -1, jnp.int32), mask=(tail >= need) & (tail < k))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "buf", "block", "backend", "num_warps"))
+def _topk_pallas(scores, lengths, *, k, buf, block, backend, num_warps):
+    lead, length = scores.shape[:-1], scores.shape[-1]
+    rows = scores.reshape(-1, length)
+    r = rows.shape[0]
+    lengths = (jnp.full((r,), length, jnp.int32) if lengths is None
+               else jnp.clip(lengths.reshape(r).astype(jnp.int32), 0, length))
+    extra = {}
+    if backend == "pallas_gpu":
+        extra["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+    call = functools.partial(pl.pallas_call, interpret=backend == "interpret", grid=(r,), **extra)
+    stats, bkey, bidx = call(
+        functools.partial(_bracket_kernel, k=k, buf=buf, block=block, sample=256, max_len=length),
+        in_specs=[pl.BlockSpec((None, length), lambda i: (i, 0)), pl.BlockSpec((1,), lambda i: (i,))],
+        out_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0))] + [pl.BlockSpec((None, buf), lambda i: (i, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((r, 8), jnp.int32)] + [jax.ShapeDtypeStruct((r, buf), jnp.int32)] * 2,
+    )(rows, lengths)
+    out = call(
+        functools.partial(_emit_kernel, k=k, k_pad=next_pow2(k), buf=buf),
+        in_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0))] + [pl.BlockSpec((None, buf), lambda i: (i, 0))] * 2,
+        out_specs=pl.BlockSpec((None, k), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32),
+    )(stats, bkey, bidx)
+    return out.reshape(*lead, k)
+
+
+def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, buffer: int | None = None,
+         block: int = 256, num_warps: int = 8) -> jnp.ndarray:
+    """Top-k column indices [..., k] int32 of scores [..., L] (f32 or bf16), -1 in slots beyond the candidates.
+
+    lengths [...] (optional): only columns < lengths are candidates; -inf values never are. `buffer` (power of
+    two > k) is the per-row candidate buffer of the kernel (default max(2 k, 1024)). Backends: pallas_gpu,
+    interpret; TPU and CPU run the reference (`jax.lax.top_k`, a full sort).
+    """
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    if impl == "reference":
+        return topk_reference(scores, k, lengths)
+    buf = buffer or max(next_pow2(2 * k), 1024)
+    if buf < next_pow2(k + 1):
+        raise ValueError(f"topk: buffer {buf} must be a power of two larger than k={k}")
+    return _topk_pallas(scores, lengths, k=k, buf=buf, block=block, backend=impl, num_warps=num_warps)
