@@ -187,15 +187,23 @@ def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, includ
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                    include_mtp: bool | None = None):
-    """Loads an HF-layout safetensors checkpoint directory (config.json + shards) into a ready `Transformer`.
+                    include_mtp: bool | None = None, mesh=None, rules=None):
+    """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
+    shards) or a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
+    `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized).
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer
-    weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it.
+    weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
+    `jax.sharding.Mesh` or a spec like 'fsdp:2,tensor:4' to shard the parameters by their logical axes
+    (`rules`: logical axis -> mesh axes, default `orbax_io.DEFAULT_RULES`).
     """
+    from dsv32_jax import orbax_io
     from dsv32_jax.model import Transformer
 
     path = os.fspath(path)
+    if orbax_io.is_orbax_checkpoint(path):
+        return orbax_io.load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
+                                         include_mtp=include_mtp, mesh=mesh, rules=rules)
     cfg = ModelConfig.from_hf(path)
     ckpt = HFCheckpoint(path)
     has_mtp = checkpoint_has_mtp(ckpt, cfg)
@@ -210,4 +218,6 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
                                                   options=options))
     graphdef, state = nnx.split(abstract)
     state = load_hf_state(ckpt, cfg, state, include_mtp)
+    if mesh is not None:
+        state = orbax_io.shard_state(state, orbax_io.parse_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
     return nnx.merge(graphdef, state)

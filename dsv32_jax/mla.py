@@ -8,6 +8,7 @@ on MQA mode: the indexer picks k rows per query and `attention.sparse_mla` gathe
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from dsv32_jax import attention
 from dsv32_jax.config import ModelConfig
 from dsv32_jax.fp8 import fake_quant
 from dsv32_jax.indexer import Indexer, indexer_topk
+from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.layers import Dense, RMSNorm
 from dsv32_jax.options import RunOptions
 from dsv32_jax.rope import apply_rope_interleaved
@@ -66,11 +68,9 @@ class MLA(nnx.Module):
         k_pe = apply_rope_interleaved(kv[..., cfg.kv_lora_rank:], pos.cos, pos.sin)
         return c_q, q_nope, q_pe, c_kv, k_pe
 
-    def select(self, x, c_q, pos: Positions, opts: RunOptions) -> jnp.ndarray:
-        """Indexer top-k [B, T, k]. Its inputs are detached: the indexer learns only from its own KL loss."""
-        q, k, w = self.indexer.project(jax.lax.stop_gradient(x), jax.lax.stop_gradient(c_q), pos.cos, pos.sin)
-        return indexer_topk(q, k, w, pos.q_index, pos.q_segment, pos.kv_segment, self.cfg.index_topk,
-                            fp8=opts.indexer_fp8, q_chunk=opts.index_chunk)
+    def indexer_inputs(self, x, c_q, pos: Positions):
+        """Indexer q, k, w from detached inputs: the indexer learns only from its own KL loss (eq. 4)."""
+        return self.indexer.project(jax.lax.stop_gradient(x), jax.lax.stop_gradient(c_q), pos.cos, pos.sin)
 
     def kv_up(self):
         """W_UK [kv_lora, H, nope] and W_UV [kv_lora, H, v] views of kv_b_proj."""
@@ -80,14 +80,27 @@ class MLA(nnx.Module):
         return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
     def __call__(self, x: jnp.ndarray, pos: Positions, opts: RunOptions):
-        """x [B, T, D] -> (out [B, T, D], top-k indices [B, T, k] or None when DSA is off)."""
+        """x [B, T, D] -> (out [B, T, D], aux). aux: "topk" [B, T, k] (None when DSA is off) and, with
+        opts.indexer_loss, "indexer_kl" [B, T] (and "indexer_captured" [B, T] for the dense objective)."""
         cfg = self.cfg
         b, t, _ = x.shape
         c_q, q_nope, q_pe, c_kv, k_pe = self.latents(x, pos, opts)
-        topk_idx = self.select(x, c_q, pos, opts) if opts.dsa else None
+        vis = (pos.q_index, pos.q_segment, pos.kv_segment)
+        aux = {"topk": None}
+        if opts.dsa or opts.indexer_loss:
+            q_i, k_i, w_i = self.indexer_inputs(x, c_q, pos)
+        if opts.dsa:
+            aux["topk"] = indexer_topk(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
+                                       q_chunk=opts.index_chunk)
         w_uk, w_uv = self.kv_up()
         scale = cfg.softmax_scale
-        vis = (pos.q_index, pos.q_segment, pos.kv_segment)
+        q_lat = kv_lat = None
+        if opts.mla_mode == "mqa" or opts.indexer_loss == "dense":
+            q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], axis=-1)
+            kv_lat = jnp.concatenate([c_kv, k_pe], axis=-1)
+        if opts.indexer_loss == "dense":
+            aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
+                q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
 
         if opts.mla_mode == "mha":
             kv = jnp.einsum("bsc,chd->bshd", c_kv, jnp.concatenate([w_uk, w_uv], axis=-1))
@@ -96,17 +109,22 @@ class MLA(nnx.Module):
                  jnp.broadcast_to(k_pe[:, :, None], (*k_pe.shape[:2], cfg.num_attention_heads, cfg.qk_rope_head_dim))],
                 axis=-1)
             o, _ = attention.dense_mha(jnp.concatenate([q_nope, q_pe], -1), k, kv[..., cfg.qk_nope_head_dim:], *vis,
-                                       scale, topk_idx=topk_idx, q_chunk=opts.attn_chunk)
+                                       scale, topk_idx=aux["topk"], q_chunk=opts.attn_chunk)
         else:
-            q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], axis=-1)
-            kv_lat = jnp.concatenate([c_kv, k_pe], axis=-1)
             if not opts.dsa or opts.attention == "dense":
-                o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=topk_idx,
+                o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
                                                q_chunk=opts.attn_chunk)
-            elif opts.attention == "sparse":
-                o_lat, _ = attention.sparse_mla(q_lat, kv_lat, topk_idx, scale, cfg.kv_lora_rank, q_chunk=opts.attn_chunk)
             else:
-                from pallas_kernels import sparse_mla as kernel_sparse_mla
-                o_lat, _ = kernel_sparse_mla(q_lat, kv_lat, topk_idx, scale, cfg.kv_lora_rank)
+                if opts.attention == "sparse":
+                    sparse = functools.partial(attention.sparse_mla, q_chunk=opts.attn_chunk)
+                else:
+                    from pallas_kernels import sparse_mla as sparse
+                if opts.indexer_loss == "sparse":
+                    o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank,
+                                                  return_probs=True)
+                    aux["indexer_kl"] = sparse_indexer_kl(head_probs, aux["topk"], q_i, k_i, w_i,
+                                                          q_chunk=opts.attn_chunk)
+                else:
+                    o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
             o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
-        return self.o_proj(o.reshape(b, t, cfg.num_attention_heads * cfg.v_head_dim)), topk_idx
+        return self.o_proj(o.reshape(b, t, cfg.num_attention_heads * cfg.v_head_dim)), aux

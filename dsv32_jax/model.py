@@ -29,14 +29,16 @@ class DecoderLayer(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
 
     def __call__(self, h, pos: Positions, opts: RunOptions, replay_ids=None):
-        """h [B, T, D] -> (h, top-k indices or None, expert ids or None)."""
-        attn_out, topk_idx = self.attn(self.attn_norm(h), pos, opts)
+        """h [B, T, D] -> (h, aux): attention aux (topk, indexer losses) and MoE aux (routing, router_prob)."""
+        attn_out, aux = self.attn(self.attn_norm(h), pos, opts)
         h = h + attn_out
         if self.is_moe:
-            ffn_out, expert_ids = self.ffn(self.ffn_norm(h), replay_ids)
+            ffn_out, moe_aux = self.ffn(self.ffn_norm(h), replay_ids)
+            aux.update(moe_aux)
         else:
-            ffn_out, expert_ids = self.ffn(self.ffn_norm(h)), None
-        return h + ffn_out, topk_idx, expert_ids
+            ffn_out = self.ffn(self.ffn_norm(h))
+            aux["routing"] = None
+        return h + ffn_out, aux
 
 
 class MTPLayer(nnx.Module):
@@ -55,9 +57,10 @@ class MTPLayer(nnx.Module):
 class Transformer(nnx.Module):
     """DeepSeek-V3.2 causal LM.
 
-    `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds
-    `topk` (layer -> indexer selections [B, T, k]), `routing` (layer -> expert ids [B, T, k]; MTP layers keyed
-    "mtp{i}"), `mtp_logits` (list of [B, T, V]; entry i predicts token t+2+i) and `hidden` (final normed state).
+    `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds, per
+    layer (keys 0..L-1 and "mtp{j}"): `topk` (indexer selections [B, T, k]), `routing` (expert ids [B, T, k]),
+    `router_prob` (MoE layers), `indexer_kl` / `indexer_captured` (with RunOptions.indexer_loss); and
+    `mtp_logits` (list of [B, T, V]; entry j predicts token t+2+j) and `hidden` (final normed state).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -107,9 +110,10 @@ class Transformer(nnx.Module):
     def backbone(self, h, pos: Positions, routing=None):
         """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing} per layer."""
         routing = routing or {}
-        aux = {"topk": {}, "routing": {}}
+        aux = {}
         for i, layer in enumerate(self.layers):
-            h, aux["topk"][i], aux["routing"][i] = layer(h, pos, self.options, routing.get(i))
+            h, layer_aux = layer(h, pos, self.options, routing.get(i))
+            _collect(aux, i, layer_aux)
         return self.norm(h), aux
 
     def mtp_logits(self, tokens, h, pos: Positions, routing, aux) -> list:
@@ -120,10 +124,16 @@ class Transformer(nnx.Module):
         for j, mtp in enumerate(self.mtp):
             next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
             x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
-            h, aux["topk"][f"mtp{j}"], aux["routing"][f"mtp{j}"] = mtp.block(
-                mtp.eh_proj(x), pos, self.options, routing.get(f"mtp{j}"))
+            h, layer_aux = mtp.block(mtp.eh_proj(x), pos, self.options, routing.get(f"mtp{j}"))
+            _collect(aux, f"mtp{j}", layer_aux)
             out.append(self.logits(mtp.norm(h)))
         return out
+
+
+def _collect(aux: dict, key, layer_aux: dict) -> None:
+    """aux[name][layer] = value, for each per-layer output."""
+    for name, value in layer_aux.items():
+        aux.setdefault(name, {})[key] = value
 
 
 def _check_tokens(tokens, vocab_size: int) -> None:

@@ -99,7 +99,10 @@ class MoE(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x: jnp.ndarray, replay_ids: jnp.ndarray | None = None):
-        """x [B, T, D] -> (y [B, T, D], expert ids [B, T, k]); replay_ids [B, T, k] replays a recorded routing."""
+        """x [B, T, D] -> (y [B, T, D], aux); replay_ids [B, T, k] replays a recorded routing.
+
+        aux: "routing" expert ids [B, T, k]; "router_prob" [B, T, E] the normalized affinities s / sum(s) that the
+        sequence-wise balance loss averages (DeepSeek-V3 eq. 17-20)."""
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
         logits = jnp.dot(xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
@@ -108,4 +111,7 @@ class MoE(nnx.Module):
         y = self.experts(xf, ids, weights)
         if self.shared is not None:
             y = y + self.shared(xf).astype(jnp.float32)
-        return y.astype(x.dtype).reshape(b, t, d), ids.reshape(b, t, -1)
+        scores = jax.nn.sigmoid(logits)
+        aux = {"routing": ids.reshape(b, t, -1),
+               "router_prob": (scores / jnp.sum(scores, axis=-1, keepdims=True)).reshape(b, t, -1)}
+        return y.astype(x.dtype).reshape(b, t, d), aux

@@ -22,6 +22,9 @@ class RunOptions:
     indexer_fp8: bool = False
     # Simulate the FP8 latent cache (c_kv quantize/dequantize in 128-blocks, as the official demo since 2025-11-17).
     fp8_kv: bool = False
+    # Indexer training objective computed per layer (returned in aux["indexer_kl"]): None, "dense" (eq. 3, KL to
+    # the head-summed dense attention, plus the captured-mass metric) or "sparse" (eq. 4, on the selected set).
+    indexer_loss: str | None = None
     # Query-chunk sizes that bound the references' memory.
     attn_chunk: int = 64
     index_chunk: int = 128
@@ -33,6 +36,10 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
         if self.mla_mode == "mha" and self.attention != "dense":
             raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        if self.indexer_loss not in (None, "dense", "sparse"):
+            raise ValueError(f"RunOptions.indexer_loss must be None, 'dense' or 'sparse', got {self.indexer_loss!r}")
+        if self.indexer_loss == "sparse" and not self.dsa:
+            raise ValueError("RunOptions.indexer_loss='sparse' needs dsa=True (it trains on the selected set)")
         for name in ("attn_chunk", "index_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunOptions.{name} must be >= 1, got {getattr(self, name)}")

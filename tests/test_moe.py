@@ -71,7 +71,8 @@ def test_dropless_experts_match_per_token_loop(rng):
     moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))), dtype=jnp.float32, param_dtype=jnp.float32)
     moe.bias[...] = jnp.asarray(rng.standard_normal(cfg.n_routed_experts) * 0.1, jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 9, cfg.hidden_size)), jnp.float32)
-    y, ids = moe(x)
+    y, aux = moe(x)
+    ids = aux["routing"]
     xf = np.asarray(x, np.float64).reshape(-1, cfg.hidden_size)
     logits = xf @ np.asarray(moe.router[...], np.float64)
     w, _ = route(jnp.asarray(logits, jnp.float32), moe.bias[...], cfg, np.asarray(ids).reshape(len(xf), -1))
@@ -93,11 +94,11 @@ def test_routing_replay_reproduces_recorded_ids_and_router_still_learns(rng):
     cfg = load_preset("tiny")
     moe = MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
-    _, recorded = moe(x)
+    recorded = moe(x)[1]["routing"]
     moe.router[...] = moe.router[...] + jnp.asarray(rng.standard_normal(moe.router.shape) * 0.5, jnp.float32)
-    _, live = moe(x)
+    live = moe(x)[1]["routing"]
     assert not np.array_equal(np.asarray(live), np.asarray(recorded)), "the perturbation should flip some routes"
-    _, replayed = moe(x, replay_ids=recorded)
+    replayed = moe(x, replay_ids=recorded)[1]["routing"]
     np.testing.assert_array_equal(np.asarray(replayed), np.asarray(recorded))
 
     def loss(m):

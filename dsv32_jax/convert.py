@@ -1,0 +1,788 @@
+"""Streaming checkpoint conversion: HF safetensors (FP8 e4m3 + 128x128 weight_scale_inv, or BF16/F32) <-> the
+dsv32-jax orbax checkpoint (see `dsv32_jax.orbax_io` for its layout), as an absl CLI:
+
+    python -m dsv32_jax.convert hf-to-orbax --hf_dir=D --out=O [--dtype=bfloat16|float32|float8] [--include_mtp]
+                                            [--mesh=fsdp:2,tensor:4] [--overwrite]
+    python -m dsv32_jax.convert orbax-to-hf --ckpt=O --out=D [--fp8] [--dtype=bfloat16|float32]
+                                            [--shard_size_gb=5] [--overwrite]
+
+Both directions are driven by one mapping table, `dsv32_jax.hf.tensor_specs`, and work one layer at a time:
+hf-to-orbax reads every tensor through memory-mapped safetensors (dtypes from the file headers), dequantizes FP8
+with its block scales (expanded and cropped for ragged edges such as kv_a_proj_with_mqa's 576 rows), transposes to
+the Flax [in, out] layout, stacks the routed experts per layer ([E, in, out]), and hands each finished layer to
+orbax (`ParamsWriter`), so the host holds about one layer. orbax-to-hf restores one layer at a time and streams
+the HF tensors straight into pre-planned safetensors shards (`ShardedSafetensorsWriter`: the header of each shard is
+computed from the mapping table up front, so a shard is written sequentially without ever holding it in memory).
+With --fp8 the export re-quantizes each 128x128 block (scale = amax / 448 in float32, not rounded to a power of two;
+codes = clip(w / scale) as e4m3); a float8 orbax checkpoint is exported bit-exactly (codes and scales as stored).
+
+Safety: the whole inventory (names, shapes, dtypes, scales) is checked from the headers before any data is
+converted; every error names the file and the tensor and says what was expected. Values are checked too (NaN/Inf in
+a weight, negative or non-finite scales, MTP copies of the embedding/LM head that differ from the originals).
+Output goes to `<out>.tmp-<pid>` and is renamed into place only when complete; an existing non-empty output is
+refused unless --overwrite. A killed conversion leaves only the `.tmp-<pid>` directory, without the marker file
+(`dsv32_meta.json`, or `model.safetensors.index.json` for exports) that makes a directory look complete.
+
+The numeric kernels (dequantize / cast / transpose / quantize) are jitted JAX on the host CPU: about 2x faster than
+numpy for these memory-bound conversions on this machine, and bitwise identical (float32 products, round-to-nearest
+casts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import time
+from typing import Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dsv32_jax import orbax_io
+from dsv32_jax.config import ConfigError, ModelConfig
+from dsv32_jax.hf import SCALE_SUFFIX, TensorSpec, tensor_specs
+from dsv32_jax.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, HFCheckpoint
+
+BLOCK = 128
+FP8_MAX = 448.0
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+FLOAT_KINDS = ("BF16", "F32", "F16", "F64")
+IMPORT_DTYPES = ("bfloat16", "float32", "float8")
+EXPORT_DTYPES = ("bfloat16", "float32")
+INDEX_FILE = "model.safetensors.index.json"
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
+
+
+class OutputExistsError(FileExistsError):
+    """The output path already holds something and --overwrite was not given."""
+
+
+# ============================================================================================ numeric kernels
+def _swap(x, transpose: bool):
+    return jnp.swapaxes(x, -1, -2) if transpose else x
+
+
+def _expand_blocks(scale, shape):
+    r, c = shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), BLOCK, axis=-2), BLOCK, axis=-1)
+    return s[..., :r, :c]
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _dequant_kernel(codes, scale, dtype, transpose):
+    w = codes.astype(jnp.float32) * _expand_blocks(scale, codes.shape)
+    return _swap(w, transpose).astype(dtype), jnp.all(jnp.isfinite(w))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transpose"))
+def _cast_kernel(x, dtype, transpose):
+    ok = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+    return _swap(x, transpose).astype(dtype), ok
+
+
+@functools.partial(jax.jit, static_argnames=("transpose",))
+def _quant_kernel(x, transpose):
+    x = _swap(x.astype(jnp.float32), transpose)
+    *lead, r, c = x.shape
+    pr, pc = -(-r // BLOCK) * BLOCK, -(-c // BLOCK) * BLOCK
+    xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pr - r), (0, pc - c)])
+    b = xp.reshape(*lead, pr // BLOCK, BLOCK, pc // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(b), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    codes = jnp.clip(b / scale[..., :, None, :, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return codes.reshape(*lead, pr, pc)[..., :r, :c], scale, jnp.all(jnp.isfinite(x))
+
+
+def _run(kernel, *args, **kw):
+    with orbax_io.cpu_default_device():
+        out = kernel(*[jnp.asarray(a) for a in args], **kw)
+    return jax.tree.map(np.asarray, out)
+
+
+def dequant_fp8(codes: np.ndarray, scale: np.ndarray, dtype=np.float32, transpose: bool = False) -> np.ndarray:
+    """codes (e4m3) * 128x128 block scale over the last two dims (leading dims: experts), ragged edges cropped."""
+    if tuple(scale.shape) != orbax_io.fp8_blocks(codes.shape):
+        raise ValueError(f"scale shape {list(scale.shape)} does not match {list(codes.shape)} "
+                         f"(expected {list(orbax_io.fp8_blocks(codes.shape))} for {BLOCK}x{BLOCK} blocks)")
+    out, _ = _run(_dequant_kernel, codes, scale, dtype=np.dtype(dtype), transpose=transpose)
+    return out
+
+
+def quantize_fp8(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per 128x128 block (last two dims): scale = amax / 448 (float32, 1.0 for an all-zero block),
+    codes = clip(w / scale, +-448) as float8_e4m3fn. Returns (codes, scale); w ~= codes * scale."""
+    codes, scale, _ = _run(_quant_kernel, w, transpose=transpose)
+    return codes, scale
+
+
+# ======================================================================================== safetensors writing
+def _header_bytes(entries: list[tuple[str, tuple, str]], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, shape, kind in entries:
+        n = int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _nbytes(shape, kind) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
+
+
+def _as_bytes(x: np.ndarray):
+    x = np.ascontiguousarray(x)
+    return x.reshape(-1).view(np.uint8).data
+
+
+class ShardedSafetensorsWriter:
+    """Writes a planned list of tensors (name, shape, safetensors dtype) into size-bounded shards
+    `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`, streaming: tensors arrive one by one, in
+    plan order, and go straight to disk (each shard's header is known in advance)."""
+
+    def __init__(self, directory: str, entries: Iterable[tuple[str, tuple, str]], max_shard_bytes: int,
+                 metadata: Mapping[str, str] | None = None, prefix: str = "model"):
+        self.directory = directory
+        self.metadata = {"format": "pt", **(metadata or {})}
+        entries = [(n, tuple(int(d) for d in s), k) for n, s, k in entries]
+        names = [e[0] for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in the shard plan")
+        self.shards: list[list] = []
+        size = 0
+        for e in entries:
+            n = _nbytes(e[1], e[2])
+            if not self.shards or (size + n > max_shard_bytes and self.shards[-1]):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(e)
+            size += n
+        m = len(self.shards)
+        self.files = [f"{prefix}-{i + 1:05d}-of-{m:05d}.safetensors" for i in range(m)]
+        self.total_size = sum(_nbytes(s, k) for _, s, k in entries)
+        self._plan = [(i, e) for i, shard in enumerate(self.shards) for e in shard]
+        self._pos = 0
+        self._file = None
+        self._shard = -1
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self._pos >= len(self._plan):
+            raise RuntimeError(f"tensor '{name}' is beyond the shard plan")
+        shard, (want_name, want_shape, want_kind) = self._plan[self._pos]
+        kind = DTYPE_NAMES.get(np.dtype(array.dtype))
+        if (name, tuple(array.shape), kind) != (want_name, want_shape, want_kind):
+            raise RuntimeError(f"shard plan mismatch: got '{name}' {list(array.shape)} {kind}, planned "
+                               f"'{want_name}' {list(want_shape)} {want_kind}")
+        if shard != self._shard:
+            self._close_file()
+            self._shard = shard
+            self._file = open(os.path.join(self.directory, self.files[shard]), "wb")
+            self._file.write(_header_bytes(self.shards[shard], self.metadata))
+        self._file.write(_as_bytes(array))
+        self._pos += 1
+
+    def _close_file(self):
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        self._close_file()
+        if self._pos != len(self._plan):
+            raise RuntimeError(f"shard plan incomplete: {self._pos} of {len(self._plan)} tensors written")
+        weight_map = {name: self.files[i] for i, (name, _, _) in self._plan}
+        index = {"metadata": {"total_size": self.total_size},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        orbax_io.write_json(os.path.join(self.directory, INDEX_FILE), index)
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """One safetensors file from in-memory arrays (any dtype of `safetensors_io.DTYPES`, F8_E4M3 included)."""
+    entries = [(n, tuple(a.shape), DTYPE_NAMES[np.dtype(a.dtype)]) for n, a in tensors.items()]
+    with open(path, "wb") as f:
+        f.write(_header_bytes(entries, {"format": "pt", **(metadata or {})}))
+        for a in tensors.values():
+            f.write(_as_bytes(a))
+
+
+# ================================================================================================ progress
+class Progress:
+    """A small progress bar: items and bytes done, tensors/s and GB/s, ETA (stderr; one line per update when
+    stderr is not a terminal, at most every `interval` seconds)."""
+
+    def __init__(self, label: str, total_items: int, total_bytes: int, enabled: bool = True, stream=None,
+                 unit: str = "tensors"):
+        self.label, self.total_items, self.total_bytes, self.unit = label, total_items, total_bytes, unit
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = 0.5 if self.tty else 15.0
+        self.items = 0
+        self.nbytes = 0
+        self.start = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, items: int = 0, nbytes: int = 0) -> None:
+        self.items += items
+        self.nbytes += nbytes
+        now = time.perf_counter()
+        if self.enabled and now - self._last >= self.interval:
+            self._last = now
+            self._print(final=False)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def line(self) -> str:
+        dt = max(self.elapsed, 1e-9)
+        frac = self.nbytes / self.total_bytes if self.total_bytes else 1.0
+        eta = dt * (1 - frac) / frac if frac > 0 else float("nan")
+        width = 24
+        bar = "#" * int(width * min(frac, 1.0))
+        return (f"{self.label} [{bar:<{width}}] {self.items}/{self.total_items} {self.unit} "
+                f"{self.nbytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB  {self.items / dt:.1f} {self.unit}/s  "
+                f"{self.nbytes / 1e9 / dt:.3f} GB/s  {_fmt_time(dt)} elapsed, ETA {_fmt_time(eta)}")
+
+    def _print(self, final: bool) -> None:
+        text = self.line()
+        if self.tty:
+            self.stream.write("\r" + text + ("\n" if final else ""))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._print(final=True)
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# ======================================================================================= atomic output dirs
+def _same_or_nested(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] = ()):
+    """Yields a fresh `<out>.tmp-<pid>` directory; renamed to `out` only if the block completes. An existing
+    non-empty `out` is refused unless overwrite (then replaced only at the very end)."""
+    out = os.path.abspath(os.fspath(out))
+    for src in inputs:
+        if _same_or_nested(out, src):
+            raise OutputExistsError(f"{out}: the output must not be, contain, or lie inside the input {src}")
+    if os.path.lexists(out):
+        if not os.path.isdir(out):
+            raise OutputExistsError(f"{out}: exists and is not a directory; pass --overwrite to replace it")
+        content = sorted(os.listdir(out))
+        if content and not overwrite:
+            kind = ("an orbax checkpoint" if orbax_io.is_orbax_checkpoint(out) else
+                    "an HF checkpoint" if os.path.exists(os.path.join(out, INDEX_FILE)) or
+                    any(c.endswith(".safetensors") for c in content) else f"{len(content)} entries")
+            raise OutputExistsError(f"{out}: output directory already exists and holds {kind}; refusing to overwrite "
+                                    "it (pass --overwrite to replace it)")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.lexists(out):
+        old = f"{out}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+# ===================================================================================== HF source validation
+def _kernel_shape(spec: TensorSpec) -> tuple:
+    shape = tuple(spec.hf_shape[::-1]) if spec.transpose else tuple(spec.hf_shape)
+    return ((len(spec.hf_names),) + shape) if len(spec.hf_names) > 1 else shape
+
+
+def _mtp_layer(name: str, cfg: ModelConfig) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        layer = int(parts[2])
+        if cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+            return layer
+    return None
+
+
+def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool) -> dict[str, str]:
+    """Validates the inventory against the config from the headers alone; returns {tensor name: dtype}.
+
+    Raises CheckpointError naming the file and tensor for: missing / unexpected tensors, wrong shapes, dtypes that
+    are not allowed (FP8 only where the official checkpoint quantizes, floats elsewhere), FP8 weights without a
+    scale or with a scale of the wrong shape or dtype, and scales next to weights that are not FP8.
+    """
+    where_cfg = os.path.join(ckpt.directory, "config.json")
+    index = os.path.join(ckpt.directory, INDEX_FILE)
+    listing = index if os.path.exists(index) else ckpt.directory
+    specs = tensor_specs(cfg, include_mtp)
+    dtypes: dict[str, str] = {}
+    consumed: set[str] = set()
+
+    def kind_of(name):
+        return ckpt.location[name].dtype_name(name)
+
+    for spec in specs:
+        for name in spec.hf_names:
+            consumed.add(name)
+            if name not in ckpt:
+                hint = ""
+                if _mtp_layer(name, cfg) is not None:
+                    hint = " (the MTP layer was requested with include_mtp but the checkpoint does not have it)"
+                raise CheckpointError(f"{listing}: missing tensor '{name}' (expected shape {list(spec.hf_shape)} from "
+                                      f"{where_cfg}){hint}")
+            file = ckpt.where(name)
+            shape, kind = ckpt.location[name].shape(name), kind_of(name)
+            if shape != tuple(spec.hf_shape):
+                raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, expected "
+                                      f"{list(spec.hf_shape)} from {where_cfg}; does config.json match the weights?")
+            allowed = (("F8_E4M3",) if spec.quantized else ()) + FLOAT_KINDS
+            if kind not in allowed:
+                what = "F8_E4M3 (+ weight_scale_inv) or a float dtype" if spec.quantized else \
+                    "a float dtype (BF16/F32/F16; this tensor is never FP8-quantized)"
+                raise CheckpointError(f"{file}: tensor '{name}' has dtype {kind}, expected {what}")
+            scale = name + SCALE_SUFFIX
+            if kind == "F8_E4M3":
+                consumed.add(scale)
+                blocks = tuple(-(-n // BLOCK) for n in spec.hf_shape)
+                if scale not in ckpt:
+                    raise CheckpointError(f"{file}: tensor '{name}' is F8_E4M3 but its scale '{scale}' is missing "
+                                          f"(expected F32 {list(blocks)})")
+                sfile, sshape, skind = ckpt.where(scale), ckpt.location[scale].shape(scale), kind_of(scale)
+                if sshape != blocks:
+                    raise CheckpointError(f"{sfile}: scale '{scale}' has shape {list(sshape)}, expected {list(blocks)} "
+                                          f"for {BLOCK}x{BLOCK} blocks of '{name}' {list(spec.hf_shape)}")
+                if skind not in FLOAT_KINDS:
+                    raise CheckpointError(f"{sfile}: scale '{scale}' has dtype {skind}, expected F32")
+            elif scale in ckpt:
+                raise CheckpointError(f"{ckpt.where(scale)}: scale '{scale}' belongs to '{name}', which is {kind}, "
+                                      "not F8_E4M3 (mismatched scale)")
+            dtypes.setdefault(name, kind)
+    unexpected, skipped_layers = [], set()
+    for name in ckpt.names():
+        if name in consumed:
+            continue
+        layer = _mtp_layer(name, cfg)
+        if not include_mtp and layer is not None:
+            skipped_layers.add(layer)
+            continue
+        unexpected.append(name)
+    for layer in sorted(skipped_layers):
+        marker = f"model.layers.{layer}.eh_proj.weight"
+        if marker not in ckpt:
+            example = next(n for n in ckpt.names() if n.startswith(f"model.layers.{layer}."))
+            raise CheckpointError(f"{ckpt.where(example)}: tensor '{example}' belongs to layer {layer}, which "
+                                  f"{where_cfg} makes the MTP layer, but the checkpoint has no '{marker}'; "
+                                  f"num_hidden_layers={cfg.num_hidden_layers} does not match the weights")
+    if unexpected:
+        unexpected.sort()
+        raise CheckpointError(f"{ckpt.where(unexpected[0])}: unexpected tensor '{unexpected[0]}' "
+                              f"({len(unexpected)} unexpected in total) for the config in {where_cfg}; "
+                              "does config.json match the weights?")
+    return dtypes
+
+
+def _check_scale_values(ckpt: HFCheckpoint, scale_name: str, scale: np.ndarray) -> None:
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        bad = np.argwhere(~np.isfinite(scale) | (scale < 0))[0]
+        raise CheckpointError(f"{ckpt.where(scale_name)}: scale '{scale_name}' has an invalid value "
+                              f"{scale[tuple(bad)]!r} at block {bad.tolist()} (expected finite and >= 0)")
+
+
+def _check_alias(ckpt: HFCheckpoint, alias: str, main: str, chunk_bytes: int = 64 << 20) -> int:
+    """The MTP copies of embed / lm_head must equal the originals (they are shared here); returns bytes read."""
+    a, b = ckpt.get(alias), ckpt.get(main)
+    rows = max(1, chunk_bytes // max(1, a.strides[0]))
+    for r in range(0, a.shape[0], rows):
+        x, y = np.asarray(a[r:r + rows]), np.asarray(b[r:r + rows])
+        same = np.array_equal(x, y) if x.dtype == y.dtype else np.array_equal(x.astype(F32), y.astype(F32))
+        if not same:
+            raise CheckpointError(f"{ckpt.where(alias)}: tensor '{alias}' should be an exact copy of '{main}' "
+                                  f"({ckpt.where(main)}; the MTP layer shares the main embedding / LM head) but "
+                                  f"differs in rows {r}..{r + len(x) - 1}; refusing to drop it")
+    n = a.nbytes
+    del a, b
+    return n
+
+
+# ============================================================================================ hf -> orbax
+def _abstract_state(cfg: ModelConfig, param_dtype):
+    from flax import nnx
+
+    from dsv32_jax.model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype))
+    state = nnx.state(abstract)
+    leaves = {tuple(p): v for p, v in orbax_io.flatten_pure(nnx.to_pure_dict(state))}
+    return leaves, orbax_io.param_axes(state)
+
+
+def _groups(specs: list[TensorSpec]) -> list[tuple[str, list[TensorSpec]]]:
+    """Specs by write/read group, in processing order. An alias (the MTP copy of embed / lm_head) goes with its
+    MTP layer, not with the globals it points at."""
+    out: dict[str, list] = {}
+    group = "globals"
+    for spec in specs:
+        if not spec.alias:
+            group = orbax_io.group_of(spec.path)
+        out.setdefault(group, []).append(spec)
+    return sorted(out.items(), key=lambda kv: orbax_io.group_sort_key(kv[0]))
+
+
+def _ordered(specs: list[TensorSpec]) -> list[TensorSpec]:
+    return [s for _, group in _groups(specs) for s in group]
+
+
+def _check_ok(ok, ckpt: HFCheckpoint, name: str) -> None:
+    if not bool(ok):
+        raise CheckpointError(f"{ckpt.where(name)}: tensor '{name}' contains NaN or Inf values (corrupt shard?)")
+
+
+def _import_spec(ckpt: HFCheckpoint, spec: TensorSpec, keep_fp8: bool, dtype: np.dtype, progress: Progress):
+    """The stored leaf (and its scale when keep_fp8) of one spec, read tensor by tensor."""
+    stacked = len(spec.hf_names) > 1
+    kshape = _kernel_shape(spec)
+    if keep_fp8:
+        codes = np.empty(kshape, FP8) if stacked else None
+        scales = np.empty(orbax_io.fp8_blocks(kshape), F32) if stacked else None
+    else:
+        out = np.empty(kshape, dtype) if stacked else None
+    for i, name in enumerate(spec.hf_names):
+        src = ckpt.get(name)
+        nbytes = src.nbytes
+        kind = ckpt.location[name].dtype_name(name)
+        scale = None
+        if kind == "F8_E4M3":
+            sname = name + SCALE_SUFFIX
+            scale = np.asarray(ckpt.get(sname), F32)
+            _check_scale_values(ckpt, sname, scale)
+            nbytes += ckpt.location[sname].nbytes(sname)
+        if keep_fp8:
+            if scale is not None:
+                c, ok = _run(_cast_kernel, src, dtype=FP8, transpose=spec.transpose)
+                _check_ok(ok, ckpt, name)
+                s = np.ascontiguousarray(scale.T) if spec.transpose else scale
+            else:
+                c, s, ok = _run(_quant_kernel, src, transpose=spec.transpose)
+                _check_ok(ok, ckpt, name)
+            if stacked:
+                codes[i], scales[i] = c, s
+            else:
+                codes, scales = c, s
+        else:
+            if scale is not None:
+                y, ok = _run(_dequant_kernel, src, scale, dtype=dtype, transpose=spec.transpose)
+            else:
+                y, ok = _run(_cast_kernel, src, dtype=dtype, transpose=spec.transpose)
+            _check_ok(ok, ckpt, name)
+            if stacked:
+                out[i] = y
+            else:
+                out = y
+            del y
+        del src
+        progress.update(1 + (scale is not None), nbytes)
+    if keep_fp8:
+        return [(orbax_io.str_path(spec.path), codes), (orbax_io.scale_path(spec.path), scales)]
+    return [(orbax_io.str_path(spec.path), out)]
+
+
+def _source_bytes(ckpt: HFCheckpoint, specs: list[TensorSpec]) -> tuple[int, int]:
+    n, total = 0, 0
+    for spec in specs:
+        for name in spec.hf_names:
+            for t in (name, name + SCALE_SUFFIX):
+                if t in ckpt:
+                    n += 1
+                    total += ckpt.location[t].nbytes(t)
+    return n, total
+
+
+def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: bool = False, mesh=None,
+                rules=None, overwrite: bool = False, progress: bool = True) -> dict:
+    """Converts an HF checkpoint directory to a dsv32-jax orbax checkpoint at `out` (see module docstring).
+
+    dtype: 'bfloat16' / 'float32' (FP8 dequantized) or 'float8' (FP8 codes + float32 block scales kept for the
+    quantized tensors). include_mtp: also convert the MTP layer(s) (error if absent). mesh: a Mesh or spec string
+    to write sharded arrays. Returns a summary dict (tensors, bytes, seconds, GB/s).
+    """
+    if dtype not in IMPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {IMPORT_DTYPES} for hf-to-orbax, got {dtype!r}")
+    hf_dir = os.fspath(hf_dir)
+    cfg = ModelConfig.from_hf(hf_dir)
+    ckpt = HFCheckpoint(hf_dir)
+    if include_mtp and cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"{hf_dir}/config.json: include_mtp requested but num_nextn_predict_layers is "
+                              f"{cfg.num_nextn_predict_layers}")
+    src_dtypes = check_hf_checkpoint(ckpt, cfg, include_mtp)
+    if isinstance(mesh, str):
+        mesh = orbax_io.parse_mesh(mesh)
+    keep_fp8 = dtype == "float8"
+    model_cfg = cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)
+    leaves, axes = _abstract_state(model_cfg, BF16 if keep_fp8 else np.dtype(dtype))
+    specs = tensor_specs(cfg, include_mtp)
+    main_names = {s.path: s.hf_names[0] for s in specs if not s.alias}
+    missing = set(leaves) - set(main_names)
+    if missing:  # the mapping table must cover the model exactly
+        raise RuntimeError(f"tensor_specs does not cover model parameters {sorted(missing)[:3]}")
+    n_total, bytes_total = _source_bytes(ckpt, specs)
+    bar = Progress("hf-to-orbax", n_total, bytes_total, enabled=progress)
+    with atomic_output_dir(out, overwrite, inputs=[hf_dir]) as tmp:
+        writer = orbax_io.ParamsWriter(tmp)
+        for group, gspecs in _groups(specs):
+            subtree: dict = {}
+            for spec in gspecs:
+                if spec.alias:
+                    bar.update(1, _check_alias(ckpt, spec.hf_names[0], main_names[spec.path]))
+                    continue
+                target = np.dtype(leaves[spec.path].dtype)
+                if keep_fp8 and not spec.quantized:
+                    kinds = {src_dtypes[n] for n in spec.hf_names}
+                    target = F32 if (target == F32 or kinds - {"BF16"}) else BF16
+                quantize = keep_fp8 and spec.quantized
+                for path, value in _import_spec(ckpt, spec, quantize, target, bar):
+                    if mesh is not None:
+                        leaf_axes = axes.get(spec.path, ()) if path[-1] == str(spec.path[-1]) else ()
+                        value = jax.device_put(value, orbax_io.logical_sharding(leaf_axes, value.shape, mesh, rules))
+                    orbax_io.set_leaf(subtree, path, value)
+            writer.write(group, subtree)
+            del subtree
+        writer.finalize()
+        out_cfg = cfg.replace(quantization_config=(cfg.quantization_config or QUANTIZATION_CONFIG) if keep_fp8 else None)
+        orbax_io.write_json(os.path.join(tmp, orbax_io.CONFIG_FILE), out_cfg.to_hf())
+        meta = {
+            "format": orbax_io.FORMAT_NAME, "version": orbax_io.FORMAT_VERSION, "dtype": dtype,
+            "fp8": keep_fp8, "include_mtp": bool(include_mtp and cfg.num_nextn_predict_layers > 0),
+            "groups": writer.groups, "source": os.path.abspath(hf_dir),
+            "hf_dtypes": {s.hf_names[0]: src_dtypes[s.hf_names[0]] for s in specs if not s.alias},
+            "mesh": None if mesh is None else dict(mesh.shape),
+            "created_by": "python -m dsv32_jax.convert hf-to-orbax",
+        }
+        orbax_io.write_json(os.path.join(tmp, orbax_io.META_FILE), meta)
+    bar.close()
+    return {"tensors": bar.items, "bytes": bar.nbytes, "seconds": bar.elapsed,
+            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out)}
+
+
+# ============================================================================================ orbax -> hf
+def _export_kind(spec: TensorSpec, requested: str | None, src_dtypes: Mapping[str, str]) -> str:
+    if spec.hf_dtype == "F32":  # e_score_correction_bias stays float32
+        return "F32"
+    if requested:
+        return {"bfloat16": "BF16", "float32": "F32"}[requested]
+    src = src_dtypes.get(spec.hf_names[0])
+    if src in FLOAT_KINDS:
+        return src
+    return "BF16" if src == "F8_E4M3" else spec.hf_dtype
+
+
+def _export_plan(specs, fp8: bool, requested, src_dtypes, alias_of) -> list[tuple[str, tuple, str]]:
+    plan = []
+    for spec in specs:
+        ref = alias_of.get(spec.path, spec) if spec.alias else spec
+        for name in spec.hf_names:
+            if fp8 and spec.quantized:
+                plan.append((name, tuple(spec.hf_shape), "F8_E4M3"))
+                plan.append((name + SCALE_SUFFIX, tuple(-(-n // BLOCK) for n in spec.hf_shape), "F32"))
+            else:
+                plan.append((name, tuple(spec.hf_shape), _export_kind(ref, requested, src_dtypes)))
+    return plan
+
+
+def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None, shard_size_gb: float = 5.0,
+                overwrite: bool = False, progress: bool = True) -> dict:
+    """Exports a dsv32-jax orbax checkpoint to HF layout: size-bounded safetensors shards + index + config.json.
+
+    fp8: quantized tensors as F8_E4M3 + F32 128x128 weight_scale_inv (bit-exact from a float8 checkpoint, else
+    re-quantized); dtype: 'bfloat16' / 'float32' for the other tensors (default: the source checkpoint's dtypes
+    recorded at import, else the official ones).
+    """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype must be one of {EXPORT_DTYPES} for orbax-to-hf (use --fp8 for FP8), got {dtype!r}")
+    if not shard_size_gb > 0:
+        raise ValueError(f"--shard_size_gb must be > 0, got {shard_size_gb}")
+    ckpt = os.fspath(ckpt)
+    meta = orbax_io.read_meta(ckpt)
+    cfg = ModelConfig.from_hf(os.path.join(ckpt, orbax_io.CONFIG_FILE))
+    include_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+    specs = tensor_specs(cfg, include_mtp)
+    reader = orbax_io.ParamsReader(ckpt)
+    orbax_io.check_stored_tree(reader, {s.path: _kernel_shape(s) for s in specs if not s.alias},
+                               allow_extra_prefix=None if include_mtp else [("mtp",)])
+    src_dtypes = meta.get("hf_dtypes") or {}
+    main_spec = {s.path: s for s in specs if not s.alias}
+    plan = _export_plan(_ordered(specs), fp8, dtype, src_dtypes, main_spec)
+    total = sum(_nbytes(s, k) for _, s, k in plan)
+    bar = Progress("orbax-to-hf", len(plan), total, enabled=progress)
+    with atomic_output_dir(out, overwrite, inputs=[ckpt]) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, plan, int(shard_size_gb * 1e9),
+                                          metadata={"converted_by": "dsv32_jax.convert"})
+        try:
+            for group, gspecs in _groups(specs):
+                wanted = []
+                for spec in gspecs:
+                    for p in ([spec.path] if not spec.alias else []):
+                        wanted.append(p)
+                        if reader.dtype(p) == FP8:
+                            wanted.append(orbax_io.scale_path(p))
+                stored = reader.load(wanted) if wanted else {}
+                for spec in gspecs:
+                    if spec.alias:
+                        extra = [spec.path] + ([orbax_io.scale_path(spec.path)] if reader.dtype(spec.path) == FP8 else [])
+                        leaf_store = reader.load(extra)
+                    else:
+                        leaf_store = stored
+                    _export_spec(writer, spec, main_spec.get(spec.path, spec), leaf_store, fp8, dtype, src_dtypes, bar)
+                    if spec.alias:
+                        del leaf_store
+                del stored
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        out_cfg = cfg.replace(quantization_config=(cfg.quantization_config or QUANTIZATION_CONFIG) if fp8 else None)
+        hf = out_cfg.to_hf()
+        if not include_mtp:
+            hf["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
+        hf["torch_dtype"] = "bfloat16" if (fp8 or dtype != "float32") else "float32"
+        orbax_io.write_json(os.path.join(tmp, "config.json"), hf)
+    bar.close()
+    return {"tensors": bar.items, "bytes": bar.nbytes, "seconds": bar.elapsed, "shards": len(writer.files),
+            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out)}
+
+
+def _export_spec(writer: ShardedSafetensorsWriter, spec: TensorSpec, ref: TensorSpec, store, fp8: bool, dtype,
+                 src_dtypes, bar: Progress) -> None:
+    leaf = store[orbax_io.str_path(spec.path)]
+    scale = store.get(orbax_io.scale_path(spec.path)) if leaf.dtype == FP8 else None
+    stacked = len(spec.hf_names) > 1
+    kind = _export_kind(ref, dtype, src_dtypes)
+    for i, name in enumerate(spec.hf_names):
+        x = leaf[i] if stacked else leaf
+        s = None if scale is None else (scale[i] if stacked else scale)
+        if fp8 and spec.quantized:
+            if s is not None:  # stored FP8: bit-exact
+                codes = np.ascontiguousarray(x.T) if spec.transpose else x
+                sc = np.ascontiguousarray(s.T) if spec.transpose else s
+            else:
+                codes, sc = quantize_fp8(x, transpose=spec.transpose)
+            writer.add(name, codes)
+            writer.add(name + SCALE_SUFFIX, np.asarray(sc, F32))
+            bar.update(2, codes.nbytes + sc.nbytes)
+            continue
+        if s is not None:
+            y = dequant_fp8(x, s, DTYPES[kind], transpose=spec.transpose)
+        else:
+            y, _ = _run(_cast_kernel, x, dtype=DTYPES[kind], transpose=spec.transpose)
+        writer.add(name, y)
+        bar.update(1, y.nbytes)
+        del y
+
+
+# ================================================================================================== CLI
+COMMANDS = ("hf-to-orbax", "orbax-to-hf")
+USAGE = __doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1]
+
+
+def _define_flags():
+    from absl import flags
+
+    if "shard_size_gb" in flags.FLAGS:
+        return flags.FLAGS
+    flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors shards).")
+    flags.DEFINE_string("ckpt", None, "orbax-to-hf: dsv32-jax orbax checkpoint directory.")
+    flags.DEFINE_string("out", None, "Output directory (written as <out>.tmp-<pid>, renamed when complete).")
+    flags.DEFINE_enum("dtype", None, list(IMPORT_DTYPES),
+                      "hf-to-orbax: stored dtype (default bfloat16; float8 keeps FP8 codes + scales). "
+                      "orbax-to-hf: dtype of the non-FP8 tensors (default: the source checkpoint's).")
+    flags.DEFINE_bool("include_mtp", False, "hf-to-orbax: also convert the MTP layer (checkpoint layer 61).")
+    flags.DEFINE_string("mesh", None, "hf-to-orbax: shard arrays onto a device mesh, e.g. 'fsdp:2,tensor:4'.")
+    flags.DEFINE_bool("fp8", False, "orbax-to-hf: write FP8 e4m3 weights with 128x128 weight_scale_inv.")
+    flags.DEFINE_float("shard_size_gb", 5.0, "orbax-to-hf: maximum shard size in GB (1e9 bytes).")
+    flags.DEFINE_bool("overwrite", False, "Replace an existing output directory.")
+    flags.DEFINE_bool("progress", True, "Show a progress bar on stderr.")
+    return flags.FLAGS
+
+
+def main(argv) -> int:
+    from absl import app
+
+    FLAGS = _define_flags()
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f"expected one command, {' or '.join(COMMANDS)}; got {argv[1:]}\n\n{USAGE}")
+    command = argv[1]
+    try:
+        if FLAGS.out is None:
+            raise app.UsageError("--out is required")
+        if command == "hf-to-orbax":
+            if FLAGS.hf_dir is None:
+                raise app.UsageError("hf-to-orbax needs --hf_dir")
+            summary = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype or "bfloat16",
+                                  include_mtp=FLAGS.include_mtp, mesh=FLAGS.mesh, overwrite=FLAGS.overwrite,
+                                  progress=FLAGS.progress)
+        else:
+            if FLAGS.ckpt is None:
+                raise app.UsageError("orbax-to-hf needs --ckpt")
+            if FLAGS.dtype == "float8":
+                raise app.UsageError("orbax-to-hf: use --fp8 for FP8 output; --dtype is bfloat16 or float32")
+            summary = orbax_to_hf(FLAGS.ckpt, FLAGS.out, fp8=FLAGS.fp8, dtype=FLAGS.dtype,
+                                  shard_size_gb=FLAGS.shard_size_gb, overwrite=FLAGS.overwrite,
+                                  progress=FLAGS.progress)
+    except (CheckpointError, ConfigError, OutputExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{command}: wrote {summary['out']} ({summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
+          f"{summary['seconds']:.1f} s, {summary['gb_per_s']:.3f} GB/s)")
+    return 0
+
+
+def cli(argv=None) -> None:
+    from absl import app
+
+    _define_flags()
+    app.run(main, argv=argv)
+
+
+if __name__ == "__main__":
+    cli()

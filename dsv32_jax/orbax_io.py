@@ -1,0 +1,427 @@
+"""The dsv32-jax orbax checkpoint: layout, layer-by-layer writing, loading (whole or one layer at a time),
+and sharding parameters onto a device mesh by their logical axis names.
+
+Layout of a checkpoint directory `D` (what `python -m dsv32_jax.convert hf-to-orbax` writes):
+
+    D/config.json        ModelConfig.to_hf() (HF field names; quantization_config only for float8 checkpoints)
+    D/params/            an orbax (v1 API) PyTree checkpoint of the model's pure state dict, i.e. the structure of
+                         `nnx.to_pure_dict(nnx.state(model))` (Params AND the ExpertBias variables), with the
+                         integer keys of `layers` / `mtp` written as strings ("0", "1", ...). The PyTree
+                         checkpointable lives in D/params/state (orbax's partial-save layout).
+    D/dsv32_meta.json    format name + version, dtype, include_mtp, fp8, the groups, and the HF dtype of each
+                         source tensor (so that an export reproduces the original dtypes). Written LAST: a
+                         directory without it is not a complete checkpoint.
+
+Load it with `dsv32_jax.from_pretrained(D)` (or `load_orbax_model`), or with orbax directly:
+`ocp.v1.load(D / "params")` returns the nested dict.
+
+float8 checkpoints (`--dtype=float8`): every tensor the official checkpoint stores as F8_E4M3 (TensorSpec.quantized)
+is kept as its e4m3 codes (float8_e4m3fn, in the model's kernel layout [in, out], experts stacked [E, in, out]) plus
+a float32 sibling leaf `<name>_scale_inv` holding the 128x128 block multipliers in the same orientation
+([ceil(in/128), ceil(out/128)], [E, ...] for experts). Everything else is stored losslessly (bfloat16, or float32
+where the source or the model uses float32). The model has no FP8 matmul path yet, so loading such a checkpoint
+dequantizes (codes * block scale, in float32, then cast to the requested parameter dtype).
+
+Why partial saves: orbax-checkpoint 0.12.8 cannot append to a PyTree checkpoint with its standard (v0) API, but its
+v1 API has `ocp.v1.partial.save` (each call writes a disjoint subtree into a pending directory; nothing is
+rewritten) and `ocp.v1.partial.finalize` (merges the pending directories by renames, no data copy). We call
+`partial.save` once per group -- the globals (embedding, final norm, LM head), then every decoder layer, then every
+MTP layer -- so the host holds one layer at a time, and the result is ONE ordinary PyTree checkpoint that restores
+as a whole (`ocp.v1.load`) or piecewise (`partial_load`). Arrays are written uncompressed (zstd costs ~3x the
+time on weights that barely compress) and without orbax's defensive host copy (we never mutate a saved array).
+The alternatives were worse: one sub-checkpoint per layer cannot be restored with a single orbax call, and raw
+tensorstore/zarr arrays would bypass orbax's metadata.
+
+Sharding: `parse_mesh("fsdp:2,tensor:4")` builds a `jax.sharding.Mesh`; `logical_sharding` maps a parameter's
+logical `axes` metadata to mesh axes through a rule table (DEFAULT_RULES here; every function takes `rules=` so
+the training code's shared table can replace it). A mesh axis is used at most once per array and only where it
+divides the dimension; anything else is replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dsv32_jax.config import ModelConfig
+from dsv32_jax.safetensors_io import CheckpointError
+
+FORMAT_NAME = "dsv32-jax-orbax"
+FORMAT_VERSION = 1
+META_FILE = "dsv32_meta.json"
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+SCALE_SUFFIX = "_scale_inv"
+BLOCK = 128
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+
+# logical axis name -> mesh axis name(s), in order of preference. Missing names / None: replicated.
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "moe_mlp": ("tensor",),
+    "heads": ("tensor",),
+    "index_heads": ("tensor",),
+    "expert": ("expert", "fsdp"),
+    "q_lora": (),
+    "kv_lora": (),
+    "norm": (),
+}
+
+
+# --------------------------------------------------------------------------------------------- tree helpers
+def group_of(path: tuple) -> str:
+    """Write/read unit of a parameter path: 'globals', 'layers.<i>' or 'mtp.<j>'."""
+    if path and path[0] in ("layers", "mtp"):
+        return f"{path[0]}.{path[1]}"
+    return "globals"
+
+
+def group_sort_key(group: str):
+    kind, _, idx = group.partition(".")
+    return ({"globals": 0, "layers": 1, "mtp": 2}[kind], int(idx or 0))
+
+
+def str_path(path: tuple) -> tuple[str, ...]:
+    return tuple(str(k) for k in path)
+
+
+def scale_path(path: tuple) -> tuple[str, ...]:
+    """Path of the float32 block-scale sibling of an FP8 leaf: (..., 'kernel') -> (..., 'kernel_scale_inv')."""
+    p = str_path(path)
+    return p[:-1] + (p[-1] + SCALE_SUFFIX,)
+
+
+def set_leaf(tree: dict, path: tuple, value) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(str(key), {})
+    node[str(path[-1])] = value
+
+
+def get_leaf(tree: Mapping, path: tuple):
+    node = tree
+    for key in path:
+        node = node[str(key)]
+    return node
+
+
+def flatten(tree: Mapping, prefix: tuple = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from flatten(value, prefix + (str(key),))
+        else:
+            yield prefix + (str(key),), value
+
+
+def fp8_blocks(shape: tuple) -> tuple:
+    """Block-scale shape of an FP8 array: leading (expert) dims kept, last two divided into 128-blocks."""
+    return tuple(shape[:-2]) + tuple(-(-n // BLOCK) for n in shape[-2:])
+
+
+# ------------------------------------------------------------------------------------------------- meta
+def is_orbax_checkpoint(path: str | os.PathLike) -> bool:
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, META_FILE)) and os.path.isdir(os.path.join(path, PARAMS_DIR))
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    path = os.fspath(path)
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a dsv32-jax orbax checkpoint ({META_FILE} is missing; an interrupted "
+                              "conversion leaves no such file)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: corrupt ({e})") from None
+    if meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT_NAME!r}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format version {meta.get('version')!r} is not supported "
+                              f"(this code reads version {FORMAT_VERSION})")
+    if not os.path.isdir(os.path.join(path, PARAMS_DIR)):
+        raise CheckpointError(f"{path}: {PARAMS_DIR}/ is missing")
+    return meta
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+# -------------------------------------------------------------------------------------------------- mesh
+def parse_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
+    """'fsdp:2,tensor:4' -> Mesh of the first 8 devices with axes ('fsdp', 'tensor')."""
+    names, sizes = [], []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, size = part.partition(":")
+        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh: bad entry {part!r}; expected name:size, e.g. 'fsdp:2,tensor:4'")
+        if name.strip() in names:
+            raise ValueError(f"--mesh: axis {name.strip()!r} given twice in {spec!r}")
+        names.append(name.strip())
+        sizes.append(int(size))
+    if not names:
+        raise ValueError(f"--mesh: no axes in {spec!r}; expected e.g. 'fsdp:2,tensor:4'")
+    devices = list(jax.devices() if devices is None else devices)
+    n = int(np.prod(sizes))
+    if n > len(devices):
+        raise ValueError(f"--mesh {spec!r} needs {n} devices but only {len(devices)} are visible "
+                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
+
+
+def logical_to_spec(axes, shape, mesh: jax.sharding.Mesh, rules: Mapping | None = None) -> jax.sharding.PartitionSpec:
+    rules = DEFAULT_RULES if rules is None else rules
+    used, out = set(), []
+    axes = tuple(axes or ()) + (None,) * (len(shape) - len(tuple(axes or ())))
+    for name, dim in zip(axes, shape):
+        choice = None
+        candidates = rules.get(name, ()) if name is not None else ()
+        if isinstance(candidates, str):
+            candidates = (candidates,)
+        for mesh_axis in candidates or ():
+            size = mesh.shape.get(mesh_axis)
+            if size and mesh_axis not in used and dim % size == 0:
+                choice = mesh_axis
+                used.add(mesh_axis)
+                break
+        out.append(choice)
+    return jax.sharding.PartitionSpec(*out)
+
+
+def logical_sharding(axes, shape, mesh, rules=None) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
+
+
+def param_axes(state: nnx.State) -> dict[tuple, tuple]:
+    """{path: logical axes} of every variable in a model state (missing metadata: replicated)."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+        out[tuple(path)] = tuple(meta.get("axes") or ())
+    return out
+
+
+def shard_state(state: nnx.State, mesh, rules=None) -> nnx.State:
+    """Places every array of a (concrete) state on `mesh` according to its `axes` metadata."""
+    axes = param_axes(state)
+    pure = nnx.to_pure_dict(state)
+
+    def place(path, x):
+        key = tuple(p.key if hasattr(p, "key") else p.idx for p in path)
+        return jax.device_put(x, logical_sharding(axes.get(key, ()), x.shape, mesh, rules))
+
+    pure = jax.tree_util.tree_map_with_path(place, pure)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _save_context():
+    from orbax.checkpoint import v1 as ocp
+
+    ctx = ocp.Context()
+    ctx.array.saving.use_compression = False
+    ctx.memory.deepcopy_host_arrays = False
+    return ctx
+
+
+class ParamsWriter:
+    """Writes the params PyTree of a checkpoint directory one group (subtree) at a time."""
+
+    def __init__(self, checkpoint_dir: str):
+        self.path = os.path.join(checkpoint_dir, PARAMS_DIR)
+        self.groups: list[str] = []
+
+    def write(self, group: str, subtree: dict) -> None:
+        from orbax.checkpoint import v1 as ocp
+
+        with _save_context():
+            ocp.partial.save(self.path, subtree)
+        self.groups.append(group)
+
+    def finalize(self) -> None:
+        from orbax.checkpoint import v1 as ocp
+
+        with _save_context():
+            ocp.partial.finalize(self.path)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class ParamsReader:
+    """Stored tree metadata and group-by-group (partial) loading of a checkpoint's params, as numpy arrays."""
+
+    def __init__(self, checkpoint_dir: str):
+        from orbax.checkpoint import v1 as ocp
+
+        self.directory = os.fspath(checkpoint_dir)
+        self.path = os.path.join(self.directory, PARAMS_DIR)
+        try:
+            tree = ocp.metadata(self.path).metadata
+        except Exception as e:  # orbax raises a variety of types for unreadable checkpoints
+            raise CheckpointError(f"{self.path}: cannot read the orbax checkpoint metadata ({type(e).__name__}: {e})") from None
+        self.tree = tree
+        self.leaves: dict[tuple[str, ...], Any] = dict(flatten(tree))
+
+    def shape(self, path) -> tuple:
+        return tuple(self.leaves[str_path(path)].shape)
+
+    def dtype(self, path) -> np.dtype:
+        return np.dtype(self.leaves[str_path(path)].dtype)
+
+    def __contains__(self, path) -> bool:
+        return str_path(path) in self.leaves
+
+    def load(self, paths) -> dict[tuple[str, ...], np.ndarray]:
+        """The given leaves (paths) as numpy arrays, reading nothing else."""
+        from orbax.checkpoint import v1 as ocp
+
+        abstract: dict = {}
+        for p in paths:
+            m = self.leaves[str_path(p)]
+            set_leaf(abstract, str_path(p), _numpy_abstract(tuple(m.shape), np.dtype(m.dtype)))
+        ctx = ocp.Context()
+        ctx.pytree.loading.partial_load = True
+        try:
+            with ctx:
+                tree = ocp.load(self.path, abstract)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: failed to read {[ '/'.join(str_path(p)) for p in paths][:3]}... "
+                                  f"({type(e).__name__}: {e})") from None
+        return {str_path(p): np.asarray(get_leaf(tree, str_path(p))) for p in paths}
+
+
+def _numpy_abstract(shape, dtype):
+    """Abstract leaf that orbax restores as a host numpy array (whatever sharding the array was saved with)."""
+    try:
+        from orbax.checkpoint.experimental.v1._src.serialization.numpy_leaf_handler import NumpyShapeDtype
+    except ImportError:  # other orbax versions: an unallocated (untouched) numpy array is the documented form
+        return np.empty(shape, dtype)
+    return NumpyShapeDtype(shape=shape, dtype=dtype)
+
+
+def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], allow_extra_prefix=None) -> None:
+    """Every expected leaf (path -> shape) is stored with that shape (FP8 leaves with a scale of block shape);
+    nothing else is stored except leaves under `allow_extra_prefix` (e.g. an MTP layer that is not loaded)."""
+    where = reader.path
+    seen = set()
+    for path, shape in expected.items():
+        sp = str_path(path)
+        if sp not in reader.leaves:
+            raise CheckpointError(f"{where}: missing parameter '{'/'.join(sp)}' (expected shape {list(shape)} from "
+                                  f"{CONFIG_FILE})")
+        got = reader.shape(sp)
+        if got != tuple(shape):
+            raise CheckpointError(f"{where}: parameter '{'/'.join(sp)}' has shape {list(got)}, expected {list(shape)} "
+                                  f"from {CONFIG_FILE}")
+        seen.add(sp)
+        if reader.dtype(sp) == FP8_DTYPE:
+            spp = scale_path(sp)
+            if spp not in reader.leaves:
+                raise CheckpointError(f"{where}: FP8 parameter '{'/'.join(sp)}' has no block scale '{'/'.join(spp)}'")
+            if reader.shape(spp) != fp8_blocks(shape):
+                raise CheckpointError(f"{where}: scale '{'/'.join(spp)}' has shape {list(reader.shape(spp))}, expected "
+                                      f"{list(fp8_blocks(shape))} for 128x128 blocks of {list(shape)}")
+            seen.add(spp)
+    extra = sorted(p for p in reader.leaves if p not in seen
+                   and not (allow_extra_prefix and any(p[:len(x)] == x for x in allow_extra_prefix)))
+    if extra:
+        raise CheckpointError(f"{where}: {len(extra)} unexpected parameters for this config, e.g. '{'/'.join(extra[0])}'; "
+                              f"does {CONFIG_FILE} match the checkpoint?")
+
+
+def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
+                     include_mtp: bool | None = None, mesh=None, rules=None):
+    """Loads a dsv32-jax orbax checkpoint directory into a ready `Transformer`, one layer at a time.
+
+    dtype / param_dtype / options / include_mtp as in `from_pretrained`; FP8 leaves are dequantized. mesh: a
+    `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
+    """
+    from dsv32_jax.convert import dequant_fp8
+    from dsv32_jax.model import Transformer
+
+    path = os.fspath(path)
+    meta = read_meta(path)
+    cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
+    has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+    if include_mtp and not has_mtp:
+        raise CheckpointError(f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
+                              f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
+    include_mtp = has_mtp if include_mtp is None else include_mtp
+    if not include_mtp:
+        cfg = cfg.replace(num_nextn_predict_layers=0)
+    if isinstance(mesh, str):
+        mesh = parse_mesh(mesh)
+    param_dtype = param_dtype or dtype
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+                                                  options=options))
+    graphdef, state = nnx.split(abstract)
+    axes = param_axes(state)
+    targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
+    reader = ParamsReader(path)
+    check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
+                      allow_extra_prefix=None if include_mtp else [("mtp",)])
+    pure = nnx.to_pure_dict(state)
+    groups: dict[str, list] = {}
+    for p in targets:
+        groups.setdefault(group_of(p), []).append(p)
+    for group in sorted(groups, key=group_sort_key):
+        paths = groups[group]
+        wanted = []
+        for p in paths:
+            wanted.append(p)
+            if reader.dtype(p) == FP8_DTYPE:
+                wanted.append(scale_path(p))
+        stored = reader.load(wanted)
+        for p in paths:
+            x = stored.pop(str_path(p))
+            target = targets[p]
+            if x.dtype == FP8_DTYPE:
+                x = dequant_fp8(x, stored.pop(scale_path(p)), target.dtype)
+            x = np.asarray(x).astype(target.dtype, copy=False)
+            if mesh is not None:
+                value = jax.device_put(x, logical_sharding(axes.get(p, ()), x.shape, mesh, rules))
+            else:
+                value = jnp.asarray(x)
+            node = pure
+            for key in p[:-1]:
+                node = node[key]
+            node[p[-1]] = value
+            del x
+        del stored
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def flatten_pure(tree: Mapping, prefix: tuple = ()):
+    """Like `flatten` but keeps the original (int) keys of an nnx pure dict."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from flatten_pure(value, prefix + (key,))
+        else:
+            yield prefix + (key,), value
+
+
+@contextlib.contextmanager
+def cpu_default_device():
+    """Conversion kernels run on the host even where an accelerator is the default backend."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:
+        yield
+        return
+    with jax.default_device(cpu):
+        yield
