@@ -1,0 +1,263 @@
+"""pallas_kernels against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs).
+
+Error bounds (max |a - b| / max |b|): float32 1e-5 (forward and gradients), bfloat16 3e-2 forward / 5e-2
+gradients (P and dS are rounded to bf16 before the MMAs, as in FlashAttention); FP8 indexer logits 1e-6
+(products of e4m3 codes are exact, only the summation order differs); hadamard_quant and top-k exact.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, rel_err
+
+import pallas_kernels
+from dsv32_jax import indexer as ref_indexer
+from dsv32_jax.attention import sparse_mla as ref_sparse_mla
+from pallas_kernels import _dispatch
+from pallas_kernels.hadamard_quant import hadamard_quant_reference
+from pallas_kernels.indexer_logits import indexer_logits_reference
+from pallas_kernels.topk import topk_reference
+
+IMPL = "interpret"
+F8 = jnp.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def test_dispatch_resolution(monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    assert _dispatch.resolve_impl(None, ("pallas_gpu",)) == ("pallas_gpu" if jax.default_backend() == "gpu"
+                                                             else "reference")
+    monkeypatch.setenv(_dispatch.ENV_VAR, "interpret")
+    assert _dispatch.resolve_impl(None, ("interpret",)) == "interpret"
+    assert _dispatch.resolve_impl(None, ("pallas_gpu",)) == "reference"  # op without that backend
+    pallas_kernels.set_default_impl("reference")
+    try:
+        assert _dispatch.resolve_impl(None, ("interpret",)) == "reference"
+    finally:
+        pallas_kernels.set_default_impl(None)
+    with pytest.raises(ValueError, match="unknown kernel impl"):
+        _dispatch.resolve_impl("cuda", ("interpret",))
+
+
+# ------------------------------------------------------------------------------------------ hadamard_quant
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
+def test_hadamard_quant_matches_reference_exactly(rng, dtype, scale_fmt):
+    x = rng.standard_normal((3, 37, 128)) * rng.uniform(1e-3, 30, (3, 37, 1))
+    x = jnp.asarray(x, dtype)
+    codes, scale = pallas_kernels.hadamard_quant(x, scale_fmt=scale_fmt, impl=IMPL)
+    ref_codes, ref_scale = hadamard_quant_reference(x, scale_fmt)
+    assert codes.dtype == F8 and scale.shape == (3, 37)
+    if scale_fmt == "ue8m0":  # powers of two: an fp32 ulp in amax almost never moves them
+        np.testing.assert_array_equal(np.asarray(scale), np.asarray(ref_scale))
+    else:
+        assert rel_err(scale, ref_scale) <= 1e-6
+    mismatch = np.mean(np.asarray(codes.astype(jnp.float32)) != np.asarray(ref_codes.astype(jnp.float32)))
+    assert mismatch <= 1e-3, mismatch  # an fp32 summation-order ulp may flip a rare rounding tie
+    if scale_fmt == "ue8m0":
+        assert np.all(np.log2(np.asarray(scale)) == np.round(np.log2(np.asarray(scale))))
+
+
+# ------------------------------------------------------------------------------------------ indexer_logits
+def _indexer_inputs(rng, b, t, s, h, d):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    return ref_indexer.quantize_indexer(q, k, w)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_indexer_logits_ranges_and_block_skip(rng, out_dtype):
+    b, t, s = 2, 5, 301  # odd lengths; block_k 64 -> 5 key blocks, most rows skip some
+    qf, kf, ks, wf = _indexer_inputs(rng, b, t, s, 8, 32)  # H and D padded inside the wrapper
+    starts = rng.integers(0, 200, (b, t))
+    ends = starts + rng.integers(0, 150, (b, t))
+    starts[0, 0], ends[0, 0] = 7, 7  # empty range -> all -inf
+    starts, ends = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
+    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=IMPL,
+                                        block_k=64)
+    ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends, out_dtype)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+    assert np.all(np.isneginf(out[0, 0]))
+    finite = np.isfinite(ref)
+    bound = 1e-6 if out_dtype == jnp.float32 else 2.0**-8
+    assert rel_err(out[finite], ref[finite]) <= bound
+
+
+def test_indexer_logits_full_range_production_head_layout(rng):
+    qf, kf, ks, wf = _indexer_inputs(rng, 1, 3, 70, 16, 128)
+    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, impl=IMPL, block_q=1)
+    assert rel_err(out, indexer_logits_reference(qf, kf, ks, wf)) <= 1e-6
+
+
+# -------------------------------------------------------------------------------------------------- top-k
+def _assert_same_selection(out, ref, scores):
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert out.shape == ref.shape
+    np.testing.assert_array_equal(np.sort(out, -1), np.sort(ref, -1))  # same sets, same -1 count
+    for o_row, r_row, x in zip(out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1]),
+                               np.asarray(scores, np.float32).reshape(-1, scores.shape[-1])):
+        np.testing.assert_array_equal(np.sort(x[o_row[o_row >= 0]]), np.sort(x[r_row[r_row >= 0]]))
+
+
+@pytest.mark.parametrize("buffer", [None, 32])  # 32 < candidates: forces the 16-way refinement passes
+def test_topk_ties_lengths_and_empty_rows(rng, buffer):
+    k = 20
+    x = np.round(rng.standard_normal((2, 4, 303)) * 2).astype(np.float32)  # heavy ties
+    x[0, 0] = 1.0  # a row of equal values: lowest indices win
+    x[0, 1, 50:] = -np.inf  # -inf is never a candidate
+    x[1, 2] = rng.standard_normal(303)  # distinct values
+    lengths = np.array([[303, 250, 11, 0], [303, 19, 302, 1]], np.int32)  # < k, 0 and full rows
+    out = pallas_kernels.topk(jnp.asarray(x), k, lengths=jnp.asarray(lengths), impl=IMPL, buffer=buffer)
+    ref = topk_reference(jnp.asarray(x), k, jnp.asarray(lengths))
+    _assert_same_selection(out, ref, x)
+    np.testing.assert_array_equal(np.sort(np.asarray(out)[0, 0]), np.arange(k))
+    assert np.all(np.asarray(out)[0, 3] == -1)
+
+
+def test_topk_bf16_and_k_larger_than_row(rng):
+    x = jnp.asarray(rng.standard_normal((3, 1000)), jnp.bfloat16)  # bf16: many exact ties
+    _assert_same_selection(pallas_kernels.topk(x, 64, impl=IMPL, buffer=128), topk_reference(x, 64), x)
+    short = jnp.asarray(rng.standard_normal((2, 5)), jnp.float32)  # S < k
+    out = pallas_kernels.topk(short, 8, impl=IMPL)
+    _assert_same_selection(out, topk_reference(short, 8), short)
+    assert np.all(np.asarray(out)[:, 5:] == -1)
+
+
+# ------------------------------------------------------------------------------------------- indexer_topk
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_topk_matches_reference_with_segments(rng, fp8):
+    b, t, h, topk = 2, 37, 4, 8
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seg = jnp.asarray(np.stack([np.zeros(t), np.arange(t) >= 20]), jnp.int32)  # two packed documents in row 1
+    out = pallas_kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=IMPL)
+    ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16)
+    np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+
+
+# --------------------------------------------------------------------------------------------- sparse MLA
+def _mla_case(rng, dtype, b=2, t=7, s=11, h=4, d=40, d_v=32, k=8):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), dtype)
+    idx = rng.integers(0, s, (b, t, k)).astype(np.int32)
+    idx[0, 1, :3] = -1  # empty slots
+    idx[1, 3 % t, 2] = s + 5  # out of range -> empty
+    idx[1, 2, :] = -1  # all-invalid row -> zeros, lse -inf
+    idx[0, 4 % t, 1] = idx[0, 4 % t, 0]  # duplicate: counted twice
+    return q, kv, jnp.asarray(idx), d_v
+
+
+BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (3e-2, 5e-2)}
+SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpadded 2^a + 2^b layout with
+    "tiny": dict(),  # several head and slot blocks (production: 512 + 64, H 128 in 2 blocks, K 2048 in 32)
+    "blocks": dict(t=3, s=50, h=32, d=48, d_v=32, k=40),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sparse_mla_forward_and_probs(rng, dtype, shape):
+    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
+    scale = q.shape[-1] ** -0.5
+    kw = dict(block_h=16, block_i=16)
+    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, impl=IMPL, **kw)
+    r_out, r_lse, r_probs = ref_sparse_mla(q, kv, idx, scale, d_v, return_probs=True)
+    fwd_bound, _ = BOUNDS[dtype]
+    assert out.dtype == q.dtype and out.shape == r_out.shape
+    assert rel_err(out, r_out) <= fwd_bound
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+    finite = np.isfinite(np.asarray(r_lse))
+    assert rel_err(np.asarray(lse)[finite], np.asarray(r_lse)[finite]) <= fwd_bound
+    assert rel_err(probs, r_probs) <= fwd_bound
+    assert np.all(np.asarray(out)[1, 2] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
+    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
+    scale = q.shape[-1] ** -0.5
+    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], d_v)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+
+    def loss(fn):
+        def f(q_, kv_):
+            out, lse = fn(q_, kv_)
+            return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
+        return jax.grad(f, argnums=(0, 1))
+
+    kernel = loss(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=IMPL, block_h=16,
+                                                         block_i=16, bwd_partial_bytes=4096))  # several chunks
+    if dtype == jnp.float32:
+        reference = loss(lambda a, c: ref_sparse_mla(a, c, idx, scale, d_v))
+    else:  # bf16: compare with the float32 reference gradient on the same (bf16-valued) inputs
+        reference = loss(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
+    _, grad_bound = BOUNDS[dtype]
+    for got, want in zip(kernel(q, kv), reference(q, kv)):
+        assert got.dtype == dtype
+        assert rel_err(got, want) <= grad_bound
+
+
+# ------------------------------------------------------------------------------------------ the model hook
+def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch):
+    from flax import nnx
+
+    from dsv32_jax import RunOptions, Transformer, load_preset
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    model = Transformer(load_preset("tiny").replace(initializer_range=0.2), rngs=nnx.Rngs(5))
+    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 24)), jnp.int32)
+    model.options = RunOptions(attention="kernel")
+    got = model(toks)
+    model.options = RunOptions(attention="sparse")
+    assert rel_err(got, model(toks)) <= 1e-5
+
+
+def test_hf_long_golden_logits_with_kernel_attention(monkeypatch):
+    import dsv32_jax
+    from dsv32_jax import RunOptions
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    path = os.path.join(FIXTURES, "hf_long")
+    model = dsv32_jax.from_pretrained(path, dtype=jnp.float32, options=RunOptions(attention="kernel"))
+    gold = np.load(os.path.join(path, "golden.npz"))
+    assert rel_err(model(jnp.asarray(gold["tokens"])), gold["logits"]) <= 1e-4
+
+
+# ------------------------------------------------------------------------------ GPU lowering, checked on CPU
+def _h100_lowering():
+    try:
+        from jax._src.pallas.triton import gpu_info
+        gpu_info.registry.setdefault("cpu", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100))
+    except (ImportError, AttributeError):
+        pytest.skip("this jax cannot describe an H100 to the Triton lowering without a GPU")
+
+
+def _lower_for_cuda(fn, *shapes):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_triton_kernels_lower_at_production_shapes():
+    """The pallas_gpu kernels lower to Triton IR for H100 at the production shapes (no GPU needed: this catches
+    non-power-of-two tensors, unsupported ops and dtype casts; PTX compilation is left to the GPU run)."""
+    _h100_lowering()
+    sds = jax.ShapeDtypeStruct
+    bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
+    gpu = "pallas_gpu"
+    q, kv, idx = sds((1, 8, 128, 576), bf16), sds((1, 4096, 576), bf16), sds((1, 8, 2048), i32)
+    assert "triton" in _lower_for_cuda(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu,
+                                                                                 return_probs=True), q, kv, idx)
+    grad = jax.grad(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu)[0].astype(f32).sum(),
+                    argnums=(0, 1))
+    assert _lower_for_cuda(grad, q, kv, idx).count("triton") >= 3
+    _lower_for_cuda(lambda a, b, c, d, e, g: pallas_kernels.indexer_logits(a, b, c, d, starts=e, ends=g, impl=gpu),
+                    sds((1, 8, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32), sds((1, 8, 64), f32),
+                    sds((1, 8), i32), sds((1, 8), i32))
+    _lower_for_cuda(lambda x: pallas_kernels.hadamard_quant(x, impl=gpu), sds((8, 64, 128), bf16))
+    _lower_for_cuda(lambda x, n: pallas_kernels.topk(x, 2048, lengths=n, impl=gpu), sds((4, 131072), f32),
+                    sds((4,), i32))
