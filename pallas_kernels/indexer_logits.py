@@ -50,13 +50,13 @@ def _kernel(q_ref, k_ref, ks_ref, w_ref, st_ref, en_ref, o_ref, *, block_q, bloc
     last = jnp.where(hi > lo, pl.cdiv(hi, block_k), 0)
     neg_inf = jnp.full((1, block_k), -jnp.inf, o_ref.dtype)
 
-    def fill(j, _):
+    def fill(j, carry):
         cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
         for r in range(block_q):
             pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(j * block_k, block_k)], neg_inf, mask=cols[None] < num_keys)
-        return 0
+        return carry
 
-    def compute(j, _):
+    def compute(j, carry):
         cols = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
         in_range = cols < num_keys
         k = pltriton.load(k_ref.at[pl.ds(j * block_k, block_k), :], mask=in_range[:, None], other=0.0)
@@ -68,11 +68,12 @@ def _kernel(q_ref, k_ref, ks_ref, w_ref, st_ref, en_ref, o_ref, *, block_q, bloc
             row = jnp.where((cols >= starts[r]) & (cols < ends[r]), row, -jnp.inf)
             pltriton.store(o_ref.at[pl.ds(r, 1), pl.ds(j * block_k, block_k)], row[None].astype(o_ref.dtype),
                            mask=in_range[None])
-        return 0
+        return carry
 
-    jax.lax.fori_loop(0, first, fill, 0)
-    jax.lax.fori_loop(first, last, compute, 0)
-    jax.lax.fori_loop(last, n_blocks, fill, 0)
+    zero = jnp.int32(0)  # a loop-carried value (a Python literal carry does not lower on jax 0.11 Triton)
+    jax.lax.fori_loop(0, first, fill, zero)
+    jax.lax.fori_loop(first, last, compute, zero)
+    jax.lax.fori_loop(last, n_blocks, fill, zero)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "backend", "num_warps",

@@ -261,3 +261,16 @@ def test_triton_kernels_lower_at_production_shapes():
     _lower_for_cuda(lambda x: pallas_kernels.hadamard_quant(x, impl=gpu), sds((8, 64, 128), bf16))
     _lower_for_cuda(lambda x, n: pallas_kernels.topk(x, 2048, lengths=n, impl=gpu), sds((4, 131072), f32),
                     sds((4,), i32))
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+def test_benchmark_smoke_runs():
+    """bench/kernels.py --smoke: every op at tiny shapes in interpret mode, so the GPU benchmark does not rot."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(os.path.dirname(FIXTURES), "..",
+                                                                                "bench", "kernels.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke"])
+    assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd", "DSA layer fwd"}
+    assert all(r.kernel_ms > 0 for r in rows)
