@@ -58,7 +58,7 @@ class Transformer(nnx.Module):
     """DeepSeek-V3.2 causal LM.
 
     `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds, per
-    layer (keys 0..L-1 and "mtp{j}"): `topk` (indexer selections [B, T, k]), `routing` (expert ids [B, T, k]),
+    layer (keys 0..L-1, and L+j for MTP depth j as in the checkpoint): `topk` (indexer selections [B, T, k]), `routing` (expert ids [B, T, k]),
     `router_prob` (MoE layers), `indexer_kl` / `indexer_captured` (with RunOptions.indexer_loss); and
     `mtp_logits` (list of [B, T, V]; entry j predicts token t+2+j) and `hidden` (final normed state).
     """
@@ -124,8 +124,9 @@ class Transformer(nnx.Module):
         for j, mtp in enumerate(self.mtp):
             next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
             x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
-            h, layer_aux = mtp.block(mtp.eh_proj(x), pos, self.options, routing.get(f"mtp{j}"))
-            _collect(aux, f"mtp{j}", layer_aux)
+            key = self.config.num_hidden_layers + j  # the MTP layer's index in the checkpoint
+            h, layer_aux = mtp.block(mtp.eh_proj(x), pos, self.options, routing.get(key))
+            _collect(aux, key, layer_aux)
             out.append(self.logits(mtp.norm(h)))
         return out
 

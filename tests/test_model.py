@@ -116,7 +116,7 @@ def test_routing_replay_through_the_model(tiny, rng):
     toks = tokens(rng)
     _, aux = tiny(toks, return_aux=True)
     routing = {k: v for k, v in aux["routing"].items() if v is not None}
-    assert set(routing) == {1, 2, "mtp0"}
+    assert set(routing) == {1, 2, 3}  # MTP layer = checkpoint layer num_hidden_layers
     _, aux2 = tiny(toks, routing=routing, return_aux=True)
     for k, v in routing.items():
         np.testing.assert_array_equal(np.asarray(aux2["routing"][k]), np.asarray(v))

@@ -1,0 +1,127 @@
+"""Device mesh and the one rule table that maps logical axis names to mesh axes.
+
+Parameters carry logical names in their `axes` metadata (optimizer state inherits them); activations name
+theirs through `constrain`. Mesh axes: data (pure data parallel), fsdp (parameters sharded, batch split),
+tensor (heads / hidden units), expert (routed experts split; batch split too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# logical name -> mesh axis (or tuple of mesh axes, or None = replicated)
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "seq": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_lora": None,
+    "kv_lora": None,
+    "heads": "tensor",
+    "index_heads": "tensor",
+    "mlp": "tensor",
+    "moe_mlp": "tensor",
+    "expert": "expert",
+    "norm": None,
+}
+
+_CONTEXT: dict = {"mesh": None, "rules": DEFAULT_RULES}
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """'fsdp:2,tensor:2,expert:2' (or a dict) -> sizes for every mesh axis; one axis may be -1 (the rest)."""
+    if isinstance(spec, str):
+        sizes = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, size = part.partition(":")
+            if name not in MESH_AXES or not size.lstrip("-").isdigit():
+                raise ValueError(f"--mesh: bad entry {part!r}; expected name:size with name in {MESH_AXES}")
+            sizes[name] = int(size)
+    else:
+        sizes = dict(spec)
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh axes {sorted(unknown)} unknown; expected a subset of {MESH_AXES}")
+    return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mapping[str, int] = "", devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = parse_mesh_spec(spec)
+    auto = [a for a, s in sizes.items() if s == -1]
+    if len(auto) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {auto}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if auto:
+        sizes[auto[0]] = len(devices) // known
+    if math.prod(sizes.values()) != len(devices):
+        raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
+
+
+def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES, mesh: Mesh | None = None) -> P:
+    """Logical axis names -> PartitionSpec; a mesh axis is used at most once, size-1 mesh axes are dropped."""
+    if names is None:
+        return P()
+    used, out = set(), []
+    for name in names:
+        target = rules.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape[a] > 1))
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*out)
+
+
+def _divisible(spec: P, shape, mesh: Mesh) -> P:
+    """Replicates any dimension that does not divide evenly by the mesh axes it would be sharded over."""
+    def size(entry):
+        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+    return P(*[e if e is None or shape[i] % size(e) == 0 else None for i, e in enumerate(spec)])
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping = DEFAULT_RULES):
+    """NamedSharding for every variable of an nnx state (from its `axes` metadata; replicated without)."""
+    def one(var):
+        axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
+        shape = getattr(var.get_value() if isinstance(var, nnx.Variable) else var, "shape", ())
+        spec = logical_to_spec(axes, rules, mesh) if axes is not None and len(axes) == len(shape) else P()
+        sharding = NamedSharding(mesh, _divisible(spec, shape, mesh))
+        return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: Mapping = DEFAULT_RULES):
+    """Activates `constrain` for code traced inside (a no-op outside any mesh)."""
+    old = dict(_CONTEXT)
+    _CONTEXT.update(mesh=mesh, rules=rules)
+    try:
+        yield mesh
+    finally:
+        _CONTEXT.update(old)
+
+
+def current_mesh() -> Mesh | None:
+    return _CONTEXT["mesh"]
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """with_sharding_constraint by logical names under the active mesh."""
+    mesh = _CONTEXT["mesh"]
+    if mesh is None or mesh.size == 1:
+        return x
+    spec = _divisible(logical_to_spec(names, _CONTEXT["rules"], mesh), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

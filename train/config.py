@@ -1,0 +1,44 @@
+"""Default experiment config. Experiment files under configs/ call `default_config()` and override what differs."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    # "dense" (LM pre-training with dense attention), "warmup" (eq. 3: indexer only), "sparse" (eq. 4 + LM)
+    c.stage = "sparse"
+    c.model = "tiny"  # preset under configs/models/ or a config.json path
+    c.model_overrides = ml_collections.ConfigDict()  # e.g. {"index_topk": 16}
+    # Start from: "" (random init with `seed`), an HF / converted-orbax checkpoint dir, or a training workdir
+    # (its latest checkpoint's parameters).
+    c.init_from = ""
+    c.dtype = "float32"
+    c.param_dtype = "float32"
+    c.seed = 0
+    c.steps = 100
+    c.attention = "sparse"  # "sparse" | "kernel" | "dense" (DSA attention implementation)
+    c.attn_chunk = 64
+    c.index_chunk = 128
+    c.mesh = ""  # e.g. "fsdp:2,tensor:2,expert:2"; "" = all devices on fsdp
+    c.peak_tflops = 0.0  # per device, for the MFU estimate (0 = look up the device kind)
+
+    c.data = ml_collections.ConfigDict(dict(
+        source="builtin", paths=(), text_field="text", tokenizer="byte", seq_len=128, batch_size=8, seed=0,
+        shuffle=True, num_epochs=None, add_eos=True, worker_count=0))
+    c.data.num_epochs = ml_collections.config_dict.placeholder(int)
+
+    c.optimizer = ml_collections.ConfigDict(dict(
+        lr=1e-3, schedule="cosine", warmup_steps=10, decay_steps=100, final_lr_fraction=0.1, b1=0.9, b2=0.95,
+        eps=1e-8, weight_decay=0.0, grad_clip=1.0))
+
+    c.loss = ml_collections.ConfigDict(dict(
+        indexer_weight=1.0,  # sparse stage: weight of the eq. (4) KL (the indexer's only signal)
+        mtp_weight=0.0,  # MTP loss weight (DeepSeek-V3 used 0.3 then 0.1)
+        balance_weight=0.0,  # sequence-wise balance loss alpha (DeepSeek-V3: 1e-4)
+        bias_update_speed=0.0))  # auxiliary-loss-free bias update gamma (DeepSeek-V3: 1e-3)
+
+    c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3, use_async=True))
+    c.log_every = 10
+    return c

@@ -1,0 +1,44 @@
+"""Training entry point: `python -m train.main --config=configs/<experiment>.py --workdir=W [--config.x=y ...]`.
+
+Multi-host: pass --coordinator_address, --num_processes and --process_id (or set them through the
+environment that `jax.distributed.initialize()` understands, with --distributed)."""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "sparse_tiny.py")
+config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "experiment config file (configs/*.py)")
+flags.DEFINE_string("workdir", "", "checkpoints, metrics.jsonl, TensorBoard events (default runs/<config name>)")
+flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (auto-detected cluster environment)")
+flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for multi-host runs")
+flags.DEFINE_integer("num_processes", 1, "number of processes in a multi-host run")
+flags.DEFINE_integer("process_id", 0, "this process's index in a multi-host run")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    import jax
+
+    if not FLAGS["verbosity"].present:  # orbax logs every file it renames at INFO
+        logging.set_verbosity(logging.WARNING)
+
+    if FLAGS.coordinator_address or FLAGS.num_processes > 1:
+        jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    elif FLAGS.distributed:
+        jax.distributed.initialize()
+    from train.run import run
+
+    config = FLAGS.config
+    name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
+    workdir = FLAGS.workdir or os.path.join("runs", name)
+    print(f"config {name} (stage {config.stage}) -> workdir {workdir} on {jax.device_count()} device(s)", flush=True)
+    run(config, workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,25 @@
+"""Runs one configured stage (dense / warmup / sparse / grpo) in a workdir."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from train import data as data_lib
+from train.trainer import Trainer, write_summary
+
+
+def run(config, workdir: str):
+    os.makedirs(workdir, exist_ok=True)
+    if config.stage == "grpo":
+        from train.grpo import run_grpo
+        return run_grpo(config, workdir)
+    trainer = Trainer(config, workdir)
+    data_cfg = data_lib.DataConfig(**config.data.to_dict())
+    it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    history = trainer.fit(it)
+    write_summary(workdir, history)
+    print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
+    return history
