@@ -33,9 +33,9 @@ The alternatives were worse: one sub-checkpoint per layer cannot be restored wit
 tensorstore/zarr arrays would bypass orbax's metadata.
 
 Sharding: `parse_mesh("fsdp:2,tensor:4")` builds a `jax.sharding.Mesh`; `logical_sharding` maps a parameter's
-logical `axes` metadata to mesh axes through a rule table (DEFAULT_RULES here; every function takes `rules=` so
-the training code's shared table can replace it). A mesh axis is used at most once per array and only where it
-divides the dimension; anything else is replicated.
+logical `axes` metadata to mesh axes through a rule table (the shared `dsv32_jax.sharding.DEFAULT_RULES` when
+importable, else the same-format DEFAULT_RULES here; every function takes `rules=`). A mesh axis is used at most once
+per array and only where it divides the dimension; anything else is replicated.
 """
 
 from __future__ import annotations
@@ -63,19 +63,29 @@ SCALE_SUFFIX = "_scale_inv"
 BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 
-# logical axis name -> mesh axis name(s), in order of preference. Missing names / None: replicated.
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "vocab": ("tensor",),
-    "embed": ("fsdp",),
-    "mlp": ("tensor",),
-    "moe_mlp": ("tensor",),
-    "heads": ("tensor",),
-    "index_heads": ("tensor",),
-    "expert": ("expert", "fsdp"),
-    "q_lora": (),
-    "kv_lora": (),
-    "norm": (),
+# logical axis name -> mesh axis (str), mesh axes (tuple: sharded over all of them that the mesh has), or None
+# (replicated). Same format and semantics as `dsv32_jax.sharding.DEFAULT_RULES`, the training code's table, which
+# `default_rules()` prefers when it is importable; this copy is the fallback.
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_lora": None,
+    "kv_lora": None,
+    "heads": ("tensor", "fsdp"),
+    "index_heads": ("tensor", "fsdp"),
+    "mlp": "tensor",
+    "moe_mlp": "tensor",
+    "expert": "expert",
+    "norm": None,
 }
+
+
+def default_rules() -> Mapping:
+    try:
+        from dsv32_jax.sharding import DEFAULT_RULES as shared
+    except Exception:  # noqa: BLE001 -- absent or broken: fall back to the local table
+        return DEFAULT_RULES
+    return shared
 
 
 # --------------------------------------------------------------------------------------------- tree helpers
@@ -183,22 +193,24 @@ def parse_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
 
 
-def logical_to_spec(axes, shape, mesh: jax.sharding.Mesh, rules: Mapping | None = None) -> jax.sharding.PartitionSpec:
-    rules = DEFAULT_RULES if rules is None else rules
+def logical_to_spec(axes, shape, mesh, rules: Mapping | None = None) -> jax.sharding.PartitionSpec:
+    """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
+    used at most once per array, axes the mesh lacks (or of size 1) are dropped, and a dimension that the product
+    of its mesh axes does not divide stays replicated."""
+    rules = default_rules() if rules is None else rules
+    sizes = dict(mesh.shape)
+    axes = tuple(axes or ())
+    axes = axes + (None,) * (len(shape) - len(axes))
     used, out = set(), []
-    axes = tuple(axes or ()) + (None,) * (len(shape) - len(tuple(axes or ())))
     for name, dim in zip(axes, shape):
-        choice = None
-        candidates = rules.get(name, ()) if name is not None else ()
-        if isinstance(candidates, str):
-            candidates = (candidates,)
-        for mesh_axis in candidates or ():
-            size = mesh.shape.get(mesh_axis)
-            if size and mesh_axis not in used and dim % size == 0:
-                choice = mesh_axis
-                used.add(mesh_axis)
-                break
-        out.append(choice)
+        target = rules.get(name) if name is not None else None
+        cand = (target,) if isinstance(target, str) else tuple(target or ())
+        cand = tuple(a for a in cand if a not in used and sizes.get(a, 1) > 1)
+        if cand and dim % int(np.prod([sizes[a] for a in cand])) == 0:
+            used.update(cand)
+            out.append(cand[0] if len(cand) == 1 else cand)
+        else:
+            out.append(None)
     return jax.sharding.PartitionSpec(*out)
 
 
