@@ -28,8 +28,13 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
+# The paper's recipe in miniature: dense LM pre-training -> dense warm-up of the indexer (eq. 3) -> sparse
+# training (eq. 4), then curves in runs/demo/curves.png. Re-running resumes (finished stages are skipped).
 train: $(STAMP)
-	$(PY) -m train.main
+	$(PY) -m train.main --config=configs/dense_tiny.py --workdir=runs/demo/dense
+	$(PY) -m train.main --config=configs/warmup_tiny.py --workdir=runs/demo/warmup
+	$(PY) -m train.main --config=configs/sparse_tiny.py --workdir=runs/demo/sparse
+	$(PY) -m train.plot runs/demo --out runs/demo/curves.png
 
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:

@@ -27,8 +27,8 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "q_lora": None,
     "kv_lora": None,
-    "heads": "tensor",
-    "index_heads": "tensor",
+    "heads": ("tensor", "fsdp"),  # falls back to fsdp where its partner dim (a LoRA rank) stays whole
+    "index_heads": ("tensor", "fsdp"),
     "mlp": "tensor",
     "moe_mlp": "tensor",
     "expert": "expert",
@@ -64,12 +64,15 @@ def make_mesh(spec: str | Mapping[str, int] = "", devices=None) -> Mesh:
     known = math.prod(s for s in sizes.values() if s != -1)
     if auto:
         sizes[auto[0]] = len(devices) // known
-    if math.prod(sizes.values()) != len(devices):
-        raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, have {len(devices)}")
+    need = math.prod(sizes.values())
+    if need > len(devices) or (auto and need != len(devices)):
+        raise ValueError(f"mesh {sizes} needs {need} devices, have {len(devices)}")
+    devices = devices[:need]  # an explicit smaller mesh uses the first devices
     return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
 
 
-def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES, mesh: Mesh | None = None) -> P:
+def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES,
+                    mesh_shape: Mapping[str, int] | None = None) -> P:
     """Logical axis names -> PartitionSpec; a mesh axis is used at most once, size-1 mesh axes are dropped."""
     if names is None:
         return P()
@@ -77,30 +80,54 @@ def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT
     for name in names:
         target = rules.get(name) if name is not None else None
         axes = (target,) if isinstance(target, str) else tuple(target or ())
-        axes = tuple(a for a in axes if a not in used and (mesh is None or mesh.shape[a] > 1))
+        axes = tuple(a for a in axes if a not in used and (mesh_shape is None or mesh_shape[a] > 1))
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*out)
 
 
-def _divisible(spec: P, shape, mesh: Mesh) -> P:
+def _divisible(spec: P, shape, mesh_shape: Mapping[str, int]) -> P:
     """Replicates any dimension that does not divide evenly by the mesh axes it would be sharded over."""
     def size(entry):
-        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+        return math.prod(mesh_shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
 
     return P(*[e if e is None or shape[i] % size(e) == 0 else None for i, e in enumerate(spec)])
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping = DEFAULT_RULES):
-    """NamedSharding for every variable of an nnx state (from its `axes` metadata; replicated without)."""
-    def one(var):
-        axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
-        shape = getattr(var.get_value() if isinstance(var, nnx.Variable) else var, "shape", ())
-        spec = logical_to_spec(axes, rules, mesh) if axes is not None and len(axes) == len(shape) else P()
-        sharding = NamedSharding(mesh, _divisible(spec, shape, mesh))
-        return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+def variable_spec(var, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
+    """PartitionSpec of one nnx variable from its `axes` metadata (replicated without, or on a rank mismatch)."""
+    axes = var.get_metadata().get("axes") if _is_var(var) else None
+    shape = getattr(var.get_value() if _is_var(var) else var, "shape", ())
+    if axes is None or len(axes) != len(shape):
+        return P()
+    return _divisible(logical_to_spec(axes, rules, mesh_shape), shape, mesh_shape)
+
+
+def state_specs(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES):
+    """PartitionSpecs for every variable of an nnx state; needs only the mesh's axis sizes (no devices)."""
+    return jax.tree.map(lambda v: variable_spec(v, mesh_shape, rules), state, is_leaf=_is_var)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping = DEFAULT_RULES):
+    """NamedSharding for every variable of an nnx state, as a state-shaped tree (for jit in/out_shardings)."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, variable_spec(v, mesh.shape, rules))) if _is_var(v)
+                        else NamedSharding(mesh, P()), state, is_leaf=_is_var)
+
+
+def per_device_bytes(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> int:
+    """Bytes each device holds for `state` (abstract or concrete) under the rule table."""
+    total = 0
+    for var in jax.tree.leaves(state, is_leaf=_is_var):
+        value = var.get_value() if _is_var(var) else var
+        spec = variable_spec(var, mesh_shape, rules)
+        shards = math.prod(math.prod(mesh_shape[a] for a in ((e,) if isinstance(e, str) else e))
+                           for e in spec if e is not None)
+        total += int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize // shards
+    return total
 
 
 @contextlib.contextmanager
@@ -123,5 +150,5 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh = _CONTEXT["mesh"]
     if mesh is None or mesh.size == 1:
         return x
-    spec = _divisible(logical_to_spec(names, _CONTEXT["rules"], mesh), x.shape, mesh)
+    spec = _divisible(logical_to_spec(names, _CONTEXT["rules"], mesh.shape), x.shape, mesh.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

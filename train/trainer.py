@@ -77,23 +77,26 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, *, allocate: bool = True):
+        """allocate=False builds only the abstract state (shapes, no mesh, no compilation): any config, any size."""
         self.config = config
         self.workdir = workdir
         self.stage = config.stage
         self.filter = trainable_filter(self.stage)
-        self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.cfg = model_config(config)
         self.dtype = jnp.dtype(config.dtype)
         self.param_dtype = jnp.dtype(config.param_dtype)
         self.options = run_options(config)
         self.tx = make_tx(config.optimizer)
-        self.batch_sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "seq"), mesh=self.mesh))
         self.rng = jax.random.key_data(jax.random.key(config.seed))
+        self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
+        self._stop = False
+        if not allocate:
+            return
+        self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
+        self.batch_sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "seq"), mesh_shape=self.mesh.shape))
         self.ts = self._init_state()
         self._step_fn = self._compile_step()
-        self._stop = False
-        self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
 
     # ------------------------------------------------------------------ state
     def _build(self, model=None):
@@ -103,13 +106,13 @@ class Trainer:
         model.options = self.options
         return model, nnx.Optimizer(model, self.tx, wrt=self.filter)
 
-    def abstract_state(self) -> TrainState:
-        """Shapes and shardings of the full training state without allocating it (works for the 671B config)."""
-        graphdef, state = nnx.split(nnx.eval_shape(self._build))
-        return TrainState(graphdef, state, shd.state_shardings(state, self.mesh))
+    def abstract_state(self) -> tuple[object, nnx.State]:
+        """(graphdef, abstract state of (model, optimizer)) without allocating anything (works for 671B)."""
+        return nnx.split(nnx.eval_shape(self._build))
 
     def _init_state(self) -> TrainState:
-        abstract = self.abstract_state()
+        graphdef, state = self.abstract_state()
+        abstract = TrainState(graphdef, state, shd.state_shardings(state, self.mesh))
         init = self.config.init_from
         with self.mesh:
             if not init:

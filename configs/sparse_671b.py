@@ -1,0 +1,28 @@
+"""The paper's sparse training stage: top-k 2048 sparse attention, all parameters trained, the indexer by the
+KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
+(943.7B tokens). Mesh: 2048 devices."""
+from train.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.stage = "sparse"
+    c.model = "deepseek_v32_671b"
+    c.init_from = "runs/warmup_671b"
+    c.dtype = "bfloat16"
+    c.param_dtype = "float32"
+    c.attention = "kernel"
+    c.mesh = "data:4,fsdp:32,expert:16"
+    c.steps = 15000
+    c.optimizer.lr = 7.3e-6
+    c.optimizer.schedule = "constant"
+    c.optimizer.warmup_steps = 100
+    c.loss.mtp_weight = 0.1
+    c.loss.bias_update_speed = 1e-3
+    c.loss.balance_weight = 1e-4
+    c.data.seq_len = 131072
+    c.data.batch_size = 480
+    c.attn_chunk = 512
+    c.index_chunk = 512
+    c.checkpoint.every = 250
+    return c

@@ -1,0 +1,24 @@
+"""The paper's dense warm-up (section 2.1.1) for DeepSeek-V3.2 from DeepSeek-V3.1-Terminus: dense attention,
+every parameter frozen except the lightning indexer, KL to the head-summed attention (eq. 3); lr 1e-3,
+1000 steps x 16 sequences x 128K tokens (2.1B tokens). Mesh: 2048 devices (256 nodes x 8)."""
+from train.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.stage = "warmup"
+    c.model = "deepseek_v32_671b"
+    c.init_from = ""  # the converted V3.1-Terminus checkpoint (python -m dsv32_jax.convert hf-to-orbax ...)
+    c.dtype = "bfloat16"
+    c.param_dtype = "bfloat16"
+    c.mesh = "data:4,fsdp:32,expert:16"
+    c.steps = 1000
+    c.optimizer.lr = 1e-3
+    c.optimizer.schedule = "constant"
+    c.optimizer.warmup_steps = 10
+    c.data.seq_len = 131072
+    c.data.batch_size = 16
+    c.attn_chunk = 512
+    c.index_chunk = 512
+    c.checkpoint.every = 100
+    return c
