@@ -1,0 +1,375 @@
+"""train/data.py: sources, tokenizers, packing invariants, determinism, exact resume, host sharding."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from train import data
+from train.data import DataConfig, make_dataset, make_iterator, make_tokenizer
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé — text with “quotes” and emoji 🦊 survives the round trip.",
+    "short",
+    "A much longer document that will not fit into one row of sixteen tokens, so it is split across "
+    "several rows, and every piece continues where the previous one stopped.",
+    "x",
+    "Line one\nline two\n\nparagraph two",
+]
+
+
+def take(it, n=None):
+    out = []
+    for batch in it:
+        out.append(batch)
+        if n is not None and len(out) == n:
+            break
+    return out
+
+
+def rows(batches):
+    return [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["tokens"]))]
+
+
+def documents(batches):
+    """Token lists of the documents in stream order (needs rows in order: shuffle_window=0)."""
+    docs, cur = [], []
+    for row in rows(batches):
+        for t in range(len(row["tokens"])):
+            if row["segment_ids"][t] == 0:
+                continue
+            cur.append(int(row["tokens"][t]))
+            if row["loss_mask"][t] == 0:
+                docs.append(cur)
+                cur = []
+    assert not cur, "stream ended inside a document"
+    return docs
+
+
+def texts(batches):
+    return [bytes(d).decode("utf-8") for d in documents(batches)]
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def write_jsonl(path, docs, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, field: d}) + "\n")
+    return str(path)
+
+
+def write_parquet(path, docs, field="text", row_group_size=2):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=row_group_size)
+    return str(path)
+
+
+def write_arrayrecord(path, records):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    w = ArrayRecordWriter(str(path), "group_size:1")
+    for r in records:
+        w.write(r)
+    w.close()
+    return str(path)
+
+
+def finite(source, paths, **kw):
+    kw = {"seq_len": 16, "batch_size": 1, "num_epochs": 1, "shuffle": False, **kw}
+    return DataConfig(source=source, paths=tuple(paths), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_roundtrip():
+    tok = make_tokenizer("byte", vocab_size=256)
+    text = "héllo wörld 🦊\n\ttabs"
+    ids = tok.encode(text)
+    assert max(ids) < 256 and tok.eos_id is None and tok.vocab_size == 256
+    assert tok.decode(ids) == text
+    with pytest.raises(ValueError, match="'byte' has 256 ids but the model's vocab_size is 100"):
+        make_tokenizer("byte", vocab_size=100)
+
+
+def _hf_checkpoint(folder, config=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat", "the dog ran"],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>", "<bos>"]))
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    if config is not None:
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f)
+    return tok
+
+
+def test_hf_tokenizer_from_checkpoint_dir(tmp_path):
+    ref = _hf_checkpoint(tmp_path / "ckpt", {"eos_token": {"content": "</s>"}})
+    tok = make_tokenizer(str(tmp_path / "ckpt"), vocab_size=64)
+    assert tok.vocab_size == ref.get_vocab_size() and tok.eos_id == ref.token_to_id("</s>")
+    ids = tok.encode("the cat ran")
+    assert ids == ref.encode("the cat ran").ids and tok.decode(ids) == "the cat ran"
+    assert make_tokenizer(str(tmp_path / "ckpt" / "tokenizer.json")).encode("the dog") == ref.encode("the dog").ids
+    with pytest.raises(ValueError, match=r"tokenizer\.json' has \d+ ids but the model's vocab_size is 3"):
+        make_tokenizer(str(tmp_path / "ckpt"), vocab_size=3)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
+        make_tokenizer(str(tmp_path))
+
+    # BOS from tokenizer_config.json; EOS from config.json when tokenizer_config.json has none.
+    _hf_checkpoint(tmp_path / "b", {"bos_token": "<bos>", "add_bos_token": True})
+    with open(tmp_path / "b" / "config.json", "w") as f:
+        json.dump({"eos_token_id": 1}, f)
+    tok = make_tokenizer(str(tmp_path / "b"))
+    assert tok.eos_id == 1 and tok.encode("the cat")[0] == ref.token_to_id("<bos>")
+
+    # Through the pipeline: every document ends with EOS (masked), tokens decode back to the text.
+    path = write_jsonl(tmp_path / "d.jsonl", ["the cat sat", "the dog ran on the mat"])
+    batches = take(make_iterator(finite("jsonl", [path], tokenizer=str(tmp_path / "ckpt"), seq_len=4),
+                                 vocab_size=64))
+    docs = documents(batches)
+    assert [d[-1] for d in docs] == [tok.eos_id] * 2
+    assert [ref.decode(d[:-1]) for d in docs] == ["the cat sat", "the dog ran on the mat"]
+
+
+# ---------------------------------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("source", ["jsonl", "parquet", "arrayrecord", "text"])
+def test_source_round_trip(tmp_path, source):
+    half = len(DOCS) // 2
+    if source == "jsonl":
+        paths = [write_jsonl(tmp_path / "a.jsonl", DOCS[:half] + [""]),
+                 write_jsonl(tmp_path / "b.jsonl", DOCS[half:])]
+        with open(paths[0], "a") as f:
+            f.write("\n  \n")  # blank lines are ignored
+    elif source == "parquet":
+        paths = [write_parquet(tmp_path / "a.parquet", DOCS[:half]), write_parquet(tmp_path / "b.parquet", DOCS[half:])]
+    elif source == "arrayrecord":  # raw UTF-8 records and JSON records with the text field
+        records = [d.encode() if i % 2 else json.dumps({"text": d}).encode() for i, d in enumerate(DOCS)]
+        paths = [write_arrayrecord(tmp_path / "a.array_record", records[:half]),
+                 write_arrayrecord(tmp_path / "b.array_record", records[half:])]
+    else:
+        for i, d in enumerate(DOCS):
+            (tmp_path / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+        paths = [str(tmp_path / "doc0*.txt")]
+    # In order: every document exactly once, split across rows, nothing dropped (batch_size 1).
+    assert texts(take(make_iterator(finite(source, paths), vocab_size=256))) == DOCS
+    # Shuffled documents, 2 epochs: each epoch a permutation of the corpus.
+    got = texts(take(make_iterator(finite(source, paths, shuffle=True, shuffle_window=0, num_epochs=2, seed=3),
+                                   vocab_size=256)))
+    assert sorted(got[:len(DOCS)]) == sorted(DOCS) and sorted(got[len(DOCS):]) == sorted(DOCS)
+    assert got != DOCS * 2
+    # Shuffled rows too: same tokens overall.
+    batches = take(make_iterator(finite(source, paths, shuffle=True, seq_len=8, batch_size=2), vocab_size=256))
+    toks = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches])
+    total = sum(len(d.encode()) for d in DOCS)
+    assert len(toks) <= total and total - len(toks) < 2 * 8  # at most the final partial batch is dropped
+    if source == "text":
+        assert texts(take(make_iterator(finite(source, [str(tmp_path)]), vocab_size=256))) == DOCS
+
+
+def test_text_source_splits_large_files(tmp_path):
+    text = "".join(f"line {i} ünïcode\n" for i in range(500)) + "tail without newline"
+    (tmp_path / "big.txt").write_text(text, encoding="utf-8")
+    src = data.TextSource([str(tmp_path / "big.txt")], piece_bytes=1000)
+    pieces = [src[i] for i in range(len(src))]
+    assert len(pieces) > 5 and "".join(pieces) == text
+    assert all(p.endswith("\n") for p in pieces[:-1])
+
+
+def test_parquet_block_shuffle_is_a_permutation(tmp_path):
+    docs = [f"doc {i}" for i in range(23)]
+    paths = [write_parquet(tmp_path / "a.parquet", docs[:10], row_group_size=3),
+             write_parquet(tmp_path / "b.parquet", docs[10:], row_group_size=4)]
+    src, blocks = data.make_source(DataConfig(source="parquet", paths=tuple(paths)))
+    assert len(src) == 23 and list(blocks) == [0, 3, 6, 9, 10, 14, 18, 22, 23]
+    import grain
+
+    ds = data.BlockShuffleMapDataset(grain.MapDataset.source(src), blocks, seed=1).repeat(2)
+    e0, e1 = [ds[i] for i in range(23)], [ds[i] for i in range(23, 46)]
+    assert sorted(e0) == sorted(docs) and sorted(e1) == sorted(docs) and e0 != e1 and e0 != docs
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+
+
+def _random_docs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    lengths = rng.choice([0, 1, 2, 5, 12, 30, 70], size=n)
+    return [" ".join(rng.choice(words, size=k)) for k in lengths]
+
+
+def test_packing_invariants(tmp_path):
+    docs = _random_docs(120)
+    path = write_jsonl(tmp_path / "r.jsonl", docs)
+    seq = 32
+    batches = take(make_iterator(finite("jsonl", [path], seq_len=seq, shuffle=True, seed=5, shuffle_window=0),
+                                 vocab_size=256))  # batch_size 1: nothing dropped
+    assert all(b["tokens"].shape == (1, seq) for b in batches)
+    dtypes = {k: v.dtype for k, v in batches[0].items()}
+    assert dtypes == {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+                      "loss_mask": np.float32}
+    rs = rows(batches)
+    for i, r in enumerate(rs):
+        seg, pos, tok, tgt, mask = r["segment_ids"], r["positions"], r["tokens"], r["targets"], r["loss_mask"]
+        real = seg > 0
+        n = int(real.sum())
+        assert real[:n].all() and not real[n:].any(), "padding only at the end of a row"
+        assert seg[0] == 1 and np.all(np.diff(seg[:n]) >= 0) and np.all(np.diff(seg[:n]) <= 1)
+        assert np.all(mask[~real] == 0) and np.all(tok[~real] == 0)
+        for s in range(1, seg.max() + 1):
+            idx = np.flatnonzero(seg == s)
+            np.testing.assert_array_equal(pos[idx], np.arange(len(idx)))  # positions restart per segment
+            # inside a segment the target is the next token
+            np.testing.assert_array_equal(tgt[idx[:-1]], tok[idx[1:]])
+            assert np.all(mask[idx[:-1]] == 1)
+            last = idx[-1]
+            if mask[last] == 1:  # the document continues: only at a row end, into the next row's segment 1
+                assert last == seq - 1 and i + 1 < len(rs)
+                nxt = rs[i + 1]
+                assert nxt["segment_ids"][0] == 1 and nxt["positions"][0] == 0 and tgt[last] == nxt["tokens"][0]
+            else:
+                assert tgt[last] == 0
+    assert sorted(texts(batches)) == sorted(d for d in docs if d)
+
+
+def test_finite_epochs_drop_only_the_final_partial_batch(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", _random_docs(40, seed=1))
+    one = rows(take(make_iterator(finite("jsonl", [path], seq_len=16), vocab_size=256)))
+    three = rows(take(make_iterator(finite("jsonl", [path], seq_len=16, batch_size=3), vocab_size=256)))
+    assert len(three) == 3 * (len(one) // 3) and len(one) % 3 != 0
+    same(three, one[:len(three)])
+    assert one[-1]["segment_ids"][-1] == 0  # the last partial row is padded, not dropped
+
+
+# ---------------------------------------------------------------------------------------------------- order
+
+
+def test_builtin_corpus():
+    docs = data.builtin_documents()
+    size = sum(len(d.encode()) for d in docs)
+    assert len(docs) > 50 and size > 500_000
+    assert any("statement" in d for d in docs[:100])
+    assert data.make_source(DataConfig())[0].documents == list(docs)
+    b = next(make_iterator(DataConfig(seq_len=64, batch_size=4), vocab_size=256))
+    assert b["tokens"].shape == (4, 64) and b["tokens"].max() < 256
+
+
+def test_determinism_and_exact_resume():
+    cfg = DataConfig(seq_len=32, batch_size=4, seed=7, shuffle_window=16)
+    it = make_iterator(cfg, vocab_size=256)
+    first = take(it, 7)
+    state = json.loads(json.dumps(it.get_state()))  # stored with checkpoints as JSON
+    rest = take(it, 5)
+    same(take(make_iterator(cfg, vocab_size=256), 12), first + rest)
+    resumed = make_iterator(cfg, vocab_size=256)
+    resumed.set_state(state)
+    same(take(resumed, 5), rest)
+    other = take(make_iterator(DataConfig(seq_len=32, batch_size=4, seed=8), vocab_size=256), 1)[0]
+    assert not np.array_equal(other["tokens"], first[0]["tokens"])
+
+
+@pytest.mark.parametrize("source,window", [("jsonl", 5), ("jsonl", 0), ("parquet", 5)])
+def test_resume_across_epochs_and_windows(tmp_path, source, window):
+    docs = _random_docs(30, seed=2)
+    path = (write_jsonl(tmp_path / "r.jsonl", docs) if source == "jsonl"
+            else write_parquet(tmp_path / "r.parquet", docs, row_group_size=4))
+    cfg = DataConfig(source=source, paths=(path,), seq_len=16, batch_size=2, seed=11, shuffle_window=window)
+    ref = take(make_iterator(cfg, vocab_size=256), 60)  # several epochs
+    it = make_iterator(cfg, vocab_size=256)
+    done = 0
+    for k in (1, 3, 8, 20, 33):
+        take(it, k - done)
+        done = k
+        state = json.loads(json.dumps(it.get_state()))
+        resumed = make_iterator(cfg, vocab_size=256)
+        resumed.set_state(state)
+        same(take(resumed, 6), ref[k:k + 6])
+
+
+@pytest.mark.parametrize("source", ["jsonl", "parquet"])
+def test_multihost_shards_are_disjoint(tmp_path, source):
+    docs = [f"document number {i:03d}" + " filler" * (i % 7) for i in range(41)]
+    path = (write_jsonl(tmp_path / "h.jsonl", docs) if source == "jsonl"
+            else write_parquet(tmp_path / "h.parquet", docs, row_group_size=6))
+    cfg = finite(source, [path], shuffle=True, shuffle_window=0, batch_size=2, seed=4)
+    shards = [texts(take(make_iterator(cfg, vocab_size=256, process_index=p, process_count=2))) for p in (0, 1)]
+    assert shards[0] and shards[1] and not set(shards[0]) & set(shards[1])
+    assert sorted(shards[0] + shards[1]) == sorted(docs)
+    b = next(make_iterator(cfg, vocab_size=256, process_index=1, process_count=2))
+    assert b["tokens"].shape == (1, 16)
+    with pytest.raises(ValueError, match="divisible"):
+        make_dataset(DataConfig(batch_size=3), vocab_size=256, process_index=0, process_count=2)
+
+
+def test_worker_processes_give_the_same_rows_and_resume():
+    cfg = DataConfig(seq_len=32, batch_size=4, seed=3, shuffle_window=8)
+    ref = take(make_iterator(cfg, vocab_size=256), 10)
+    cfg = DataConfig(seq_len=32, batch_size=4, seed=3, shuffle_window=8, worker_count=2)
+    it = make_iterator(cfg, vocab_size=256)
+    try:
+        same(take(it, 6), ref[:6])
+        state = json.loads(json.dumps(it.get_state()))
+    finally:
+        it.close()
+    it = make_iterator(cfg, vocab_size=256)
+    try:
+        it.set_state(state)
+        same(take(it, 4), ref[6:])
+    finally:
+        it.close()
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+def test_error_messages(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        make_dataset(finite("jsonl", [str(tmp_path / "nope.jsonl")]), vocab_size=256)
+    with pytest.raises(FileNotFoundError, match=r"no files match .*\*\.parquet"):
+        make_dataset(finite("parquet", [str(tmp_path / "*.parquet")]), vocab_size=256)
+    with pytest.raises(ValueError, match="paths is empty"):
+        DataConfig(source="jsonl")
+    with pytest.raises(ValueError, match="data.source must be one of"):
+        DataConfig(source="csv")
+
+    path = write_jsonl(tmp_path / "f.jsonl", ["a", "b"], field="content")
+    with pytest.raises(KeyError, match=r"f\.jsonl, line 1: text field 'text' missing"):
+        make_dataset(finite("jsonl", [path]), vocab_size=256)
+    with open(tmp_path / "g.jsonl", "w") as f:
+        f.write('{"text": "ok"}\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=r"g\.jsonl, line 2: text field 'text' holds int"):
+        take(make_iterator(finite("jsonl", [str(tmp_path / "g.jsonl")]), vocab_size=256))
+
+    pq_path = write_parquet(tmp_path / "c.parquet", ["a"], field="body")
+    with pytest.raises(KeyError, match=r"c\.parquet: Parquet column 'text' missing"):
+        make_dataset(finite("parquet", [pq_path]), vocab_size=256)
+    (tmp_path / "bad.parquet").write_bytes(b"this is not parquet")
+    with pytest.raises(ValueError, match=r"cannot read Parquet file .*bad\.parquet"):
+        make_dataset(finite("parquet", [str(tmp_path / "bad.parquet")]), vocab_size=256)
+
+    ar = write_arrayrecord(tmp_path / "x.array_record", [json.dumps({"body": "a"}).encode()])
+    with pytest.raises(KeyError, match=r"x\.array_record.*text field 'text' missing"):
+        make_dataset(finite("arrayrecord", [ar]), vocab_size=256)
+
+    with pytest.raises(ValueError, match="vocab_size is 128"):
+        make_dataset(DataConfig(), vocab_size=128)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="holds no documents"):
+        make_dataset(finite("jsonl", [str(tmp_path / "empty.jsonl")]), vocab_size=256)
