@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsv32_jax.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
-from pallas_kernels._dispatch import resolve_impl, round_up
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
 
 DIM = 128
 
@@ -56,6 +56,8 @@ def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
     rows = x.reshape(-1, DIM)
     n = rows.shape[0]
     br = min(block_rows, round_up(n, 16))
+    if backend == "pallas_tpu":  # Mosaic TPU: a rank-1 (scale) block must be a power of two >= 128
+        br = max(next_pow2(block_rows), 128)
     n_pad = round_up(n, br)
     rows = jnp.pad(rows, ((0, n_pad - n), (0, 0)))
     h = jnp.asarray(hadamard_matrix(DIM), jnp.float32)  # +-1 entries, exact in any MMA dtype

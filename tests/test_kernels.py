@@ -1,8 +1,9 @@
 """pallas_kernels against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs).
 
-Error bounds (max |a - b| / max |b|): float32 1e-5 (forward and gradients), bfloat16 3e-2 forward / 5e-2
-gradients (P and dS are rounded to bf16 before the MMAs, as in FlashAttention); FP8 indexer logits 1e-6
-(products of e4m3 codes are exact, only the summation order differs); hadamard_quant and top-k exact.
+Error bounds (max |a - b| / max |b|): sparse MLA float32 1e-5 (measured <= 5e-7, forward and gradients);
+bfloat16 1e-2 forward / 2e-2 gradients against the float32 reference (measured ~3e-3 / ~5e-3: P and dS are
+rounded to bf16 before the MMAs, as in FlashAttention); FP8 indexer logits 1e-6 in float32 (measured 0: e4m3
+products are exact) and 2^-8 with bf16 output; hadamard_quant ue8m0 scales and top-k sets exact.
 """
 
 import os
@@ -120,7 +121,7 @@ def test_topk_ties_lengths_and_empty_rows(rng, buffer):
 
 
 def test_topk_bf16_and_k_larger_than_row(rng):
-    x = jnp.asarray(rng.standard_normal((3, 1000)), jnp.bfloat16)  # bf16: many exact ties
+    x = jnp.asarray(rng.standard_normal((3, 600)), jnp.bfloat16)  # bf16: many exact ties
     _assert_same_selection(pallas_kernels.topk(x, 64, impl=IMPL, buffer=128), topk_reference(x, 64), x)
     short = jnp.asarray(rng.standard_normal((2, 5)), jnp.float32)  # S < k
     out = pallas_kernels.topk(short, 8, impl=IMPL)
@@ -154,7 +155,7 @@ def _mla_case(rng, dtype, b=2, t=7, s=11, h=4, d=40, d_v=32, k=8):
     return q, kv, jnp.asarray(idx), d_v
 
 
-BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (3e-2, 5e-2)}
+BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1e-2, 2e-2)}
 SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpadded 2^a + 2^b layout with
     "tiny": dict(),  # several head and slot blocks (production: 512 + 64, H 128 in 2 blocks, K 2048 in 32)
     "blocks": dict(t=3, s=50, h=32, d=48, d_v=32, k=40),
@@ -238,8 +239,12 @@ def _h100_lowering():
         pytest.skip("this jax cannot describe an H100 to the Triton lowering without a GPU")
 
 
+def _lower_for(platform, fn, *shapes):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+
+
 def _lower_for_cuda(fn, *shapes):
-    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return _lower_for("cuda", fn, *shapes)
 
 
 def test_triton_kernels_lower_at_production_shapes():
@@ -263,13 +268,28 @@ def test_triton_kernels_lower_at_production_shapes():
                     sds((4,), i32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hadamard_quant_lowers_for_tpu(dtype):
+    """The pallas_tpu body lowers to Mosaic TPU for a v5p without a TPU (its compilation happens on the device)."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+    try:
+        device = AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
+    except TypeError:
+        pytest.skip("this jax cannot describe a TPU without one")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        text = _lower_for("tpu", lambda x: pallas_kernels.hadamard_quant(x, impl="pallas_tpu"),
+                          jax.ShapeDtypeStruct((8, 64, 128), dtype))
+    assert "tpu_custom_call" in text
+
+
 # ---------------------------------------------------------------------------------------------- benchmark
 def test_benchmark_smoke_runs():
     """bench/kernels.py --smoke: every op at tiny shapes in interpret mode, so the GPU benchmark does not rot."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_kernels", os.path.join(os.path.dirname(FIXTURES), "..",
-                                                                                "bench", "kernels.py"))
-    bench = importlib.util.module_from_spec(spec)
+    import sys
+    path = os.path.join(os.path.dirname(os.path.dirname(FIXTURES)), "bench", "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--smoke"])
     assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd", "DSA layer fwd"}
