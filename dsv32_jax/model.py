@@ -14,6 +14,9 @@ from dsv32_jax.mla import MLA, Positions
 from dsv32_jax.moe import MLP, MoE
 from dsv32_jax.options import RunOptions
 from dsv32_jax.rope import rope_angles, yarn_inv_freq
+from dsv32_jax.sharding import constrain
+
+ACTIVATION_AXES = ("batch", "seq", "embed")
 
 
 class DecoderLayer(nnx.Module):
@@ -111,8 +114,10 @@ class Transformer(nnx.Module):
         """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing} per layer."""
         routing = routing or {}
         aux = {}
+        h = constrain(h, ACTIVATION_AXES)
         for i, layer in enumerate(self.layers):
             h, layer_aux = layer(h, pos, self.options, routing.get(i))
+            h = constrain(h, ACTIVATION_AXES)
             _collect(aux, i, layer_aux)
         return self.norm(h), aux
 

@@ -7,10 +7,14 @@ the gate weights are then recomputed from the live scores for the given ids, so 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from dsv32_jax import sharding
 from dsv32_jax.config import ModelConfig
 from dsv32_jax.layers import Dense, normal_param
 
@@ -71,21 +75,65 @@ class Experts(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
-        """Dropless: x [N, D], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), float32 [N, D]."""
-        n, k = ids.shape
-        num_experts = self.w_gate.shape[0]
-        flat_ids = ids.reshape(-1)
-        order = jnp.argsort(flat_ids, stable=True)
-        group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-        xs = x.astype(self.dtype)[order // k]
+        """Dropless: x [N, D], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), float32 [N, D].
 
-        def gmm(lhs, w):
-            return jax.lax.ragged_dot(lhs, w[...].astype(self.dtype), group_sizes, preferred_element_type=jnp.float32)
+        Under a mesh whose `expert` axis is > 1 the experts run expert-parallel (`_expert_parallel`)."""
+        w = (self.w_gate[...].astype(self.dtype), self.w_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype))
+        mesh = sharding.current_mesh()
+        if mesh is not None and mesh.shape["expert"] > 1:
+            return _expert_parallel(mesh, x.astype(self.dtype), ids, weights, w)
+        return _grouped_swiglu(x.astype(self.dtype), ids, weights, w, first_expert=0)
 
-        h = jax.nn.silu(gmm(xs, self.w_gate)) * gmm(xs, self.w_up)
-        ys = gmm(h.astype(self.dtype), self.w_down)
-        y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
-        return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+
+def _grouped_swiglu(x, ids, weights, w, first_expert):
+    """Experts [first_expert, first_expert + E_local) of w = (gate, up, down) applied to the tokens routed to them
+    (others contribute zero): tokens sorted by expert, one ragged_dot per projection. Returns float32 [N, D]."""
+    w_gate, w_up, w_down = w
+    n, k = ids.shape
+    num_local = w_gate.shape[0]
+    local = ids.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others -> a trailing dummy group
+    order = jnp.argsort(local, stable=True)
+    group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+    xs = x[order // k]
+
+    def gmm(lhs, rhs):  # rows past sum(group_sizes) (the dummy group) come out as zeros
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+    h = jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
+    ys = gmm(h.astype(x.dtype), w_down)
+    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+
+
+def _expert_parallel(mesh, x, ids, weights, w):
+    """Expert parallelism with shard_map: experts split over the `expert` mesh axis (and their hidden units over
+    `tensor`, their model dim over `fsdp`). Each device all-gathers the tokens of its expert group, runs only its
+    local experts (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner."""
+    batch = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
+    n_ep = mesh.shape["expert"]
+    fsdp = "fsdp" if mesh.shape["fsdp"] > 1 else None
+    tensor = "tensor" if mesh.shape["tensor"] > 1 else None
+    tok = P(batch or None, None)
+    w_specs = (P("expert", fsdp, tensor), P("expert", fsdp, tensor), P("expert", tensor, fsdp))
+    n_tokens = x.shape[0]
+    if n_tokens % math.prod(mesh.shape[a] for a in batch) or w[0].shape[0] % n_ep:
+        return _grouped_swiglu(x, ids, weights, w, first_expert=0)  # uneven split: let GSPMD place it
+
+    def body(x, ids, weights, w_gate, w_up, w_down):
+        if fsdp:  # FSDP: gather the model dim of the local experts' weights
+            w_gate = jax.lax.all_gather(w_gate, fsdp, axis=1, tiled=True)
+            w_up = jax.lax.all_gather(w_up, fsdp, axis=1, tiled=True)
+            w_down = jax.lax.all_gather(w_down, fsdp, axis=2, tiled=True)
+        x, ids, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, ids, weights))
+        first = jax.lax.axis_index("expert") * w_gate.shape[0]
+        y = _grouped_swiglu(x, ids, weights, (w_gate, w_up, w_down), first)
+        if tensor:
+            y = jax.lax.psum(y, tensor)
+        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok) + w_specs, out_specs=tok, check_vma=False)
+    return fn(x, ids, weights, *w)
 
 
 class MoE(nnx.Module):
