@@ -17,9 +17,11 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
       dq   -- one program per (token, head block), recompute P from lse, dP = dO V^T, dS = P (dP - Delta),
               dq += dS K (accumulated over the slot loop in registers);
       dkv  -- one program per (token, block of BI slots) that loops over ALL head blocks of the token, so the
-              head sum happens in registers: partial[t, slot] = scale dS^T q + P^T dO. Each partial row is
-              written exactly once (no atomics), then reduced into [B*S, Dqk] by a segment sum over the
-              (sorted) transposed index map.
+              head sum happens in registers: partial[t, slot] = scale dS^T q + P^T dO (one fp32 accumulator
+              [BI, 576]). Each partial row is written exactly once (no atomics), then reduced into [B*S, Dqk]
+              by a segment sum over the (sorted) transposed index map.
+    The backward tiles (bwd_block_h heads per dq program, bwd_block_i slots per dkv program, default 32) are
+    smaller than the forward's 64 x 64 because each holds a [tile, 576] fp32 accumulator.
     Trade-off: S and dP are recomputed in both kernels (3264 instead of 2752 MMA FLOP per pair-head, +19%) and
     the partials cost T*K*Dqk*4 bytes; the backward therefore walks the tokens in chunks that keep the partial
     buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
@@ -54,6 +56,8 @@ class _Cfg:
     dt_p: int  # padded tail width
     block_h: int
     block_i: int
+    bwd_block_h: int  # heads per dq program (divides block_h)
+    bwd_block_i: int  # slots per dkv program (divides block_i)
     backend: str  # "pallas_gpu" | "interpret"
     num_warps: int
     num_stages: int
@@ -215,20 +219,20 @@ def _dkv_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, part_ref, *,
     valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[...], cfg)
     bh, bi = cfg.block_h, cfg.block_i
 
-    def body(hb, carry):
-        dk_main, dk_tail, dv = carry
+    def body(hb, carry):  # main = scale dS^T q_main + P^T dO in one accumulator (registers: BI x (dv_p + dt_p))
+        acc_main, acc_tail = carry
         heads = pl.ds(hb * bh, bh)
         q_main, q_tail = _load_q(q_ref, cfg, heads)
         do = do_ref[heads, :]
         p, ds = _ds_block(q_main, q_tail, do, k_main, k_tail, valid, lse_ref[heads] * LOG2E, delta_ref[heads], cfg)
-        ds = ds.astype(q_main.dtype)
-        return dk_main + _tn(ds, q_main), dk_tail + _tn(ds, q_tail), dv + _tn(p.astype(do.dtype), do)
+        ds = (ds * cfg.scale).astype(q_main.dtype)
+        acc_main = acc_main + _tn(ds, q_main) + _tn(p.astype(do.dtype), do)
+        return acc_main, acc_tail + _tn(ds, q_tail)
 
-    init = (jnp.zeros((bi, cfg.dv_p), jnp.float32), jnp.zeros((bi, cfg.dt_p), jnp.float32),
-            jnp.zeros((bi, cfg.dv_p), jnp.float32))
-    dk_main, dk_tail, dv = jax.lax.fori_loop(0, n_head_blocks, body, init)
-    part_ref[:, pl.ds(0, cfg.dv_p)] = (dk_main * cfg.scale + dv).astype(part_ref.dtype)
-    part_ref[:, pl.ds(cfg.dv_p, cfg.dt_p)] = (dk_tail * cfg.scale).astype(part_ref.dtype)
+    init = (jnp.zeros((bi, cfg.dv_p), jnp.float32), jnp.zeros((bi, cfg.dt_p), jnp.float32))
+    acc_main, acc_tail = jax.lax.fori_loop(0, n_head_blocks, body, init)
+    part_ref[:, pl.ds(0, cfg.dv_p)] = acc_main.astype(part_ref.dtype)
+    part_ref[:, pl.ds(cfg.dv_p, cfg.dt_p)] = acc_tail.astype(part_ref.dtype)
 
 
 def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
@@ -278,7 +282,8 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     n, hp, dp = qf.shape
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
-    dq = _dq(qf, kvf, idxf, do, lse, delta, cfg)
+    dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
+    dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i)
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))
     n_chunks = -(-n // chunk)
@@ -290,7 +295,7 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
 
     def step(dkv, xs):
         q_c, idx_c, do_c, lse_c, delta_c = xs
-        parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
+        parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg)
         return dkv + _reduce_dkv(parts, idx_c, cfg), None
 
     xs = (split(qf), split(idxf, -1), split(do), split(lse, -jnp.inf), split(delta))
@@ -349,7 +354,8 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
     return qf, kvf, idxf
 
 
-def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, num_warps, num_stages, bwd_partial_bytes):
+def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
+            bwd_partial_bytes):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -358,26 +364,36 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, num_warps, num_
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
     d_tail = dqk - d_v
+    block_h = min(block_h, next_pow2(h, 16))
+    block_i = min(block_i, next_pow2(topk_idx.shape[-1], 16))
+    for name, size in (("block_h", block_h), ("block_i", block_i), ("bwd_block_h", bwd_block_h),
+                       ("bwd_block_i", bwd_block_i)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
     return _Cfg(scale=float(scale), d_v=d_v, d_tail=d_tail, dv_p=next_pow2(d_v, 16),
-                dt_p=next_pow2(max(d_tail, 1), 16), block_h=min(block_h, next_pow2(h, 16)),
-                block_i=min(block_i, next_pow2(topk_idx.shape[-1], 16)), backend=impl, num_warps=num_warps,
+                dt_p=next_pow2(max(d_tail, 1), 16), block_h=block_h, block_i=block_i,
+                bwd_block_h=min(bwd_block_h, block_h), bwd_block_i=min(bwd_block_i, block_i), backend=impl,
+                num_warps=num_warps,
                 num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
-               block_h: int = 64, block_i: int = 64, num_warps: int = 8, num_stages: int = 2,
-               bwd_partial_bytes: int = 1 << 29):
+               block_h: int = 64, block_i: int = 64, bwd_block_h: int = 32, bwd_block_i: int = 32,
+               num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
     Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
     too). The head-summed probabilities carry no gradient. Backends: pallas_gpu, interpret; TPU and CPU run the
     reference `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
+    Tiles: forward BH x BI = block_h x block_i; backward dq programs hold bwd_block_h heads, dkv programs
+    bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers of two >= 16.
     """
     impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
-    cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, num_warps, num_stages, bwd_partial_bytes)
+    cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
+                  num_stages, bwd_partial_bytes)
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

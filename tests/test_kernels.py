@@ -194,8 +194,9 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
             return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
         return jax.grad(f, argnums=(0, 1))
 
-    kernel = loss(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=IMPL, block_h=16,
-                                                         block_i=16, bwd_partial_bytes=4096))  # several chunks
+    tiles = dict(block_h=32, block_i=32, bwd_block_h=16, bwd_block_i=16)  # backward tiles smaller than forward
+    kernel = loss(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=IMPL, bwd_partial_bytes=4096,
+                                                         **tiles))  # several partial chunks
     if dtype == jnp.float32:
         reference = loss(lambda a, c: ref_sparse_mla(a, c, idx, scale, d_v))
     else:  # bf16: compare with the float32 reference gradient on the same (bf16-valued) inputs
