@@ -196,3 +196,11 @@ def test_every_config_builds_its_sharded_state_abstractly(path):
         assert per_device < total / 8, "the rule table must actually shard the state"
         if name.endswith("671b"):
             assert per_device < 40 * 2**30, "671B state must fit an 80 GB device with room for activations"
+
+
+@pytest.mark.slow
+def test_bench_train_smoke():
+    res = subprocess.run([sys.executable, "bench/train.py", "--smoke", "--contexts=64", "--steps=1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "longest context that fits (sparse): 64" in res.stdout

@@ -1,0 +1,128 @@
+"""Training-step benchmark: dense vs sparse (DSA) attention for the small config at long context.
+
+    python bench/train.py --contexts=8192,32768,65536,131072 --out=bench_train.json      # on a GPU
+    python bench/train.py --smoke                                                        # CPU, tiny, seconds
+
+Each (mode, context) runs in its own subprocess (clean peak-memory statistics, OOM isolation): batch 1,
+`--warmup` untimed steps then the median of `--steps` timed steps. Modes: "dense" = the dense stage (MQA-mode
+dense attention, no indexer); "sparse" = the sparse stage (indexer top-k + sparse MLA + the eq. 4 KL), with
+`--attention` sparse (plain JAX gather) or kernel (Pallas). Prints a table and the longest context that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_case(args) -> dict:
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    from train.config import default_config
+    from train.trainer import Trainer
+
+    config = default_config()
+    config.stage = "dense" if args.mode == "dense" else "sparse"
+    config.model = args.model
+    config.dtype = args.dtype
+    config.param_dtype = "float32"
+    config.attention = args.attention
+    config.attn_chunk = args.chunk
+    config.index_chunk = args.chunk
+    config.data.seq_len = args.context
+    config.data.batch_size = 1
+    config.checkpoint.use_async = False
+    trainer = Trainer(config, "/tmp/bench_train_unused")
+    rng = np.random.default_rng(0)
+    vocab = trainer.cfg.vocab_size
+    tokens = rng.integers(0, vocab, (1, args.context), dtype=np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
+             "segment_ids": np.ones_like(tokens), "positions": np.arange(args.context, dtype=np.int32)[None],
+             "loss_mask": np.ones(tokens.shape, np.float32)}
+    t0 = time.perf_counter()
+    jax.block_until_ready(trainer.train_step(batch))
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup - 1):
+        jax.block_until_ready(trainer.train_step(batch))
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        metrics = jax.block_until_ready(trainer.train_step(batch))
+        times.append(time.perf_counter() - t0)
+    stats = jax.devices()[0].memory_stats() or {}
+    step = statistics.median(times)
+    return {"mode": args.mode, "attention": args.attention if args.mode == "sparse" else "dense",
+            "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s,
+            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="8192,32768,65536,131072")
+    p.add_argument("--modes", default="dense,sparse")
+    p.add_argument("--model", default="small")
+    p.add_argument("--attention", default="kernel", help="sparse-mode attention: sparse (plain JAX) or kernel")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per case")
+    p.add_argument("--out", default="")
+    p.add_argument("--smoke", action="store_true", help="tiny config, 2 short contexts, float32 (CPU)")
+    p.add_argument("--case", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="sparse", help=argparse.SUPPRESS)
+    p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case:
+        print("RESULT " + json.dumps(run_case(args)), flush=True)
+        return
+    if args.smoke:
+        args.model, args.contexts, args.dtype, args.attention, args.warmup, args.steps, args.chunk = (
+            "tiny", "64,128", "float32", "sparse", 1, 2, 32)
+    rows = []
+    for mode in args.modes.split(","):
+        for context in map(int, args.contexts.split(",")):
+            cmd = [sys.executable, os.path.abspath(__file__), "--case", f"--mode={mode}", f"--context={context}",
+                   f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
+                   f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
+            try:
+                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+                lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+                if lines:
+                    row = json.loads(lines[-1][7:])
+                else:
+                    oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
+                    row = {"mode": mode, "context": context, "error": "OOM" if oom else res.stderr[-400:]}
+            except subprocess.TimeoutExpired:
+                row = {"mode": mode, "context": context, "error": f"timeout {args.timeout}s"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n| mode | context | step (s) | tokens/s | peak GiB |\n|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['mode']} | {r['context']} | {r['error'][:40]} | | |")
+        else:
+            print(f"| {r['attention']} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} |")
+    for mode in args.modes.split(","):
+        fits = [r["context"] for r in rows if r["mode"] == mode and "error" not in r]
+        print(f"longest context that fits ({mode}): {max(fits) if fits else 'none'}")
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+    if any("error" in r for r in rows) and args.smoke:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
