@@ -26,15 +26,23 @@ def index_scores(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bchs,bch->bcs", jax.nn.relu(dots), w.astype(jnp.float32))
 
 
-def quantize_indexer(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray):
-    """Hadamard-rotates and e4m3-quantizes indexer q and k; folds q's per-(token, head) scale into w.
+def quantize_keys(k: jnp.ndarray):
+    """Indexer keys as cached in production: Hadamard-rotated e4m3 codes [B, S, D] and one scale per token [B, S]."""
+    k_fp8, k_scale = act_quant(hadamard_rotate(k), block=k.shape[-1])
+    return k_fp8, k_scale[..., 0]
 
-    Returns (q_fp8 [B, T, H_I, D], k_fp8 [B, S, D], k_scale [B, S] f32, w' [B, T, H_I] f32).
-    """
-    d = q.shape[-1]
-    q_fp8, q_scale = act_quant(hadamard_rotate(q), block=d)
-    k_fp8, k_scale = act_quant(hadamard_rotate(k), block=d)
-    return q_fp8, k_fp8, k_scale[..., 0], w.astype(jnp.float32) * q_scale[..., 0]
+
+def quantize_queries(q: jnp.ndarray, w: jnp.ndarray):
+    """Hadamard-rotated e4m3 queries [B, T, H_I, D]; the per-(token, head) scale is folded into w' [B, T, H_I]."""
+    q_fp8, q_scale = act_quant(hadamard_rotate(q), block=q.shape[-1])
+    return q_fp8, w.astype(jnp.float32) * q_scale[..., 0]
+
+
+def quantize_indexer(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray):
+    """Returns (q_fp8 [B, T, H_I, D], k_fp8 [B, S, D], k_scale [B, S] f32, w' [B, T, H_I] f32)."""
+    q_fp8, w_folded = quantize_queries(q, w)
+    k_fp8, k_scale = quantize_keys(k)
+    return q_fp8, k_fp8, k_scale, w_folded
 
 
 def index_scores_fp8(q_fp8, k_fp8, k_scale, w_folded) -> jnp.ndarray:
@@ -52,13 +60,17 @@ def select_topk(scores: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
 
 
 def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: bool = False,
-                 q_chunk: int | None = 128) -> jnp.ndarray:
+                 q_chunk: int | None = 128, k_scale=None) -> jnp.ndarray:
     """Scores eq. (1) and selects k = min(topk, S) keys per query, chunked over queries so that at most
-    chunk x S scores are live. Causal/segment mask before selection, -1 for selected-but-invisible slots."""
+    chunk x S scores are live. Causal/segment mask before selection, -1 for selected-but-invisible slots.
+
+    With fp8, k may be given already quantized (codes from `quantize_keys`, e.g. a decode cache) with k_scale."""
     num_keys = k.shape[1]
     k_eff = min(topk, num_keys)
     if fp8:
-        q, k, k_scale, w = quantize_indexer(q, k, w)
+        q, w = quantize_queries(q, w)
+        if k_scale is None:
+            k, k_scale = quantize_keys(k)
 
     def chunk_fn(q_c, w_c, qi_c, qs_c):
         scores = index_scores_fp8(q_c, k, k_scale, w_c) if fp8 else index_scores(q_c, k, w_c)

@@ -16,8 +16,8 @@ from flax import nnx
 
 from dsv32_jax import attention
 from dsv32_jax.config import ModelConfig
-from dsv32_jax.fp8 import fake_quant
-from dsv32_jax.indexer import Indexer, indexer_topk
+from dsv32_jax.fp8 import act_dequant, act_quant, fake_quant
+from dsv32_jax.indexer import Indexer, indexer_topk, quantize_keys
 from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.layers import Dense, RMSNorm
 from dsv32_jax.options import RunOptions
@@ -52,7 +52,51 @@ class MLA(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
 
-    def latents(self, x: jnp.ndarray, pos: Positions, opts: RunOptions):
+    def init_cache(self, batch: int, length: int, opts: RunOptions) -> dict:
+        """Decode cache of this layer: latent c_kv (e4m3 codes + per-128 scales with fp8_kv), rope key k_pe, and the
+        indexer key (Hadamard-rotated e4m3 codes + per-token scale with indexer_fp8)."""
+        cfg = self.cfg
+        cache = {"k_pe": jnp.zeros((batch, length, cfg.qk_rope_head_dim), self.dtype)}
+        if opts.fp8_kv:
+            cache["c_kv"] = jnp.zeros((batch, length, cfg.kv_lora_rank), jnp.float8_e4m3fn)
+            cache["c_kv_scale"] = jnp.ones((batch, length, cfg.kv_lora_rank // self._kv_block), jnp.float32)
+        else:
+            cache["c_kv"] = jnp.zeros((batch, length, cfg.kv_lora_rank), self.dtype)
+        if opts.indexer_fp8:
+            cache["idx_k"] = jnp.zeros((batch, length, cfg.index_head_dim), jnp.float8_e4m3fn)
+            cache["idx_k_scale"] = jnp.ones((batch, length), jnp.float32)
+        else:
+            cache["idx_k"] = jnp.zeros((batch, length, cfg.index_head_dim), self.dtype)
+        return cache
+
+    @property
+    def _kv_block(self) -> int:
+        return 128 if self.cfg.kv_lora_rank % 128 == 0 else self.cfg.kv_lora_rank
+
+    def _write_cache(self, cache: dict, index, c_kv, k_pe, k_idx, opts: RunOptions):
+        """Writes the new tokens at slots [index, index + T) and returns (new cache, full c_kv, full k_pe,
+        full indexer keys, their scales or None)."""
+        def put(buf, new):
+            return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=1)
+
+        new = dict(cache)
+        if opts.fp8_kv:
+            codes, scale = act_quant(c_kv, block=self._kv_block)
+            new["c_kv"], new["c_kv_scale"] = put(cache["c_kv"], codes), put(cache["c_kv_scale"], scale)
+            c_kv_all = act_dequant(new["c_kv"], new["c_kv_scale"], self.dtype)
+        else:
+            new["c_kv"] = c_kv_all = put(cache["c_kv"], c_kv)
+        new["k_pe"] = put(cache["k_pe"], k_pe)
+        k_scale = None
+        if opts.indexer_fp8:
+            codes, scale = quantize_keys(k_idx)
+            new["idx_k"], new["idx_k_scale"] = put(cache["idx_k"], codes), put(cache["idx_k_scale"], scale)
+            k_scale = new["idx_k_scale"]
+        else:
+            new["idx_k"] = put(cache["idx_k"], k_idx)
+        return new, c_kv_all, new["k_pe"], new["idx_k"], k_scale
+
+    def latents(self, x: jnp.ndarray, pos: Positions, opts: RunOptions, quantize_kv: bool = True):
         """Projections shared by both modes: c_q, q_nope, rope'd q_pe, c_kv, rope'd k_pe."""
         cfg = self.cfg
         b, t, _ = x.shape
@@ -62,9 +106,8 @@ class MLA(nnx.Module):
         q_pe = apply_rope_interleaved(q_pe, pos.cos[:, :, None], pos.sin[:, :, None])
         kv = self.kv_a_proj(x)
         c_kv = self.kv_a_norm(kv[..., : cfg.kv_lora_rank])
-        if opts.fp8_kv:
-            block = 128 if cfg.kv_lora_rank % 128 == 0 else cfg.kv_lora_rank
-            c_kv = fake_quant(c_kv, block=block)
+        if opts.fp8_kv and quantize_kv:
+            c_kv = fake_quant(c_kv, block=self._kv_block)
         k_pe = apply_rope_interleaved(kv[..., cfg.kv_lora_rank:], pos.cos, pos.sin)
         return c_q, q_nope, q_pe, c_kv, k_pe
 
@@ -79,19 +122,25 @@ class MLA(nnx.Module):
         w = w.reshape(cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
-    def __call__(self, x: jnp.ndarray, pos: Positions, opts: RunOptions):
+    def __call__(self, x: jnp.ndarray, pos: Positions, opts: RunOptions, cache: dict | None = None):
         """x [B, T, D] -> (out [B, T, D], aux). aux: "topk" [B, T, k] (None when DSA is off) and, with
-        opts.indexer_loss, "indexer_kl" [B, T] (and "indexer_captured" [B, T] for the dense objective)."""
+        opts.indexer_loss, "indexer_kl" [B, T] (and "indexer_captured" [B, T] for the dense objective).
+
+        With a decode `cache` (from `init_cache`), the new tokens are written at slot pos.q_index[0, 0] onward and
+        attend over the whole cache (pos.kv_segment describes its slots); aux["cache"] is the updated cache."""
         cfg = self.cfg
         b, t, _ = x.shape
-        c_q, q_nope, q_pe, c_kv, k_pe = self.latents(x, pos, opts)
+        c_q, q_nope, q_pe, c_kv, k_pe = self.latents(x, pos, opts, quantize_kv=cache is None)
         vis = (pos.q_index, pos.q_segment, pos.kv_segment)
         aux = {"topk": None}
-        if opts.dsa or opts.indexer_loss:
+        k_scale = None
+        if opts.dsa or opts.indexer_loss or cache is not None:
             q_i, k_i, w_i = self.indexer_inputs(x, c_q, pos)
+        if cache is not None:
+            aux["cache"], c_kv, k_pe, k_i, k_scale = self._write_cache(cache, pos.q_index[0, 0], c_kv, k_pe, k_i, opts)
         if opts.dsa:
             aux["topk"] = indexer_topk(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
-                                       q_chunk=opts.index_chunk)
+                                       q_chunk=opts.index_chunk, k_scale=k_scale)
         w_uk, w_uv = self.kv_up()
         scale = cfg.softmax_scale
         q_lat = kv_lat = None

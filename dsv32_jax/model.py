@@ -31,9 +31,9 @@ class DecoderLayer(nnx.Module):
                            std=cfg.initializer_range)
         self.is_moe = cfg.is_moe_layer(layer)
 
-    def __call__(self, h, pos: Positions, opts: RunOptions, replay_ids=None):
-        """h [B, T, D] -> (h, aux): attention aux (topk, indexer losses) and MoE aux (routing, router_prob)."""
-        attn_out, aux = self.attn(self.attn_norm(h), pos, opts)
+    def __call__(self, h, pos: Positions, opts: RunOptions, replay_ids=None, cache=None):
+        """h [B, T, D] -> (h, aux): attention aux (topk, indexer losses, cache) and MoE aux (routing, router_prob)."""
+        attn_out, aux = self.attn(self.attn_norm(h), pos, opts, cache)
         h = h + attn_out
         if self.is_moe:
             ffn_out, moe_aux = self.ffn(self.ffn_norm(h), replay_ids)
@@ -110,16 +110,38 @@ class Transformer(nnx.Module):
         aux["mtp_logits"] = self.mtp_logits(tokens, h, pos, routing, aux)
         return logits, aux
 
-    def backbone(self, h, pos: Positions, routing=None):
-        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing} per layer."""
+    def backbone(self, h, pos: Positions, routing=None, cache=None):
+        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing, ...} per layer."""
         routing = routing or {}
         aux = {}
         h = constrain(h, ACTIVATION_AXES)
         for i, layer in enumerate(self.layers):
-            h, layer_aux = layer(h, pos, self.options, routing.get(i))
+            h, layer_aux = layer(h, pos, self.options, routing.get(i), None if cache is None else cache["layers"][i])
             h = constrain(h, ACTIVATION_AXES)
             _collect(aux, i, layer_aux)
         return self.norm(h), aux
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty decode cache for `length` slots: per-layer latents (see MLA.init_cache) and the slots' segment
+        ids (-1 = empty)."""
+        return {"segment": jnp.full((batch, length), -1, jnp.int32),
+                "layers": [layer.attn.init_cache(batch, length, self.options) for layer in self.layers]}
+
+    def decode(self, tokens, cache: dict, index, positions, segment_ids, routing=None):
+        """Incremental forward: tokens [B, T] occupy cache slots [index, index + T) (the same slots in every row:
+        prompts are left-padded), attend to every visible earlier slot, and are appended to the cache.
+
+        positions [B, T] are RoPE positions, segment_ids [B, T] (0 for padding). Prefill = decode on an empty
+        cache with index 0. Returns (logits [B, T, V] float32, new cache, aux per layer: topk, routing)."""
+        b, t = tokens.shape
+        seg_cache = jax.lax.dynamic_update_slice_in_dim(cache["segment"], segment_ids.astype(jnp.int32), index, axis=1)
+        q_index = jnp.broadcast_to(index + jnp.arange(t, dtype=jnp.int32), (b, t))
+        cos, sin = rope_angles(positions.astype(jnp.int32), yarn_inv_freq(self.config), self.config.rope_attention_factor)
+        pos = Positions(cos=cos, sin=sin, q_index=q_index, q_segment=segment_ids.astype(jnp.int32), kv_segment=seg_cache)
+        h, aux = self.backbone(self.embed_tokens(tokens), pos, routing, cache)
+        new_cache = {"segment": seg_cache, "layers": [aux["cache"][i] for i in range(len(self.layers))]}
+        del aux["cache"]
+        return self.logits(h), new_cache, aux
 
     def mtp_logits(self, tokens, h, pos: Positions, routing, aux) -> list:
         """MTP depth j predicts token t+2+j from h_t and Emb(t_{t+1+j}); positions past the end see token 0."""

@@ -1,0 +1,159 @@
+"""Jitted sampler: prefill + decode with the MLA latent cache and the indexer key cache (DSA decode selects
+top-k over the cached keys), left-padded prompts with per-row lengths, EOS / max-length stopping, and no host
+round trip per token (one `lax.while_loop`).
+
+Per generated token it records what GRPO's stabilizers need: the token, its log-probability under the
+PROCESSED distribution (temperature, then top-k / top-p inside a bounded candidate set, renormalized: pi_old),
+the kept set (candidate ids + keep mask: "keep sampling mask"), and for every prompt and generated token the
+MoE expert ids per layer ("keep routing").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k truncation
+    top_p: float = 1.0  # 1.0: no nucleus truncation
+    max_candidates: int = 64  # bounded candidate set for top-k / top-p (never a full-vocabulary sort)
+    greedy: bool = False
+    eos_id: int = 1
+    pad_id: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+    def num_candidates(self, vocab: int) -> int:
+        k = min(self.max_candidates, vocab)
+        return min(self.top_k, k) if self.top_k > 0 else k
+
+    def __post_init__(self):
+        if self.temperature <= 0 and not self.greedy:
+            raise ValueError("SamplingConfig.temperature must be > 0 (use greedy=True for argmax decoding)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rollout:
+    tokens: jnp.ndarray  # [B, T] generated tokens (pad after EOS)
+    mask: jnp.ndarray  # [B, T] bool: generated tokens up to and including EOS
+    logprobs: jnp.ndarray  # [B, T] log pi_old(token) under the processed distribution
+    kept_ids: jnp.ndarray  # [B, T, K] candidate ids (K = 0 when sampling is not truncated)
+    kept_mask: jnp.ndarray  # [B, T, K] bool: candidates inside the top-k / top-p kept set
+    routing: dict  # MoE layer -> expert ids [B, P + T, k] for every prompt and generated token
+    topk: dict  # layer -> indexer selections [B, P + T, index_topk'] (slot indices)
+
+
+def prompt_layout(prompt_lengths: jnp.ndarray, prompt_width: int, total: int):
+    """Left padding: (segment ids [B, total] with 0 on padding and 1 on real tokens, RoPE positions [B, total])."""
+    pad = prompt_width - prompt_lengths[:, None]
+    idx = jnp.arange(total)[None, :]
+    return (idx >= pad).astype(jnp.int32), jnp.maximum(idx - pad, 0).astype(jnp.int32)
+
+
+def processed_logits(logits: jnp.ndarray, cfg: SamplingConfig):
+    """Temperature, then the bounded candidate set: returns (candidate logits [..., K], ids [..., K], keep [..., K])
+    for truncated sampling, or (logits / T, None, None) for plain sampling over the full vocabulary."""
+    scaled = logits.astype(jnp.float32) / cfg.temperature
+    if not cfg.truncated:
+        return scaled, None, None
+    vals, ids = jax.lax.top_k(scaled, cfg.num_candidates(scaled.shape[-1]))
+    keep = jnp.ones(vals.shape, bool)
+    if cfg.top_p < 1.0:
+        probs = jax.nn.softmax(vals, axis=-1)
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < cfg.top_p  # the most likely candidate is always kept
+    return vals, ids, keep
+
+
+def sample_token(logits: jnp.ndarray, rng, cfg: SamplingConfig):
+    """logits [B, V] -> (token [B], logprob [B] under the processed distribution, kept ids [B, K], keep [B, K])."""
+    b = logits.shape[0]
+    vals, ids, keep = processed_logits(logits, cfg)
+    if ids is None:
+        ids, keep = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), bool)
+        logp = jax.nn.log_softmax(vals, axis=-1)
+        tok = jnp.argmax(vals, -1) if cfg.greedy else jax.random.categorical(rng, vals, axis=-1)
+        return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0], ids, keep
+    masked = jnp.where(keep, vals, -jnp.inf)
+    choice = jnp.argmax(masked, -1) if cfg.greedy else jax.random.categorical(rng, masked, axis=-1)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(masked, axis=-1), choice[:, None], -1)[:, 0]
+    tok = jnp.take_along_axis(ids, choice[:, None], -1)[:, 0]
+    return tok.astype(jnp.int32), logp, ids.astype(jnp.int32), keep
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _generate(graphdef, state, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    b, p = prompts.shape
+    t = cfg.max_new_tokens
+    total = p + t
+    seg, pos = prompt_layout(prompt_lengths, p, total)
+    logits, cache, aux = model.decode(prompts, model.init_cache(b, total), 0, pos[:, :p], seg[:, :p])
+    moe = [k for k, v in aux["routing"].items() if v is not None]
+    dsa = [k for k, v in aux["topk"].items() if v is not None]
+    k_cand = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
+
+    def buf(shape, dtype, fill=0):
+        return jnp.full(shape, fill, dtype)
+
+    def put(x, v, i):
+        return jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), i, axis=1)
+
+    routing = {k: put(buf((b, total, aux["routing"][k].shape[-1]), jnp.int32), aux["routing"][k], 0) for k in moe}
+    topk = {k: put(buf((b, total, aux["topk"][k].shape[-1]), jnp.int32, -1), aux["topk"][k], 0) for k in dsa}
+    init = dict(i=jnp.int32(0), last=logits[:, -1], cache=cache, done=jnp.zeros((b,), bool),
+                tokens=buf((b, t), jnp.int32, cfg.pad_id), mask=buf((b, t), bool), logprobs=buf((b, t), jnp.float32),
+                kept_ids=buf((b, t, k_cand), jnp.int32), kept_mask=buf((b, t, k_cand), bool),
+                routing=routing, topk=topk)
+
+    def body(s):
+        i = s["i"]
+        tok, logp, ids, keep = sample_token(s["last"], jax.random.fold_in(rng, i), cfg)
+        live = ~s["done"]
+        tok = jnp.where(live, tok, cfg.pad_id)
+        out = dict(s, i=i + 1, done=s["done"] | (tok == cfg.eos_id),
+                   tokens=put(s["tokens"], tok[:, None], i), mask=put(s["mask"], live[:, None], i),
+                   logprobs=put(s["logprobs"], jnp.where(live, logp, 0.0)[:, None], i),
+                   kept_ids=put(s["kept_ids"], ids[:, None], i), kept_mask=put(s["kept_mask"], keep[:, None], i))
+        logits, out["cache"], a = model.decode(tok[:, None], s["cache"], p + i, pos[:, p + i][:, None],
+                                               jnp.where(live, 1, 0)[:, None])
+        out["last"] = logits[:, -1]
+        out["routing"] = {k: put(s["routing"][k], a["routing"][k], p + i) for k in moe}
+        out["topk"] = {k: put(s["topk"][k], a["topk"][k], p + i) for k in dsa}
+        return out
+
+    s = jax.lax.while_loop(lambda s: (s["i"] < t) & ~jnp.all(s["done"]), body, init)
+    return Rollout(tokens=s["tokens"], mask=s["mask"], logprobs=s["logprobs"], kept_ids=s["kept_ids"],
+                   kept_mask=s["kept_mask"], routing=s["routing"], topk=s["topk"])
+
+
+def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
+    """Samples up to cfg.max_new_tokens per row. prompts [B, P] int32 LEFT-padded, prompt_lengths [B]."""
+    prompts = jnp.asarray(prompts, jnp.int32)
+    lengths = jnp.asarray(prompt_lengths, jnp.int32)
+    if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] with prompt_lengths [B]; got {prompts.shape} and {lengths.shape}")
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, prompts, lengths, rng, cfg)
+
+
+def sequence_layout(prompt_lengths, prompt_width: int, rollout: Rollout):
+    """Teacher-forcing layout of [prompts ; rollout.tokens] that reproduces the sampler's view: segment ids
+    [B, P+T] (0 on left padding and after EOS) and RoPE positions [B, P+T]."""
+    total = prompt_width + rollout.tokens.shape[1]
+    seg, pos = prompt_layout(jnp.asarray(prompt_lengths, jnp.int32), prompt_width, total)
+    gen_seg = rollout.mask.astype(jnp.int32)
+    seg = jnp.concatenate([seg[:, :prompt_width], gen_seg], axis=1)
+    return seg, pos

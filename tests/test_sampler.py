@@ -1,0 +1,104 @@
+"""Sampler: decode == full forward (logits, routing, top-k selections), processed log-probs and kept sets,
+left padding, EOS stopping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+
+from dsv32_jax import RunOptions, Transformer, load_preset
+from dsv32_jax.sampler import SamplingConfig, generate, processed_logits, sample_token, sequence_layout
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = load_preset("tiny").replace(initializer_range=0.1, vocab_size=32, index_topk=4)
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def left_padded(rng, b=4, p=6, vocab=32):
+    lens = np.array([p, 3, 5, 1][:b])
+    toks = rng.integers(2, vocab, (b, p))
+    toks = np.where(np.arange(p)[None] >= p - lens[:, None], toks, 0)
+    return jnp.asarray(toks, jnp.int32), jnp.asarray(lens, jnp.int32)
+
+
+@pytest.mark.parametrize("opts", [RunOptions(), RunOptions(indexer_fp8=True, fp8_kv=True)], ids=["exact", "fp8-caches"])
+def test_decode_matches_full_forward(model, rng, opts):
+    model.options = opts
+    b, p, t = 2, 12, 10
+    toks = jnp.asarray(rng.integers(2, 32, (b, p + t)), jnp.int32)
+    lens = np.array([12, 7])
+    seg = jnp.asarray((np.arange(p + t)[None] >= (p - lens)[:, None]).astype(np.int32))
+    pos = jnp.asarray(np.clip(np.arange(p + t)[None] - (p - lens)[:, None], 0, None))
+    full, aux = model(toks, positions=pos, segment_ids=seg, return_aux=True)
+    cache = model.init_cache(b, p + t)
+    logits, cache, a = model.decode(toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
+    outs, routes, tops = [logits], [a["routing"]], [a["topk"]]
+    for i in range(t):
+        logits, cache, a = model.decode(toks[:, p + i:p + i + 1], cache, p + i, pos[:, p + i:p + i + 1],
+                                        seg[:, p + i:p + i + 1])
+        outs.append(logits), routes.append(a["routing"]), tops.append(a["topk"])
+    valid = np.asarray(seg).astype(bool)
+    dec = np.asarray(jnp.concatenate(outs, 1))
+    assert rel_err(dec[valid], np.asarray(full)[valid]) < 1e-5
+    for layer in (1, 2):
+        r = np.concatenate([np.asarray(x[layer]) for x in routes], 1)
+        np.testing.assert_array_equal(r[valid], np.asarray(aux["routing"][layer])[valid])
+    for layer in range(3):
+        sel = np.concatenate([np.asarray(x[layer]) for x in tops], 1)
+        ref = np.asarray(aux["topk"][layer])
+        for bi, ti in zip(*np.nonzero(valid)):
+            assert set(sel[bi, ti]) == set(ref[bi, ti]), (layer, bi, ti)
+    model.options = RunOptions()
+
+
+def teacher_forced_logprobs(model, prompts, lens, r, cfg):
+    p = prompts.shape[1]
+    seg, pos = sequence_layout(lens, p, r)
+    logits = model(jnp.concatenate([prompts, r.tokens], 1), positions=pos, segment_ids=seg, routing=r.routing)
+    lg = logits[:, p - 1:-1] / cfg.temperature
+    if not cfg.truncated:
+        return jnp.take_along_axis(jax.nn.log_softmax(lg, -1), r.tokens[..., None], -1)[..., 0], lg
+    cand = jnp.where(r.kept_mask, jnp.take_along_axis(lg, r.kept_ids, -1), -jnp.inf)
+    pick = jnp.argmax(r.kept_ids == r.tokens[..., None], -1)
+    return jnp.take_along_axis(jax.nn.log_softmax(cand, -1), pick[..., None], -1)[..., 0], lg
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(max_new_tokens=8, top_p=0.7, max_candidates=16, temperature=0.8),
+                                 SamplingConfig(max_new_tokens=8, top_k=5),
+                                 SamplingConfig(max_new_tokens=8)], ids=["top_p", "top_k", "full"])
+def test_recorded_logprobs_equal_teacher_forced_ones(model, rng, cfg):
+    prompts, lens = left_padded(rng)
+    r = generate(model, prompts, lens, jax.random.key(int(rng.integers(1 << 30))), cfg)
+    mask = np.asarray(r.mask)
+    assert mask[:, 0].all() and np.all(np.diff(mask.astype(int), axis=1) <= 0), "mask is a prefix per row"
+    tokens = np.asarray(r.tokens)
+    for row, m in zip(tokens, mask):  # stops at EOS; pads after
+        n = m.sum()
+        assert (row[n:] == 0).all() and (n == len(row) or row[n - 1] == 1)
+    lp, lg = teacher_forced_logprobs(model, prompts, lens, r, cfg)
+    np.testing.assert_allclose(np.where(mask, np.asarray(lp), 0), np.asarray(r.logprobs), atol=1e-5)
+    if cfg.truncated:
+        kept = np.asarray(r.kept_mask)
+        assert np.all(kept.sum(-1)[mask] >= 1) and np.all(kept.sum(-1)[mask] <= cfg.num_candidates(32))
+        # without the kept set the log-prob differs by log(kept mass) (the bias keep-sampling-mask removes)
+        full = np.asarray(jnp.take_along_axis(jax.nn.log_softmax(lg, -1), r.tokens[..., None], -1)[..., 0])
+        probs = np.asarray(jax.nn.softmax(lg, -1))
+        kept_mass = np.take_along_axis(probs, np.asarray(r.kept_ids), -1)
+        log_s = np.log(np.sum(np.where(kept, kept_mass, 0), -1))
+        np.testing.assert_allclose(full[mask], (np.asarray(r.logprobs) + log_s)[mask], atol=1e-5)
+        assert np.max(np.abs(log_s[mask])) > 1e-3
+
+
+def test_bounded_candidates_and_greedy(rng):
+    logits = jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32)
+    vals, ids, keep = processed_logits(logits, SamplingConfig(top_p=0.5, max_candidates=32))
+    assert ids.shape == (3, 32) and np.all(np.asarray(keep)[:, 0])
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], np.argmax(np.asarray(logits), -1))
+    tok, logp, _, _ = sample_token(logits, jax.random.key(0), SamplingConfig(greedy=True, top_k=3))
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=0.0)
