@@ -39,6 +39,16 @@ def default_config() -> ml_collections.ConfigDict:
         balance_weight=0.0,  # sequence-wise balance loss alpha (DeepSeek-V3: 1e-4)
         bias_update_speed=0.0))  # auxiliary-loss-free bias update gamma (DeepSeek-V3: 1e-3)
 
+    # GRPO (stage "grpo"): built-in verifiable tasks, group sampling, the four DeepSeek-V3.2 stabilizers
+    c.grpo = ml_collections.ConfigDict(dict(
+        tasks="map,sum",  # comma-separated: map, sum, rev, copy
+        group_size=8, prompts_per_step=16, epochs=2, minibatches=2,
+        eps=0.2, delta=0.5,  # clip range; OPSM threshold on mean log(pi_old / pi_theta)
+        kl_weight=0.0, kl_weights=ml_collections.ConfigDict(),  # beta (per task domain overrides, 0 allowed)
+        max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32,
+        length_target=-1,  # >= 0: length penalty beyond this many tokens (and for not emitting EOS)
+        language_weight=0.0, grm_weight=0.0, eval_every=10))
+
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3, use_async=True))
     c.log_every = 10
     return c

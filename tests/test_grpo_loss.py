@@ -1,0 +1,103 @@
+"""GRPO stabilizers: unbiased-KL gradient (exact expectation on a categorical), OPSM truth table, group checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.grpo_loss import (check_groups, group_advantages, grpo_loss, opsm_mask, processed_logprobs,
+                             unbiased_kl)
+
+
+def categorical(rng, n=7):
+    return [jnp.asarray(rng.standard_normal(n) * s, jnp.float32) for s in (1.0, 1.0, 1.0)]
+
+
+def test_unbiased_kl_gradient_is_the_true_kl_gradient_in_expectation(rng):
+    """E_{x ~ pi_old}[grad (pi_theta/pi_old)(x) k3(x)] = grad KL(pi_theta || pi_ref) exactly, for pi_theta != pi_old;
+    plain k3 (no ratio) gives a different gradient."""
+    theta, old, ref = categorical(rng)
+    logp_old = jax.nn.log_softmax(old)
+    logp_ref = jax.nn.log_softmax(ref)
+    p_old = jnp.exp(logp_old)
+
+    def expected(th, with_ratio):
+        logp = jax.nn.log_softmax(th)
+        per_sample = unbiased_kl(logp, logp_old, logp_ref) if with_ratio else (
+            jnp.exp(logp_ref - logp) - (logp_ref - logp) - 1.0)
+        return jnp.sum(p_old * per_sample)  # exact expectation over the categorical
+
+    def true_kl(th):
+        logp = jax.nn.log_softmax(th)
+        return jnp.sum(jnp.exp(logp) * (logp - logp_ref))
+
+    g_true = jax.grad(true_kl)(theta)
+    g_unbiased = jax.grad(expected)(theta, True)
+    g_k3 = jax.grad(expected)(theta, False)
+    np.testing.assert_allclose(g_unbiased, g_true, atol=1e-5)
+    assert float(jnp.max(jnp.abs(g_k3 - g_true))) > 1e-2
+    assert float(expected(theta, True)) == pytest.approx(float(true_kl(theta)), rel=1e-4)
+
+
+def test_opsm_truth_table():
+    # rows: (advantage, mean log(pi_old/pi_theta)) -> kept?
+    cases = [(-1.0, 0.9, 0.0), (-1.0, 0.1, 1.0), (1.0, 0.9, 1.0), (1.0, 0.1, 1.0), (0.0, 0.9, 1.0), (-0.5, 0.5, 1.0)]
+    adv = jnp.asarray([c[0] for c in cases])
+    div = jnp.asarray([c[1] for c in cases])
+    t = 4
+    logp = jnp.zeros((len(cases), t))
+    logp_old = jnp.broadcast_to(div[:, None], (len(cases), t))
+    mask = jnp.ones((len(cases), t))
+    keep, measured = opsm_mask(logp, logp_old, adv, mask, delta=0.5)
+    np.testing.assert_allclose(np.asarray(measured), np.asarray(div), atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(keep), [c[2] for c in cases])
+
+
+def test_opsm_mask_multiplies_only_the_policy_gradient(rng):
+    b, t = 2, 5
+    logp = jnp.asarray(rng.standard_normal((b, t)) * 0.1 - 1, jnp.float32)
+    logp_old = logp + 1.0  # far off-policy: mean log(pi_old/pi_theta) = 1 > delta
+    logp_ref = logp - 0.3
+    adv = jnp.asarray([-1.0, 1.0])
+    mask = jnp.ones((b, t))
+    beta = jnp.asarray([0.5, 0.5])
+    loss, m = grpo_loss(logp, logp_old, logp_ref, adv, mask, beta, delta=0.5)
+    assert float(m["opsm_masked_fraction"]) == 0.5
+    g = jax.grad(lambda lp: grpo_loss(lp, logp_old, logp_ref, adv, mask, beta, delta=0.5)[0])(logp)
+    g_kl = jax.grad(lambda lp: jnp.mean(jnp.sum(unbiased_kl(lp, logp_old, logp_ref) * 0.5, -1) / t))(logp)
+    np.testing.assert_allclose(np.asarray(g)[0], np.asarray(g_kl)[0], rtol=1e-5)  # masked row: KL only
+
+
+def test_token_mean_per_sequence_then_mean(rng):
+    """Eq. (5): a sequence's weight does not grow with its length."""
+    logp = jnp.zeros((2, 6))
+    mask = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], jnp.float32)
+    adv = jnp.asarray([1.0, 1.0])
+    loss, _ = grpo_loss(logp, logp, logp, adv, mask, jnp.zeros(2))
+    assert float(loss) == pytest.approx(-1.0)  # ratio 1: -A per token, token mean per row, mean over rows
+
+
+def test_advantages_and_group_checks():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    groups = np.array([0, 0, 1, 1, 2, 2])
+    np.testing.assert_allclose(group_advantages(rewards, groups), [0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
+    prompts = np.array([[1, 2], [1, 2], [3, 4], [3, 4], [5, 6], [5, 6]])
+    check_groups(groups, prompts, 2)
+    with pytest.raises(ValueError, match="mixes different prompts"):
+        check_groups(groups, prompts[[0, 2, 1, 3, 4, 5]], 2)
+    with pytest.raises(ValueError, match="has 3 completions"):
+        check_groups(np.array([0, 0, 0, 1, 2, 2]), prompts, 2)
+
+
+def test_processed_logprobs_restrict_to_kept_set(rng):
+    logits = jnp.asarray(rng.standard_normal((1, 1, 10)), jnp.float32)
+    kept_ids = jnp.asarray([[[3, 7, 1]]])
+    kept_mask = jnp.asarray([[[True, True, False]]])
+    tok = jnp.asarray([[7]])
+    logp, ent, mass = processed_logprobs(logits, tok, kept_ids, kept_mask, 1.0)
+    z = np.asarray(logits)[0, 0]
+    expected = z[7] - np.log(np.exp(z[3]) + np.exp(z[7]))
+    assert float(logp[0, 0]) == pytest.approx(expected, abs=1e-6)
+    p = np.exp(z) / np.exp(z).sum()
+    assert float(mass[0, 0]) == pytest.approx(p[3] + p[7], rel=1e-5)
+    assert float(ent[0, 0]) > 0
