@@ -78,20 +78,30 @@ def disk_group_bytes(hf_dir: str, num_hidden_layers: int) -> dict[str, int]:
     return out
 
 
+# Runs the command from a minimal launcher process: on exec, Linux folds the hiwater RSS of the exec-ing address
+# space into the new program's ru_maxrss, so a child spawned (vfork + exec) directly by this process, which has
+# imported jax and generated checkpoints, would report this process's peak instead of its own.
+_LAUNCHER = """
+import json, os, subprocess, sys, time
+start = time.perf_counter()
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+json.dump({"seconds": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024,
+           "rc": os.waitstatus_to_exitcode(status)}, open(sys.argv[1], "w"))
+"""
+
+
 def run_child(args: list[str], env=None) -> dict:
-    """Runs a command, returns its wall time, exit status and peak RSS (bytes)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    out_chunks = []
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    out, err = proc.stdout.read(), proc.stderr.read()
-    out_chunks.append(out)
-    rc = os.waitstatus_to_exitcode(status)
-    if rc != 0:
-        raise RuntimeError(f"{' '.join(args)} failed ({rc}):\n{err[-4000:]}")
-    return {"seconds": wall, "peak_rss": usage.ru_maxrss * 1024, "stdout": out, "stderr": err}
+    """Runs a command; returns its wall time, peak RSS (bytes) and output. Raises if it fails."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as result:
+        proc = subprocess.run([sys.executable, "-c", _LAUNCHER, result.name, *args], cwd=ROOT,
+                              env={**os.environ, **(env or {})}, capture_output=True, text=True)
+        info = json.load(open(result.name)) if os.path.getsize(result.name) else {"rc": proc.returncode}
+    if proc.returncode != 0 or info["rc"] != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({info['rc']}):\n{proc.stderr[-4000:]}")
+    return {**info, "stdout": proc.stdout, "stderr": proc.stderr}
 
 
 def dir_bytes(path: str) -> int:
