@@ -7,9 +7,10 @@ def get_config():
     c = default_config()
     c.stage = "grpo"
     c.model = "tiny"
-    c.model_overrides = {"vocab_size": 32, "index_topk": 4, "initializer_range": 0.05}
-    c.steps = 150
-    c.optimizer.lr = 2e-3
+    # index_topk 6: every prompt token is visible to the first answer token, the selection is active after it
+    c.model_overrides = {"vocab_size": 32, "index_topk": 6, "initializer_range": 0.05}
+    c.steps = 300
+    c.optimizer.lr = 1e-3
     c.optimizer.schedule = "constant"
     c.optimizer.warmup_steps = 5
     c.optimizer.weight_decay = 0.0
