@@ -22,6 +22,11 @@ a float32 sibling leaf `<name>_scale_inv` holding the 128x128 block multipliers 
 where the source or the model uses float32). The model has no FP8 matmul path yet, so loading such a checkpoint
 dequantizes (codes * block scale, in float32, then cast to the requested parameter dtype).
 
+bfloat16 / float32 checkpoints store every leaf in the model's parameter dtype for that dtype (the router, the
+correction bias and the indexer's weights_proj are float32 in the model anyway), except that vectors (norm
+weights, k_norm, biases) whose source tensor is F32 stay float32 in a bfloat16 checkpoint, so that an HF -> orbax
+-> HF round trip reproduces every BF16 and F32 tensor bit for bit.
+
 Why partial saves: orbax-checkpoint 0.12.8 cannot append to a PyTree checkpoint with its standard (v0) API, but its
 v1 API has `ocp.v1.partial.save` (each call writes a disjoint subtree into a pending directory; nothing is
 rewritten) and `ocp.v1.partial.finalize` (merges the pending directories by renames, no data copy). We call

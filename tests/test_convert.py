@@ -229,6 +229,10 @@ def test_synthetic_fp8_logits_match_numpy_dequantized_path(work, synth_fp8, refe
     print(f"{dtype}: rel err logits {err:.2e}, MTP logits {err_mtp:.2e}")
     if dtype == "bfloat16":  # bf16 weights (rounded once from the exact dequantized values)
         assert err < 2e-2 and err_mtp < 2e-2
+        # ... which is exactly the numpy-dequantized checkpoint run in bf16
+        ours = dsv32_jax.from_pretrained(out, dtype=jnp.bfloat16)(jnp.asarray(TOKENS))
+        ref_bf16 = dsv32_jax.from_pretrained(reference_logits[2], dtype=jnp.bfloat16)(jnp.asarray(TOKENS))
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref_bf16))
     else:  # float32 dequantized at conversion or at load: the same float32 products as numpy
         assert err <= 1e-6 and err_mtp <= 1e-6
 
@@ -679,8 +683,13 @@ sharded = dict(orbax_io.flatten_pure(nnx.to_pure_dict(nnx.state(model))))
 single = dict(orbax_io.flatten_pure(nnx.to_pure_dict(nnx.state(plain))))
 assert sharded.keys() == single.keys()
 same = all(np.array_equal(np.asarray(sharded[k]), np.asarray(single[k])) for k in single)
+from_hf = dsv32_jax.from_pretrained(src, dtype=jnp.float32, mesh="fsdp:2,tensor:4", include_mtp=True)
+hf_flat = dict(orbax_io.flatten_pure(nnx.to_pure_dict(nnx.state(from_hf))))
+same_hf = all(np.array_equal(np.asarray(hf_flat[k]), np.asarray(single[k])) for k in single)
+same_hf_sharding = all(hf_flat[k].sharding == sharded[k].sharding for k in single)
 spec = lambda x: [a for a in x.sharding.spec]
-print(json.dumps({"meta_mesh": meta["mesh"], "same": same, "specs": {
+print(json.dumps({"meta_mesh": meta["mesh"], "same": same, "same_hf": same_hf, "same_hf_sharding": same_hf_sharding,
+                  "specs": {
   "embed": spec(model.embed[...]),
   "w_gate": spec(model.layers[1].ffn.experts.w_gate[...]),
   "q_b": spec(model.layers[0].attn.q_b_proj.kernel[...]),
@@ -699,7 +708,7 @@ def test_sharded_conversion_and_load_on_8_cpu_devices(tmp_path, synth_fp8):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["meta_mesh"] == {"fsdp": 2, "tensor": 4}
-    assert res["same"]
+    assert res["same"] and res["same_hf"] and res["same_hf_sharding"]  # HF-dir loading shards the same way
     assert res["specs"]["embed"] == ["tensor", "fsdp"]
     assert res["specs"]["w_gate"] == [None, "fsdp", "tensor"]  # the mesh has no 'expert' axis
     assert res["specs"]["mtp_w_down"] == [None, "tensor", "fsdp"]
