@@ -200,7 +200,7 @@ def test_every_config_builds_its_sharded_state_abstractly(path):
 
 @pytest.mark.slow
 def test_bench_train_smoke():
-    res = subprocess.run([sys.executable, "bench/train.py", "--smoke", "--contexts=64", "--steps=1"], cwd=ROOT,
+    res = subprocess.run([sys.executable, "bench/train_step.py", "--smoke", "--contexts=64", "--steps=1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "longest context that fits (sparse): 64" in res.stdout

@@ -1,7 +1,7 @@
 """Training-step benchmark: dense vs sparse (DSA) attention for the small config at long context.
 
-    python bench/train.py --contexts=8192,32768,65536,131072 --out=bench_train.json      # on a GPU
-    python bench/train.py --smoke                                                        # CPU, tiny, seconds
+    python bench/train_step.py --contexts=8192,32768,65536,131072 --out=bench_train.json      # on a GPU
+    python bench/train_step.py --smoke                                                        # CPU, tiny, seconds
 
 Each (mode, context) runs in its own subprocess (clean peak-memory statistics, OOM isolation): batch 1,
 `--warmup` untimed steps then the median of `--steps` timed steps. Modes: "dense" = the dense stage (MQA-mode
