@@ -48,6 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from dsv32_jax import orbax_io
+from dsv32_jax import sharding as shd
 from dsv32_jax.config import ConfigError, ModelConfig
 from dsv32_jax.hf import SCALE_SUFFIX, TensorSpec, tensor_specs
 from dsv32_jax.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, HFCheckpoint
@@ -687,7 +688,7 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
                               f"{cfg.num_nextn_predict_layers}")
     src_dtypes = check_hf_checkpoint(ckpt, cfg, include_mtp)
     if isinstance(mesh, str):
-        mesh = orbax_io.parse_mesh(mesh)
+        mesh = shd.make_mesh(mesh)
     keep_fp8 = dtype == "float8"
     model_cfg = cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)
     leaves, axes = _abstract_state(model_cfg, BF16 if keep_fp8 else np.dtype(dtype))
@@ -724,7 +725,7 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
             "fp8": keep_fp8, "include_mtp": bool(include_mtp and cfg.num_nextn_predict_layers > 0),
             "groups": writer.groups, "source": os.path.abspath(hf_dir),
             "hf_dtypes": {s.hf_names[0]: src_dtypes[s.hf_names[0]] for s in specs if not s.alias},
-            "mesh": None if mesh is None else dict(mesh.shape),
+            "mesh": None if mesh is None else {k: v for k, v in mesh.shape.items() if v > 1},
             "created_by": "python -m dsv32_jax.convert hf-to-orbax",
         }
         orbax_io.write_json(os.path.join(tmp, orbax_io.META_FILE), meta)

@@ -195,9 +195,10 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer
     weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
     `jax.sharding.Mesh` or a spec like 'fsdp:2,tensor:4' to shard the parameters by their logical axes
-    (`rules`: logical axis -> mesh axes, default `orbax_io.DEFAULT_RULES`).
+    (`rules`: logical axis -> mesh axes, default `dsv32_jax.sharding.DEFAULT_RULES`).
     """
     from dsv32_jax import orbax_io
+    from dsv32_jax import sharding as shd
     from dsv32_jax.model import Transformer
 
     path = os.fspath(path)
@@ -219,5 +220,5 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     graphdef, state = nnx.split(abstract)
     state = load_hf_state(ckpt, cfg, state, include_mtp)
     if mesh is not None:
-        state = orbax_io.shard_state(state, orbax_io.parse_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
+        state = orbax_io.shard_state(state, shd.make_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
     return nnx.merge(graphdef, state)

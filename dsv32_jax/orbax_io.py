@@ -37,9 +37,8 @@ time on weights that barely compress) and without orbax's defensive host copy (w
 The alternatives were worse: one sub-checkpoint per layer cannot be restored with a single orbax call, and raw
 tensorstore/zarr arrays would bypass orbax's metadata.
 
-Sharding: `parse_mesh("fsdp:2,tensor:4")` builds a `jax.sharding.Mesh`; `logical_sharding` maps a parameter's
-logical `axes` metadata to mesh axes through a rule table (the shared `dsv32_jax.sharding.DEFAULT_RULES` when
-importable, else the same-format DEFAULT_RULES here; every function takes `rules=`). A mesh axis is used at most once
+Sharding: `dsv32_jax.sharding.make_mesh("fsdp:2,tensor:4")` builds the mesh; `logical_sharding` maps a parameter's
+logical `axes` metadata to mesh axes through the shared rule table (every function takes `rules=`). A mesh axis is used at most once
 per array and only where it divides the dimension; anything else is replicated.
 """
 
@@ -57,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from dsv32_jax.config import ModelConfig
+from dsv32_jax import sharding as shd
 from dsv32_jax.safetensors_io import CheckpointError
 
 FORMAT_NAME = "dsv32-jax-orbax"
@@ -67,31 +67,6 @@ PARAMS_DIR = "params"
 SCALE_SUFFIX = "_scale_inv"
 BLOCK = 128
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
-
-# logical axis name -> mesh axis (str), mesh axes (tuple: sharded over all of them that the mesh has), or None
-# (replicated). Same format and semantics as `dsv32_jax.sharding.DEFAULT_RULES`, the training code's table, which
-# `default_rules()` prefers when it is importable; this copy is the fallback.
-DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "q_lora": None,
-    "kv_lora": None,
-    "heads": ("tensor", "fsdp"),
-    "index_heads": ("tensor", "fsdp"),
-    "mlp": "tensor",
-    "moe_mlp": "tensor",
-    "expert": "expert",
-    "norm": None,
-}
-
-
-def default_rules() -> Mapping:
-    try:
-        from dsv32_jax.sharding import DEFAULT_RULES as shared
-    except Exception:  # noqa: BLE001 -- absent or broken: fall back to the local table
-        return DEFAULT_RULES
-    return shared
-
 
 # --------------------------------------------------------------------------------------------- tree helpers
 def group_of(path: tuple) -> str:
@@ -177,50 +152,9 @@ def write_json(path: str, obj) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- mesh
-def parse_mesh(spec: str, devices=None) -> jax.sharding.Mesh:
-    """'fsdp:2,tensor:4' -> Mesh of the first 8 devices with axes ('fsdp', 'tensor')."""
-    names, sizes = [], []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, size = part.partition(":")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh: bad entry {part!r}; expected name:size, e.g. 'fsdp:2,tensor:4'")
-        if name.strip() in names:
-            raise ValueError(f"--mesh: axis {name.strip()!r} given twice in {spec!r}")
-        names.append(name.strip())
-        sizes.append(int(size))
-    if not names:
-        raise ValueError(f"--mesh: no axes in {spec!r}; expected e.g. 'fsdp:2,tensor:4'")
-    devices = list(jax.devices() if devices is None else devices)
-    n = int(np.prod(sizes))
-    if n > len(devices):
-        raise ValueError(f"--mesh {spec!r} needs {n} devices but only {len(devices)} are visible "
-                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
-    return jax.sharding.Mesh(np.array(devices[:n]).reshape(sizes), tuple(names))
-
-
-def logical_to_spec(axes, shape, mesh, rules: Mapping | None = None) -> jax.sharding.PartitionSpec:
-    """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
-    used at most once per array, axes the mesh lacks (or of size 1) are dropped, and a dimension that the product
-    of its mesh axes does not divide stays replicated."""
-    rules = default_rules() if rules is None else rules
-    sizes = dict(mesh.shape)
-    axes = tuple(axes or ())
-    axes = axes + (None,) * (len(shape) - len(axes))
-    used, out = set(), []
-    for name, dim in zip(axes, shape):
-        target = rules.get(name) if name is not None else None
-        cand = (target,) if isinstance(target, str) else tuple(target or ())
-        cand = tuple(a for a in cand if a not in used and sizes.get(a, 1) > 1)
-        if cand and dim % int(np.prod([sizes[a] for a in cand])) == 0:
-            used.update(cand)
-            out.append(cand[0] if len(cand) == 1 else cand)
-        else:
-            out.append(None)
-    return jax.sharding.PartitionSpec(*out)
-
-
 def logical_sharding(axes, shape, mesh, rules=None) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules))
+    """Sharding of an array with logical `axes` under the shared rule table (`dsv32_jax.sharding`)."""
+    return jax.sharding.NamedSharding(mesh, shd.array_spec(axes, shape, mesh.shape, rules or shd.DEFAULT_RULES))
 
 
 def param_axes(state: nnx.State) -> dict[tuple, tuple]:
@@ -381,7 +315,7 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     if not include_mtp:
         cfg = cfg.replace(num_nextn_predict_layers=0)
     if isinstance(mesh, str):
-        mesh = parse_mesh(mesh)
+        mesh = shd.make_mesh(mesh)
     param_dtype = param_dtype or dtype
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                                   options=options))

@@ -43,9 +43,12 @@ def parse_mesh_spec(spec: str | Mapping[str, int]) -> dict[str, int]:
     if isinstance(spec, str):
         sizes = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, size = part.partition(":")
-            if name not in MESH_AXES or not size.lstrip("-").isdigit():
-                raise ValueError(f"--mesh: bad entry {part!r}; expected name:size with name in {MESH_AXES}")
+            name, sep, size = (x.strip() for x in part.partition(":"))
+            if not sep or name not in MESH_AXES or not size.lstrip("-").isdigit() or int(size) == 0 or int(size) < -1:
+                raise ValueError(f"--mesh: bad entry {part!r}; expected name:size with name in {MESH_AXES}, "
+                                 "e.g. 'fsdp:2,tensor:4'")
+            if name in sizes:
+                raise ValueError(f"--mesh: axis {name!r} given twice in {spec!r}")
             sizes[name] = int(size)
     else:
         sizes = dict(spec)
@@ -66,7 +69,8 @@ def make_mesh(spec: str | Mapping[str, int] = "", devices=None) -> Mesh:
         sizes[auto[0]] = len(devices) // known
     need = math.prod(sizes.values())
     if need > len(devices) or (auto and need != len(devices)):
-        raise ValueError(f"mesh {sizes} needs {need} devices, have {len(devices)}")
+        raise ValueError(f"mesh {sizes} needs {need} devices but only {len(devices)} are visible "
+                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     devices = devices[:need]  # an explicit smaller mesh uses the first devices
     return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
 
@@ -86,12 +90,23 @@ def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT
     return P(*out)
 
 
-def _divisible(spec: P, shape, mesh_shape: Mapping[str, int]) -> P:
-    """Replicates any dimension that does not divide evenly by the mesh axes it would be sharded over."""
-    def size(entry):
-        return math.prod(mesh_shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
-
-    return P(*[e if e is None or shape[i] % size(e) == 0 else None for i, e in enumerate(spec)])
+def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
+    """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
+    used at most once per array, size-1 mesh axes are dropped, and a dimension that the product of its mesh axes
+    does not divide stays replicated (leaving those axes free for later dimensions)."""
+    axes = tuple(axes or ())
+    axes = axes + (None,) * (len(shape) - len(axes))
+    used, out = set(), []
+    for name, dim in zip(axes, shape):
+        target = rules.get(name) if name is not None else None
+        cand = (target,) if isinstance(target, str) else tuple(target or ())
+        cand = tuple(a for a in cand if a not in used and mesh_shape.get(a, 1) > 1)
+        if cand and dim % math.prod(mesh_shape[a] for a in cand) == 0:
+            used.update(cand)
+            out.append(cand[0] if len(cand) == 1 else cand)
+        else:
+            out.append(None)
+    return P(*out)
 
 
 def _is_var(x) -> bool:
@@ -104,7 +119,7 @@ def variable_spec(var, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_R
     shape = getattr(var.get_value() if _is_var(var) else var, "shape", ())
     if axes is None or len(axes) != len(shape):
         return P()
-    return _divisible(logical_to_spec(axes, rules, mesh_shape), shape, mesh_shape)
+    return array_spec(axes, shape, mesh_shape, rules)
 
 
 def state_specs(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES):
@@ -150,5 +165,5 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     mesh = _CONTEXT["mesh"]
     if mesh is None or mesh.size == 1:
         return x
-    spec = _divisible(logical_to_spec(names, _CONTEXT["rules"], mesh.shape), x.shape, mesh.shape)
+    spec = array_spec(names, x.shape, mesh.shape, _CONTEXT["rules"])
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

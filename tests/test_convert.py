@@ -640,32 +640,6 @@ def test_cli_round_trip(tmp_path, synth_fp8):
 
 
 # -------------------------------------------------------------------------------------------------- sharding
-def test_logical_sharding_rules():
-    import jax
-
-    mesh = orbax_io.parse_mesh("fsdp:1")
-    P = jax.sharding.PartitionSpec
-    assert orbax_io.logical_to_spec(("vocab", "embed"), (256, 64), mesh) == P(None, None)  # size-1 axes dropped
-    for spec, msg in [("fsdp", "name:size"), ("fsdp:0", "name:size"), ("a:1,a:1", "twice"), ("fsdp:64", "needs 64")]:
-        with pytest.raises(ValueError, match=msg):
-            orbax_io.parse_mesh(spec)
-
-    class FakeMesh:
-        shape = {"fsdp": 2, "tensor": 4, "expert": 8}
-
-    rules = orbax_io.DEFAULT_RULES
-    assert orbax_io.logical_to_spec(("vocab", "embed"), (256, 64), FakeMesh, rules) == P("tensor", "fsdp")
-    assert orbax_io.logical_to_spec(("expert", "embed", "moe_mlp"), (8, 64, 32), FakeMesh, rules) == \
-        P("expert", "fsdp", "tensor")
-    assert orbax_io.logical_to_spec(("expert", "embed", "moe_mlp"), (4, 64, 30), FakeMesh, rules) == \
-        P(None, "fsdp", None)  # 4 experts on 8 devices, 30 not divisible by 4: replicated
-    assert orbax_io.logical_to_spec(("q_lora", "heads"), (32, 96), FakeMesh, rules) == P(None, ("tensor", "fsdp"))
-    assert orbax_io.logical_to_spec(("norm",), (64,), FakeMesh, rules) == P(None)
-    assert orbax_io.logical_to_spec(("embed", "q_lora"), (64, 32), FakeMesh, {"q_lora": "tensor"}) == P(None, "tensor")
-    shared = orbax_io.default_rules()
-    assert all(isinstance(v, (str, tuple, type(None))) for v in shared.values())
-
-
 SHARDED_SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np

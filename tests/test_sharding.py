@@ -37,9 +37,25 @@ def test_indivisible_dims_are_replicated_and_bytes_add_up():
     assert shd.per_device_bytes(state, SIZES) == (16 * 64 // 32 + 6 + 9) * 4
 
 
-def test_mesh_spec_errors():
-    with pytest.raises(ValueError, match="bad entry"):
-        shd.parse_mesh_spec("fsdp=2")
+def test_array_spec_replicates_indivisible_dims_and_keeps_axes_free():
+    sizes = {"data": 1, "fsdp": 2, "tensor": 4, "expert": 8}
+    assert shd.array_spec(("vocab", "embed"), (256, 64), sizes) == P("tensor", "fsdp")
+    assert shd.array_spec(("expert", "embed", "moe_mlp"), (8, 64, 32), sizes) == P("expert", "fsdp", "tensor")
+    # 4 experts on 8 devices and 30 units on 4: replicated
+    assert shd.array_spec(("expert", "embed", "moe_mlp"), (4, 64, 30), sizes) == P(None, "fsdp", None)
+    assert shd.array_spec(("q_lora", "heads"), (32, 96), sizes) == P(None, ("tensor", "fsdp"))
+    assert shd.array_spec(("embed", "q_lora"), (64, 32), sizes, {"q_lora": "tensor"}) == P(None, "tensor")
+    assert shd.array_spec(("vocab", "embed"), (256, 64), shd.parse_mesh_spec("fsdp:1")) == P(None, None)
+
+
+@pytest.mark.parametrize("spec,msg", [("fsdp=2", "bad entry"), ("fsdp:0", "bad entry"), ("fsdp", "bad entry"),
+                                      ("fsdp:1,fsdp:1", "twice"), ("cores:2", "bad entry")])
+def test_mesh_spec_errors(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        shd.parse_mesh_spec(spec)
+
+
+def test_mesh_needs_devices():
     with pytest.raises(ValueError, match="needs 16 devices"):
         shd.make_mesh("fsdp:16")
 

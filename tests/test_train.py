@@ -204,3 +204,25 @@ def test_bench_train_smoke():
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "longest context that fits (sparse): 64" in res.stdout
+
+
+@pytest.mark.parametrize("source", ["hf", "orbax"])
+def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
+    """init_from an HF checkpoint directory or its orbax conversion (python -m dsv32_jax.convert hf-to-orbax)."""
+    from dsv32_jax.convert import hf_to_orbax
+
+    hf_dir = os.path.join(ROOT, "tests", "fixtures", "hf_long")
+    init = hf_dir
+    if source == "orbax":
+        init = str(tmp_path / "orbax")
+        hf_to_orbax(hf_dir, init, dtype="float32")
+    config = load_config("sparse_tiny", steps=2, init_from=init, log_every=1000, **{
+        "data.seq_len": 32, "data.batch_size": 2, "checkpoint.every": 2, "checkpoint.use_async": False})
+    trainer = Trainer(config, str(tmp_path / "run"))
+    assert trainer.cfg.hidden_size == 64 and trainer.cfg.index_n_heads == 8  # the fixture's config, not tiny's
+    gold = np.load(os.path.join(hf_dir, "golden.npz"))
+    np.testing.assert_allclose(np.asarray(trainer.model(jax.numpy.asarray(gold["tokens"]))), gold["logits"],
+                               rtol=1e-4, atol=1e-4 * np.abs(gold["logits"]).max())
+    it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size)
+    history = trainer.fit(it)
+    assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)

@@ -105,7 +105,7 @@ class GRPOLearner:
         rows, prompts, lengths = self._prompt_batch(items)
         check_groups(group_ids, prompts, self.g.group_size)
         key = jax.random.fold_in(jax.random.key(self.config.seed), step)
-        with self.mesh, shd.use_mesh(self.mesh):
+        with shd.use_mesh(self.mesh):
             r = generate(self._model(), prompts, lengths, key, self.sampling)
         gen = np.asarray(r.tokens)
         samples = [rl_tasks.to_sample(kind, pr, ans, lang, gen[i]) for i, (pr, ans, lang, kind) in enumerate(rows)]
@@ -172,7 +172,7 @@ class GRPOLearner:
 
     # ------------------------------------------------------------------ update
     def update(self, batch) -> dict:
-        with self.mesh, shd.use_mesh(self.mesh):
+        with shd.use_mesh(self.mesh):
             batch["logp_ref"] = self._reference(self.ref, batch)
             diag = self._diagnose(self.state[0], batch)
             n = batch["adv"].shape[0]
@@ -195,7 +195,7 @@ class GRPOLearner:
         for kind in self.tasks:
             items = [(kind, x) for x in rl_tasks.eval_prompts(kind)]
             rows, prompts, lengths = self._prompt_batch(items)
-            with self.mesh, shd.use_mesh(self.mesh):
+            with shd.use_mesh(self.mesh):
                 r = generate(self._model(), prompts, lengths, jax.random.key(0), self.greedy)
             gen = np.asarray(r.tokens)
             samples = [rl_tasks.to_sample(kind, pr, ans, lang, gen[i]) for i, (pr, ans, lang, kind) in enumerate(rows)]

@@ -96,6 +96,7 @@ class Trainer:
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "seq"), mesh_shape=self.mesh.shape))
         self.ts = self._init_state()
+        self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
 
     # ------------------------------------------------------------------ state
@@ -111,15 +112,18 @@ class Trainer:
         return nnx.split(nnx.eval_shape(self._build))
 
     def _init_state(self) -> TrainState:
-        graphdef, state = self.abstract_state()
-        abstract = TrainState(graphdef, state, shd.state_shardings(state, self.mesh))
         init = self.config.init_from
-        with self.mesh:
-            if not init:
-                state = jax.jit(lambda: nnx.split(self._build())[1], out_shardings=abstract.shardings)()
-            else:
-                state = jax.device_put(nnx.split(self._build(self._load_model(init)))[1], abstract.shardings)
-        return TrainState(abstract.graphdef, state, abstract.shardings)
+        model = None
+        if init:
+            model = self._load_model(init)
+            self.cfg = model.config  # e.g. a checkpoint without the MTP layer
+        graphdef, state = self.abstract_state()
+        shardings = shd.state_shardings(state, self.mesh)
+        if model is None:
+            state = jax.jit(lambda: nnx.split(self._build())[1], out_shardings=shardings)()
+        else:
+            state = jax.device_put(nnx.split(self._build(model))[1], shardings)
+        return TrainState(graphdef, state, shardings)
 
     def _load_model(self, init: str) -> Transformer:
         ckpt_dir = os.path.abspath(os.path.join(init, "checkpoints"))
@@ -198,7 +202,7 @@ class Trainer:
                 for k in BATCH_KEYS}
 
     def train_step(self, batch: dict) -> dict:
-        with self.mesh, shd.use_mesh(self.mesh):
+        with shd.use_mesh(self.mesh):
             self.ts.state, metrics = self._step_fn(self.ts.state, self.device_batch(batch))
         return metrics
 
