@@ -170,6 +170,7 @@ def _check_tokens(tokens, vocab_size: int) -> None:
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
     if isinstance(tokens, np.ndarray | jax.Array) and not isinstance(tokens, jax.core.Tracer):
-        lo, hi = int(tokens.min()), int(tokens.max())
+        concrete = np.asarray(tokens)  # numpy: no tracing even when the array is closed over inside a jit
+        lo, hi = int(concrete.min()), int(concrete.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got range [{lo}, {hi}]")

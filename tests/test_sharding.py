@@ -17,8 +17,9 @@ SIZES = shd.parse_mesh_spec("data:2,fsdp:4,tensor:2,expert:8")
 
 def test_logical_to_spec_uses_each_mesh_axis_once():
     assert shd.logical_to_spec(("expert", "embed", "moe_mlp"), mesh_shape=SIZES) == P("expert", "fsdp", "tensor")
-    assert shd.logical_to_spec(("q_lora", "heads"), mesh_shape=SIZES) == P(None, ("tensor", "fsdp"))
-    assert shd.logical_to_spec(("heads", "embed"), mesh_shape=SIZES) == P(("tensor", "fsdp"), None)
+    assert shd.logical_to_spec(("q_lora", "heads"), mesh_shape=SIZES) == P("fsdp", "tensor")
+    assert shd.logical_to_spec(("heads", "embed"), mesh_shape=SIZES) == P("tensor", "fsdp")
+    assert shd.logical_to_spec(("embed", "q_lora"), mesh_shape=SIZES) == P("fsdp", None)
     assert shd.logical_to_spec(("batch", "seq", "embed"), mesh_shape=SIZES) == P(("data", "fsdp", "expert"), None, None)
     one = shd.parse_mesh_spec("fsdp:8")
     assert shd.logical_to_spec(("vocab", "embed"), mesh_shape=one) == P(None, "fsdp")
@@ -43,7 +44,8 @@ def test_array_spec_replicates_indivisible_dims_and_keeps_axes_free():
     assert shd.array_spec(("expert", "embed", "moe_mlp"), (8, 64, 32), sizes) == P("expert", "fsdp", "tensor")
     # 4 experts on 8 devices and 30 units on 4: replicated
     assert shd.array_spec(("expert", "embed", "moe_mlp"), (4, 64, 30), sizes) == P(None, "fsdp", None)
-    assert shd.array_spec(("q_lora", "heads"), (32, 96), sizes) == P(None, ("tensor", "fsdp"))
+    assert shd.array_spec(("q_lora", "heads"), (32, 96), sizes) == P("fsdp", "tensor")
+    assert shd.array_spec(("q_lora", "heads"), (31, 96), sizes) == P(None, "tensor")
     assert shd.array_spec(("embed", "q_lora"), (64, 32), sizes, {"q_lora": "tensor"}) == P(None, "tensor")
     assert shd.array_spec(("vocab", "embed"), (256, 64), shd.parse_mesh_spec("fsdp:1")) == P(None, None)
 
