@@ -43,15 +43,20 @@ def test_decode_matches_full_forward(model, rng, opts):
         outs.append(logits), routes.append(a["routing"]), tops.append(a["topk"])
     valid = np.asarray(seg).astype(bool)
     dec = np.asarray(jnp.concatenate(outs, 1))
-    assert rel_err(dec[valid], np.asarray(full)[valid]) < 1e-5
+    # Exact caches: float noise only. FP8 caches: that noise can flip an e4m3 rounding (one ulp = 2^-3 relative)
+    # of a cached element or a near-tied selection, so decode agrees within quantization error.
+    exact = not (opts.fp8_kv or opts.indexer_fp8)
+    err = rel_err(dec[valid], np.asarray(full)[valid])
+    assert err < (1e-5 if exact else 2e-2), err
+    agree = []
     for layer in (1, 2):
         r = np.concatenate([np.asarray(x[layer]) for x in routes], 1)
-        np.testing.assert_array_equal(r[valid], np.asarray(aux["routing"][layer])[valid])
+        agree.append(np.mean(np.all(r[valid] == np.asarray(aux["routing"][layer])[valid], -1)))
     for layer in range(3):
         sel = np.concatenate([np.asarray(x[layer]) for x in tops], 1)
         ref = np.asarray(aux["topk"][layer])
-        for bi, ti in zip(*np.nonzero(valid)):
-            assert set(sel[bi, ti]) == set(ref[bi, ti]), (layer, bi, ti)
+        agree.append(np.mean([set(sel[bi, ti]) == set(ref[bi, ti]) for bi, ti in zip(*np.nonzero(valid))]))
+    assert min(agree) == 1.0 if exact else min(agree) >= 0.9, agree
     model.options = RunOptions()
 
 
