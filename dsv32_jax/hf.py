@@ -186,6 +186,22 @@ def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, includ
     return state
 
 
+def resolve_mtp(cfg: ModelConfig, has_mtp: bool, include_mtp: bool | None, missing_error: str):
+    """(config to build, whether to load the MTP layer): None loads it iff present; True requires it."""
+    if include_mtp and not has_mtp:
+        raise CheckpointError(missing_error)
+    include_mtp = has_mtp if include_mtp is None else include_mtp
+    return (cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)), include_mtp
+
+
+def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
+    """(graphdef, abstract state) of Transformer(cfg) without allocating parameters."""
+    from dsv32_jax.model import Transformer
+
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                        param_dtype=param_dtype or dtype, options=options)))
+
+
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
                     include_mtp: bool | None = None, mesh=None, rules=None):
     """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
@@ -199,7 +215,6 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     """
     from dsv32_jax import orbax_io
     from dsv32_jax import sharding as shd
-    from dsv32_jax.model import Transformer
 
     path = os.fspath(path)
     if orbax_io.is_orbax_checkpoint(path):
@@ -207,17 +222,10 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
                                          include_mtp=include_mtp, mesh=mesh, rules=rules)
     cfg = ModelConfig.from_hf(path)
     ckpt = HFCheckpoint(path)
-    has_mtp = checkpoint_has_mtp(ckpt, cfg)
-    if include_mtp and not has_mtp:
-        raise CheckpointError(f"{path}: include_mtp=True but the checkpoint has no MTP layer "
-                              f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
-    include_mtp = has_mtp if include_mtp is None else include_mtp
-    if not include_mtp:
-        cfg = cfg.replace(num_nextn_predict_layers=0)
-    param_dtype = param_dtype or dtype
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                                  options=options))
-    graphdef, state = nnx.split(abstract)
+    cfg, include_mtp = resolve_mtp(cfg, checkpoint_has_mtp(ckpt, cfg), include_mtp,
+                                   f"{path}: include_mtp=True but the checkpoint has no MTP layer "
+                                   f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
+    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
     state = load_hf_state(ckpt, cfg, state, include_mtp)
     if mesh is not None:
         state = orbax_io.shard_state(state, shd.make_mesh(mesh) if isinstance(mesh, str) else mesh, rules)

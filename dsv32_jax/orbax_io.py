@@ -302,24 +302,18 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
     """
     from dsv32_jax.convert import dequant_fp8
-    from dsv32_jax.model import Transformer
+    from dsv32_jax.hf import abstract_model, resolve_mtp
 
     path = os.fspath(path)
     meta = read_meta(path)
     cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
     has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
-    if include_mtp and not has_mtp:
-        raise CheckpointError(f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
-                              f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
-    include_mtp = has_mtp if include_mtp is None else include_mtp
-    if not include_mtp:
-        cfg = cfg.replace(num_nextn_predict_layers=0)
+    cfg, include_mtp = resolve_mtp(cfg, has_mtp, include_mtp,
+                                   f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
+                                   f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
     if isinstance(mesh, str):
         mesh = shd.make_mesh(mesh)
-    param_dtype = param_dtype or dtype
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                                  options=options))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
     axes = param_axes(state)
     targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
     reader = ParamsReader(path)
