@@ -268,7 +268,10 @@ def run_grpo(config, workdir: str):
     history = learner.fit()
     if jax.process_index() == 0 and history:
         from train.plot import find_runs, plot
-        plot(find_runs([workdir]), os.path.join(workdir, "curves.png"))
-        print(f"done: {learner.step} GRPO steps in {workdir}; curves in {os.path.join(workdir, 'curves.png')}",
-              flush=True)
+        try:
+            plot(find_runs([workdir]), os.path.join(workdir, "curves.png"))
+            where = f"curves in {os.path.join(workdir, 'curves.png')}"
+        except ImportError:  # matplotlib is a declared dependency, but a bare accelerator image may lack it
+            where = "no curves (matplotlib missing); metrics in metrics.jsonl"
+        print(f"done: {learner.step} GRPO steps in {workdir}; {where}", flush=True)
     return history
