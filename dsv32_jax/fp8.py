@@ -1,8 +1,8 @@
 """FP8 (e4m3) quantization and the Hadamard rotation used by the production lightning indexer.
 
 `act_quant` follows the official kernel: groups of 128 along the last dim, amax clamped at 1e-4, scale
-amax/448 rounded UP to a power of two when scale_fmt == "ue8m0". Weight block dequantization
-("weight_scale_inv" is a multiplier over 128x128 blocks, crop for ragged edges) lives here too.
+amax/448 rounded UP to a power of two when scale_fmt == "ue8m0". Checkpoint weights (e4m3 with 128x128 "weight_scale_inv" block
+multipliers) are dequantized by `dsv32_jax.convert.dequant_fp8`.
 """
 
 from __future__ import annotations
@@ -71,14 +71,3 @@ def act_dequant(codes: jnp.ndarray, scale: jnp.ndarray, dtype=jnp.float32) -> jn
 def fake_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0") -> jnp.ndarray:
     """Quantize-dequantize round trip (simulates an FP8 cache or FP8 GEMM input), same dtype as x."""
     return act_dequant(*act_quant(x, block, scale_fmt), dtype=x.dtype)
-
-
-def dequant_weight_blocks(w: np.ndarray, scale_inv: np.ndarray, block: int = 128) -> np.ndarray:
-    """W[i, j] = float(W_fp8[i, j]) * S[i // block, j // block] (float32), for any [out, in] shape."""
-    rows, cols = w.shape
-    expected = (-(-rows // block), -(-cols // block))
-    if scale_inv.shape != expected:
-        raise ValueError(f"scale shape {scale_inv.shape} does not match weight {w.shape} "
-                         f"(expected {expected} for {block}x{block} blocks)")
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), block, axis=0), block, axis=1)[:rows, :cols]
-    return w.astype(np.float32) * s

@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 from dsv32_jax.config import ModelConfig
-from dsv32_jax.fp8 import dequant_weight_blocks
 from dsv32_jax.safetensors_io import CheckpointError, HFCheckpoint
 
 SCALE_SUFFIX = "_scale_inv"
@@ -140,9 +139,11 @@ def read_hf_tensor(ckpt: HFCheckpoint, name: str, shape: tuple) -> np.ndarray:
         scale_name = name + SCALE_SUFFIX
         if scale_name not in ckpt:
             raise CheckpointError(f"{where} is F8_E4M3 but its scale '{scale_name}' is missing")
+        from dsv32_jax.convert import dequant_fp8  # lazy: convert imports this module
+
         scale = ckpt.get(scale_name)
         try:
-            return dequant_weight_blocks(np.asarray(arr), np.asarray(scale, np.float32))
+            return dequant_fp8(np.asarray(arr), np.asarray(scale, np.float32))
         except ValueError as e:
             raise CheckpointError(f"{ckpt.where(scale_name)}: tensor '{scale_name}': {e}") from None
     if not kind.startswith(("F", "BF")):

@@ -3,7 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv32_jax.fp8 import (act_dequant, act_quant, dequant_weight_blocks, fake_quant, hadamard_matrix,
+from dsv32_jax.convert import dequant_fp8
+from dsv32_jax.fp8 import (act_dequant, act_quant, fake_quant, hadamard_matrix,
                            hadamard_rotate, ue8m0_round_up)
 
 
@@ -56,14 +57,15 @@ def test_non_ue8m0_scale_and_roundtrip_error(rng):
     np.testing.assert_array_equal(np.asarray(fake_quant(x, scale_fmt=None)), back)
 
 
-def test_dequant_weight_blocks_crops_ragged_edges(rng):
+def test_checkpoint_dequant_crops_ragged_edges(rng):
+    """float64 per-element oracle for the 128x128 block dequantization of checkpoint weights (kv_a's 576 rows)."""
     w = rng.standard_normal((576, 200)).astype(ml_dtypes.float8_e4m3fn)
     s = rng.uniform(0.5, 2.0, (5, 2)).astype(np.float32)  # not powers of two
-    out = dequant_weight_blocks(w, s)
+    out = dequant_fp8(w, s)
     ref = np.empty((576, 200), np.float64)
     for i in range(576):
         for j in range(200):
             ref[i, j] = float(w[i, j]) * s[i // 128, j // 128]
     np.testing.assert_allclose(out, ref, rtol=1e-7)
     with pytest.raises(ValueError, match="scale shape"):
-        dequant_weight_blocks(w, s[:4])
+        dequant_fp8(w, s[:4])
