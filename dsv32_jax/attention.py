@@ -66,10 +66,9 @@ def masked_softmax(logits: jnp.ndarray, valid: jnp.ndarray):
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(valid, jnp.exp(logits - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    probs = p / jnp.where(denom > 0, denom, 1.0)
-    lse = jnp.where(denom[..., 0] > 0, jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)) + m[..., 0], -jnp.inf)
-    return probs, lse
+    denom = jnp.sum(p, axis=-1)
+    safe = jnp.where(denom > 0, denom, 1.0)  # empty rows: no 0/0 and no log(0) in the backward pass
+    return p / safe[..., None], jnp.where(denom > 0, jnp.log(safe) + m[..., 0], -jnp.inf)
 
 
 def gather_rows(kv: jnp.ndarray, idx: jnp.ndarray) -> jnp.ndarray:

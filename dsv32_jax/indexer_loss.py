@@ -19,11 +19,8 @@ from dsv32_jax.indexer import index_scores, select_topk
 
 def _kl(p: jnp.ndarray, scores: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
     """sum_s p (log p - log softmax(scores)) over valid entries of the last axis; 0 for rows with no valid entry."""
-    logits = jnp.where(valid, scores, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    log_z = jnp.log(jnp.sum(jnp.where(valid, jnp.exp(logits - m), 0.0), axis=-1, keepdims=True) + 1e-30) + m
-    log_q = jnp.where(valid, scores - log_z, 0.0)
+    _, log_z = masked_softmax(scores, valid)
+    log_q = jnp.where(valid, scores - log_z[..., None], 0.0)
     log_p = jnp.log(jnp.where(valid & (p > 0), p, 1.0))
     return jnp.sum(jnp.where(valid & (p > 0), p * (log_p - log_q), 0.0), axis=-1)
 

@@ -82,13 +82,18 @@ class Transformer(nnx.Module):
         self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
                              for i in range(cfg.num_nextn_predict_layers)])
 
-    def positions(self, tokens, positions=None, segment_ids=None) -> Positions:
+    def positions(self, tokens, positions=None, segment_ids=None, start: int | jnp.ndarray = 0,
+                  kv_segment=None) -> Positions:
+        """Bookkeeping for tokens [B, T] occupying key slots [start, start + T): RoPE tables from `positions`
+        (default: the slot index), segments (default: one document), and the keys' segments (default: the
+        tokens' own, i.e. no cache)."""
         b, t = tokens.shape
-        index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        index = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions.astype(jnp.int32)
         segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
         cos, sin = rope_angles(positions, yarn_inv_freq(self.config), self.config.rope_attention_factor)
-        return Positions(cos=cos, sin=sin, q_index=index, q_segment=segments, kv_segment=segments)
+        return Positions(cos=cos, sin=sin, q_index=index, q_segment=segments,
+                         kv_segment=segments if kv_segment is None else kv_segment)
 
     def embed_tokens(self, tokens):
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
@@ -133,11 +138,8 @@ class Transformer(nnx.Module):
 
         positions [B, T] are RoPE positions, segment_ids [B, T] (0 for padding). Prefill = decode on an empty
         cache with index 0. Returns (logits [B, T, V] float32, new cache, aux per layer: topk, routing)."""
-        b, t = tokens.shape
         seg_cache = jax.lax.dynamic_update_slice_in_dim(cache["segment"], segment_ids.astype(jnp.int32), index, axis=1)
-        q_index = jnp.broadcast_to(index + jnp.arange(t, dtype=jnp.int32), (b, t))
-        cos, sin = rope_angles(positions.astype(jnp.int32), yarn_inv_freq(self.config), self.config.rope_attention_factor)
-        pos = Positions(cos=cos, sin=sin, q_index=q_index, q_segment=segment_ids.astype(jnp.int32), kv_segment=seg_cache)
+        pos = self.positions(tokens, positions, segment_ids, start=index, kv_segment=seg_cache)
         h, aux = self.backbone(self.embed_tokens(tokens), pos, routing, cache)
         new_cache = {"segment": seg_cache, "layers": [aux["cache"][i] for i in range(len(self.layers))]}
         del aux["cache"]

@@ -89,13 +89,12 @@ class Trainer:
         self.options = run_options(config)
         self.tx = make_tx(config.optimizer)
         self.rng = jax.random.key_data(jax.random.key(config.seed))
-        self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._stop = False
         if not allocate:
             return
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "seq"), mesh_shape=self.mesh.shape))
-        self.ts = self._init_state()
+        self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
         self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
 
@@ -282,7 +281,7 @@ class Trainer:
                 step += 1
                 metrics.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt)
                 if peak:
-                    metrics["mfu"] = self.flops_per_token * tokens_per_s_per_device(metrics, jax.device_count()) / peak
+                    metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / jax.device_count() / peak
                 writer.write(step, metrics)
                 history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
                 if step % config.log_every == 0 or step == config.steps or step == 1:
@@ -292,10 +291,6 @@ class Trainer:
         signal.signal(signal.SIGTERM, old_handler)
         writer.close()
         return history
-
-
-def tokens_per_s_per_device(metrics: dict, n_devices: int) -> float:
-    return metrics["tokens_per_s"] / n_devices
 
 
 def write_summary(workdir: str, history: list[dict]) -> None:
