@@ -68,7 +68,7 @@ def run_case(args) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default="8192,32768,65536,131072")
+    p.add_argument("--contexts", default=None, help="default 8192,32768,65536,131072 (--smoke: 64,128)")
     p.add_argument("--modes", default="dense,sparse")
     p.add_argument("--model", default="small")
     p.add_argument("--attention", default="kernel", help="sparse-mode attention: sparse (plain JAX) or kernel")
@@ -87,8 +87,9 @@ def main():
         print("RESULT " + json.dumps(run_case(args)), flush=True)
         return
     if args.smoke:
-        args.model, args.contexts, args.dtype, args.attention, args.warmup, args.steps, args.chunk = (
-            "tiny", "64,128", "float32", "sparse", 1, 2, 32)
+        args.model, args.dtype, args.attention, args.warmup, args.chunk = "tiny", "float32", "sparse", 1, 32
+        args.steps = min(args.steps, 2)
+    args.contexts = args.contexts or ("64,128" if args.smoke else "8192,32768,65536,131072")
     rows = []
     for mode in args.modes.split(","):
         for context in map(int, args.contexts.split(",")):
