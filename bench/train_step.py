@@ -108,7 +108,7 @@ def main():
                 row = {"mode": mode, "context": context, "error": f"timeout {args.timeout}s"}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n| mode | context | step (s) | tokens/s | peak GiB |\n|---|---|---|---|---|")
+    print("\n| mode | context | step (s) | tokens/s | peak GiB |\n|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['mode']} | {r['context']} | {r['error'][:40]} | | |")

@@ -31,7 +31,6 @@ casts).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math

@@ -10,7 +10,6 @@ Segments must be contiguous runs of keys (packed documents), which is what the m
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from dsv32_jax import indexer as ref_indexer

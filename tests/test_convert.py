@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, rel_err
 from test_convert_helpers import (INDEX, ROOT, compare_checkpoints, copy_checkpoint, edit_checkpoint, leftovers,
-                                  make_synthetic_checkpoint, numpy_dequantized_copy, read_all, shard_of)
+                                  make_synthetic_checkpoint, numpy_dequantized_copy, shard_of)
 
 import dsv32_jax
 from dsv32_jax import CheckpointError, ConfigError, load_preset

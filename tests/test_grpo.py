@@ -1,7 +1,6 @@
 """GRPO end to end on CPU: the tiny MoE + DSA model learns a verifiable task from chance; a length penalty
 shortens responses; keep routing / keep sampling mask hold through the learner; exact resume; rewards."""
 
-import os
 
 import jax
 import numpy as np

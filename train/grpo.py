@@ -11,7 +11,6 @@ keys are functions of (seed, step)), so a resumed run continues exactly.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 
@@ -24,7 +23,7 @@ from flax import nnx
 import dsv32_jax
 from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import sharding as shd
-from dsv32_jax.sampler import Rollout, SamplingConfig, generate, sequence_layout
+from dsv32_jax.sampler import SamplingConfig, generate, sequence_layout
 from train import rl_tasks
 from train.grpo_loss import check_groups, group_advantages, grpo_loss, processed_logprobs
 from train.metrics import MetricsWriter
