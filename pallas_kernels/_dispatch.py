@@ -4,7 +4,9 @@ impl values:
   "reference"   plain JAX (the dsv32_jax semantics; always available),
   "pallas_gpu"  the Pallas kernel compiled for GPU (Triton backend of Pallas),
   "pallas_tpu"  a Pallas Mosaic-TPU kernel where the op has one,
-  "interpret"   the GPU kernel body run with `interpret=True` on any platform (what the CPU tests exercise).
+  "interpret"   the GPU kernel body run with `interpret=True` on any platform (what the CPU tests exercise),
+  "interpret_tpu" the TPU kernel body run in Pallas' TPU interpret mode (`pltpu.InterpretParams`: DMAs,
+                semaphores and SMEM/VMEM simulated on CPU), for ops that have a TPU kernel.
 impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform:
 gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". An op without a kernel for the resolved
 backend (or a shape that backend cannot serve) runs its reference instead; each op's docstring says when.
@@ -16,7 +18,7 @@ import os
 
 import jax
 
-IMPLS = ("reference", "pallas_gpu", "pallas_tpu", "interpret")
+IMPLS = ("reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu")
 ENV_VAR = "DSV32_KERNEL_IMPL"
 _default_impl: str | None = None
 
@@ -43,6 +45,16 @@ def resolve_impl(impl: str | None, available: tuple[str, ...]) -> str:
         impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
     _check(impl, "impl")
     return impl if impl in available else "reference"
+
+
+# Options of the TPU interpret mode (`pltpu.InterpretParams`): uninitialised memory reads as NaN, so a kernel that
+# consumes memory it never wrote fails its tests; tests may switch on race detection here.
+TPU_INTERPRET_OPTIONS: dict = {"uninitialized_memory": "nan"}
+
+
+def tpu_interpret_params():
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams(**TPU_INTERPRET_OPTIONS)
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsv32_jax.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
-from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 DIM = 128
 
@@ -56,7 +56,7 @@ def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
     rows = x.reshape(-1, DIM)
     n = rows.shape[0]
     br = min(block_rows, round_up(n, 16))
-    if backend == "pallas_tpu":  # Mosaic TPU: a rank-1 (scale) block must be a power of two >= 128
+    if backend in ("pallas_tpu", "interpret_tpu"):  # Mosaic TPU: a rank-1 (scale) block must be a power of two >= 128
         br = max(next_pow2(block_rows), 128)
     n_pad = round_up(n, br)
     rows = jnp.pad(rows, ((0, n_pad - n), (0, 0)))
@@ -71,7 +71,7 @@ def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
         in_specs=[pl.BlockSpec((br, DIM), lambda i: (i, 0)), pl.BlockSpec((DIM, DIM), lambda i: (0, 0))],
         out_specs=[pl.BlockSpec((br, DIM), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,))],
         out_shape=[jax.ShapeDtypeStruct((n_pad, DIM), FP8_DTYPE), jax.ShapeDtypeStruct((n_pad,), jnp.float32)],
-        interpret=backend == "interpret",
+        interpret=tpu_interpret_params() if backend == "interpret_tpu" else backend == "interpret",
         **kwargs,
     )(rows, h)
     return codes[:n].reshape(*lead, DIM), scale[:n].reshape(lead)
@@ -82,11 +82,11 @@ def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str
     """x [..., 128] (one indexer q head or one k row per vector) -> (e4m3 codes [..., 128], f32 scale [...]).
 
     codes * scale ~= x @ H_128 / sqrt(128). Same result as `act_quant(hadamard_rotate(x), 128)` (scales squeezed).
-    Backends: pallas_gpu, pallas_tpu, interpret; other last dims than 128 run the reference.
+    Backends: pallas_gpu, pallas_tpu, interpret, interpret_tpu; other last dims than 128 run the reference.
     """
     if scale_fmt not in ("ue8m0", None):
         raise ValueError(f"hadamard_quant: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
-    impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret"))
+    impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu"))
     if impl == "reference" or x.shape[-1] != DIM:
         return hadamard_quant_reference(x, scale_fmt)
     return _hadamard_quant_pallas(x, scale_fmt=scale_fmt, block_rows=block_rows, backend=impl)

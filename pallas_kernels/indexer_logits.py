@@ -9,6 +9,13 @@ stay resident while the program walks the key axis in blocks of BK rows (DeepGEM
 working set streams from L2): per query row one FP8 MMA [BK, D] x [D, H] with fp32 accumulation, then ReLU, the
 weighted head sum and the k scale (applied after the head sum) on the CUDA cores. Key blocks outside
 [min start, max end) of the program's rows are not computed, only filled with -inf (causal block skipping).
+
+TPU kernel (Mosaic): grid (batch, query block of BQ rows, key block of BK keys). One MXU matmul per program,
+[BQ * H, D] x [D, BK] (the e4m3 codes widened to bf16, which is exact; v5e/v5p MXUs have no FP8), then ReLU, the
+head-weighted sum ([BQ, H, 1] weights broadcast along the key lanes), the k scale and the range mask. The
+per-query-block key range [min start, max end) is scalar-prefetched: key blocks outside it are filled with -inf
+without touching the MXU, and their index map is clamped into the range, so the pipeline does not even fetch
+their keys from HBM (a causal prefill reads about half of K).
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import index_scores_fp8
-from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 
 def _ranges(starts, ends, b, t, s):
@@ -109,20 +117,95 @@ def _indexer_logits_pallas(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_
     return out[:, :t]
 
 
+def _tpu_kernel(lo_ref, hi_ref, q_ref, k_ref, ks_ref, w_ref, st_ref, en_ref, o_ref, *, block_k):
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = lo_ref[b, i], hi_ref[b, i]
+    overlaps = (hi > lo) & (j * block_k < hi) & ((j + 1) * block_k > lo)
+
+    @pl.when(overlaps)
+    def _():
+        bq, h, d = q_ref.shape
+        q = q_ref[...].astype(jnp.bfloat16).reshape(bq * h, d)
+        dots = jax.lax.dot_general(q, k_ref[...].astype(jnp.bfloat16), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)  # [BQ * H, BK]
+        weighted = jnp.maximum(dots, 0.0).reshape(bq, h, block_k) * w_ref[...]
+        row = jnp.sum(weighted, axis=1) * ks_ref[...]  # [BQ, BK]
+        cols = j * block_k + jax.lax.broadcasted_iota(jnp.int32, (bq, block_k), 1)
+        row = jnp.where((cols >= st_ref[...]) & (cols < en_ref[...]), row, -jnp.inf)
+        o_ref[...] = row.astype(o_ref.dtype)
+
+    @pl.when(jnp.logical_not(overlaps))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "backend"))
+def _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dtype, block_q, block_k, backend):
+    b, t, h, d = q_fp8.shape
+    s = k_fp8.shape[1]
+    hp, dp, tp = round_up(h, 8), round_up(d, 128), round_up(t, block_q)
+    block_k = min(block_k, round_up(s, 128))
+    sp = round_up(s, block_k)
+    nq, nk = tp // block_q, sp // block_k
+    q = jnp.pad(q_fp8, ((0, 0), (0, tp - t), (0, hp - h), (0, dp - d)))
+    k = jnp.pad(k_fp8, ((0, 0), (0, sp - s), (0, dp - d)))
+    ks = jnp.pad(k_scale.astype(jnp.float32), ((0, 0), (0, sp - s)))[:, None, :]
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, tp - t), (0, hp - h)))[..., None]
+    starts, ends = _ranges(starts, ends, b, t, s)
+    # padded query rows get the empty range [s, s): they neither widen a block's key range nor see a key
+    starts, ends = (jnp.pad(a, ((0, 0), (0, tp - t)), constant_values=s) for a in (starts, ends))
+    empty = ends <= starts
+    lo = jnp.min(jnp.where(empty, sp, starts).reshape(b, nq, block_q), axis=-1)
+    hi = jnp.max(jnp.where(empty, 0, ends).reshape(b, nq, block_q), axis=-1)
+
+    def key_block(bi, i, j, lo_ref, hi_ref):  # clamped into the block's key range: skipped blocks fetch nothing
+        first = jnp.minimum(lo_ref[bi, i] // block_k, nk - 1)  # lo = sp for a block of empty rows
+        last = jnp.maximum(pl.cdiv(hi_ref[bi, i], block_k) - 1, first)
+        return jnp.clip(j, first, last)
+
+    rows = pl.BlockSpec((None, block_q, 1), lambda bi, i, j, *_: (bi, i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(b, nq, nk),
+        in_specs=[pl.BlockSpec((None, block_q, hp, dp), lambda bi, i, j, *_: (bi, i, 0, 0)),
+                  pl.BlockSpec((None, block_k, dp), lambda bi, i, j, *r: (bi, key_block(bi, i, j, *r), 0)),
+                  pl.BlockSpec((None, 1, block_k), lambda bi, i, j, *r: (bi, 0, key_block(bi, i, j, *r))),
+                  pl.BlockSpec((None, block_q, hp, 1), lambda bi, i, j, *_: (bi, i, 0, 0)), rows, rows],
+        out_specs=pl.BlockSpec((None, block_q, block_k), lambda bi, i, j, *_: (bi, i, j)))
+    out = pl.pallas_call(
+        functools.partial(_tpu_kernel, block_k=block_k),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((b, tp, sp), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
+    )(lo, hi, q, k, ks, w, starts[..., None], ends[..., None])
+    return out[:, :t, :s]
+
+
 def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, out_dtype=jnp.float32,
-                   impl: str | None = None, block_q: int = 2, block_k: int = 128, num_warps: int = 4,
+                   impl: str | None = None, block_q: int | None = None, block_k: int | None = None,
+                   num_warps: int = 4,
                    num_stages: int = 3):
     """Indexer logits [B, T, S] (out_dtype f32 or bf16) from q_fp8 [B, T, H, D] e4m3, k_fp8 [B, S, D] e4m3,
     k_scale [B, S] f32 and folded weights w' [B, T, H] f32; key s is scored for query t iff starts[b, t] <= s <
     ends[b, t] (defaults: all keys; causal = starts 0, ends q_index + 1), -inf elsewhere.
 
-    Backends: pallas_gpu, interpret; TPU and CPU run the reference (`dsv32_jax.indexer.index_scores_fp8`).
+    Backends: pallas_gpu and interpret (Triton kernel; block_q query rows x block_k keys, default 2 x 128),
+    pallas_tpu and interpret_tpu (Mosaic kernel; block_q rows x block_k keys with block_q a multiple of 8, default
+    8 x 512, block_k a multiple of 128); CPU runs the reference (`dsv32_jax.indexer.index_scores_fp8`).
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
     if impl == "reference":
         return indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype)
+    if impl in ("pallas_tpu", "interpret_tpu"):
+        block_q, block_k = block_q or 8, block_k or 512
+        if block_q % 8 or block_k % 128:
+            raise ValueError(f"indexer_logits: on TPU block_q must be a multiple of 8 and block_k of 128 "
+                             f"(got {block_q}, {block_k})")
+        return _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
+                                   block_q=block_q, block_k=block_k, backend=impl)
+    block_q, block_k = block_q or 2, block_k or 128
     return _indexer_logits_pallas(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
                                   block_q=block_q, block_k=block_k, backend=impl, num_warps=num_warps,
                                   num_stages=num_stages)

@@ -41,7 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax import attention
+from pallas_kernels import sparse_mla_tpu
 from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+
+TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -58,11 +61,15 @@ class _Cfg:
     block_i: int
     bwd_block_h: int  # heads per dq program (divides block_h)
     bwd_block_i: int  # slots per dkv program (divides block_i)
-    backend: str  # "pallas_gpu" | "interpret"
+    backend: str  # "pallas_gpu" | "interpret" (Triton kernels) | "pallas_tpu" | "interpret_tpu" (Mosaic TPU kernels)
     num_warps: int
     num_stages: int
     bwd_partial_bytes: int
     num_keys: int  # B * S rows of the flattened cache
+
+    @property
+    def tpu(self) -> bool:
+        return self.backend in TPU_BACKENDS
 
     @property
     def padded(self) -> bool:
@@ -137,6 +144,9 @@ def _fwd_kernel(q_ref, kv_ref, idx_ref, o_ref, lse_ref, *, cfg: _Cfg, n_blocks: 
 
 
 def _forward(qf, kvf, idxf, cfg: _Cfg):
+    if cfg.tpu:
+        out, lse = sparse_mla_tpu.forward(qf, kvf, idxf[:, None, :], cfg)
+        return out, lse[..., 0]
     n, hp, dp = qf.shape
     kp = idxf.shape[1]
     bh = cfg.block_h
@@ -174,6 +184,8 @@ def _probs_kernel(q_ref, kv_ref, idx_ref, lse_ref, p_ref, *, cfg: _Cfg, n_head_b
 
 
 def _head_summed_probs(qf, kvf, idxf, lse, cfg: _Cfg):
+    if cfg.tpu:
+        return sparse_mla_tpu.head_summed_probs(qf, kvf, idxf[:, None, :], lse[..., None], cfg)[:, 0]
     n, hp, dp = qf.shape
     kp, bi = idxf.shape[1], cfg.block_i
     return _call(
@@ -251,10 +263,9 @@ def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
     )(qf, kvf, idxf, do, lse, delta)
 
 
-def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
+def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg, part_dtype):
     n, hp, dp = qf.shape
     kp, bi = idxf.shape[1], cfg.block_i
-    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
     heads = pl.BlockSpec((None, hp), lambda t, j: (t, 0))
     return _call(
         cfg, functools.partial(_dkv_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
@@ -282,8 +293,11 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     n, hp, dp = qf.shape
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
-    dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
+    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+    if not cfg.tpu:
+        dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
     dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i)
+    # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))
     n_chunks = -(-n // chunk)
@@ -295,11 +309,17 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
 
     def step(dkv, xs):
         q_c, idx_c, do_c, lse_c, delta_c = xs
-        parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg)
-        return dkv + _reduce_dkv(parts, idx_c, cfg), None
+        if cfg.tpu:  # one fused kernel gives this chunk's dq and its dkv partials
+            dq_c, parts = sparse_mla_tpu.backward(q_c, kvf, idx_c[:, None, :], do_c, lse_c[..., None],
+                                                  delta_c[..., None], cfg, part_dtype)
+        else:
+            dq_c, parts = None, _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg, part_dtype)
+        return dkv + _reduce_dkv(parts, idx_c, cfg), dq_c
 
     xs = (split(qf), split(idxf, -1), split(do), split(lse, -jnp.inf), split(delta))
-    dkv, _ = jax.lax.scan(step, jnp.zeros((cfg.num_keys, dp), jnp.float32), xs)
+    dkv, dq_chunks = jax.lax.scan(step, jnp.zeros((cfg.num_keys, dp), jnp.float32), xs)
+    if cfg.tpu:
+        dq = dq_chunks.reshape(n_chunks * chunk, hp, dp)[:n]
     return dq, dkv.astype(kvf.dtype)
 
 
@@ -364,32 +384,41 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
     d_tail = dqk - d_v
+    common = dict(scale=float(scale), d_v=d_v, d_tail=d_tail, backend=impl, num_warps=num_warps,
+                  num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
+    if impl in TPU_BACKENDS:  # all heads in one block; lane-aligned (128) value and rope parts; slots by 8
+        block_i = min(128 if block_i is None else block_i, round_up(topk_idx.shape[-1], 8))
+        if block_i < 8 or block_i % 8:
+            raise ValueError(f"sparse_mla: block_i={block_i} must be a positive multiple of 8 on TPU (128 is best)")
+        hp = round_up(h, 8)
+        return _Cfg(dv_p=round_up(d_v, 128), dt_p=round_up(max(d_tail, 1), 128), block_h=hp, block_i=block_i,
+                    bwd_block_h=hp, bwd_block_i=block_i, **common)
     block_h = min(block_h, next_pow2(h, 16))
-    block_i = min(block_i, next_pow2(topk_idx.shape[-1], 16))
+    block_i = min(64 if block_i is None else block_i, next_pow2(topk_idx.shape[-1], 16))
     for name, size in (("block_h", block_h), ("block_i", block_i), ("bwd_block_h", bwd_block_h),
                        ("bwd_block_i", bwd_block_i)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
-    return _Cfg(scale=float(scale), d_v=d_v, d_tail=d_tail, dv_p=next_pow2(d_v, 16),
-                dt_p=next_pow2(max(d_tail, 1), 16), block_h=block_h, block_i=block_i,
-                bwd_block_h=min(bwd_block_h, block_h), bwd_block_i=min(bwd_block_i, block_i), backend=impl,
-                num_warps=num_warps,
-                num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
+    return _Cfg(dv_p=next_pow2(d_v, 16), dt_p=next_pow2(max(d_tail, 1), 16), block_h=block_h, block_i=block_i,
+                bwd_block_h=min(bwd_block_h, block_h), bwd_block_i=min(bwd_block_i, block_i), **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
-               block_h: int = 64, block_i: int = 64, bwd_block_h: int = 32, bwd_block_i: int = 32,
+               block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
                num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
     Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
-    too). The head-summed probabilities carry no gradient. Backends: pallas_gpu, interpret; TPU and CPU run the
-    reference `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
-    Tiles: forward BH x BI = block_h x block_i; backward dq programs hold bwd_block_h heads, dkv programs
-    bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers of two >= 16.
+    too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
+    pallas_tpu and interpret_tpu (Mosaic TPU kernels, `sparse_mla_tpu`); CPU runs the reference
+    `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
+    Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 64); backward dq programs hold bwd_block_h
+    heads, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers
+    of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
+    block_h / bwd_* / num_* are GPU-only.
     """
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,

@@ -1,4 +1,6 @@
-"""pallas_kernels against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs).
+"""pallas_kernels against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs): the
+GPU (Triton) kernel bodies with impl="interpret", the TPU (Mosaic) ones with impl="interpret_tpu" (TPU interpret
+mode simulates DMAs, semaphores and VMEM/SMEM; uninitialised memory reads as NaN).
 
 Error bounds (max |a - b| / max |b|): sparse MLA float32 1e-5 (measured <= 5e-7, forward and gradients);
 bfloat16 1e-2 forward / 2e-2 gradients against the float32 reference (measured ~3e-3 / ~5e-3: P and dS are
@@ -23,6 +25,7 @@ from pallas_kernels.indexer_logits import indexer_logits_reference
 from pallas_kernels.topk import topk_reference
 
 IMPL = "interpret"
+TPU = "interpret_tpu"
 F8 = jnp.float8_e4m3fn
 
 
@@ -44,12 +47,13 @@ def test_dispatch_resolution(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ hadamard_quant
+@pytest.mark.parametrize("impl", [IMPL, TPU])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", None])
-def test_hadamard_quant_matches_reference_exactly(rng, dtype, scale_fmt):
+def test_hadamard_quant_matches_reference_exactly(rng, impl, dtype, scale_fmt):
     x = rng.standard_normal((3, 37, 128)) * rng.uniform(1e-3, 30, (3, 37, 1))
     x = jnp.asarray(x, dtype)
-    codes, scale = pallas_kernels.hadamard_quant(x, scale_fmt=scale_fmt, impl=IMPL)
+    codes, scale = pallas_kernels.hadamard_quant(x, scale_fmt=scale_fmt, impl=impl)
     ref_codes, ref_scale = hadamard_quant_reference(x, scale_fmt)
     assert codes.dtype == F8 and scale.shape == (3, 37)
     if scale_fmt == "ue8m0":  # powers of two: an fp32 ulp in amax almost never moves them
@@ -70,16 +74,17 @@ def _indexer_inputs(rng, b, t, s, h, d):
     return ref_indexer.quantize_indexer(q, k, w)
 
 
+@pytest.mark.parametrize("impl,block_q,block_k", [(IMPL, 2, 64), (TPU, 8, 128)])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_indexer_logits_ranges_and_block_skip(rng, out_dtype):
-    b, t, s = 2, 5, 301  # odd lengths; block_k 64 -> 5 key blocks, most rows skip some
+def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, block_k):
+    b, t, s = 2, 13, 301  # odd lengths; several key blocks, most rows skip some
     qf, kf, ks, wf = _indexer_inputs(rng, b, t, s, 8, 32)  # H and D padded inside the wrapper
     starts = rng.integers(0, 200, (b, t))
     ends = starts + rng.integers(0, 150, (b, t))
     starts[0, 0], ends[0, 0] = 7, 7  # empty range -> all -inf
     starts, ends = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
-    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=IMPL,
-                                        block_k=64)
+    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=impl,
+                                        block_q=block_q, block_k=block_k)
     ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends, out_dtype)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
@@ -89,9 +94,10 @@ def test_indexer_logits_ranges_and_block_skip(rng, out_dtype):
     assert rel_err(out[finite], ref[finite]) <= bound
 
 
-def test_indexer_logits_full_range_production_head_layout(rng):
+@pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_indexer_logits_full_range_production_head_layout(rng, impl):
     qf, kf, ks, wf = _indexer_inputs(rng, 1, 3, 70, 16, 128)
-    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, impl=IMPL, block_q=1)
+    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, impl=impl, block_q=1 if impl == IMPL else 8)
     assert rel_err(out, indexer_logits_reference(qf, kf, ks, wf)) <= 1e-6
 
 
@@ -130,15 +136,15 @@ def test_topk_bf16_and_k_larger_than_row(rng):
 
 
 # ------------------------------------------------------------------------------------------- indexer_topk
-@pytest.mark.parametrize("fp8", [False, True])
-def test_indexer_topk_matches_reference_with_segments(rng, fp8):
+@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, True)])
+def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
     b, t, h, topk = 2, 37, 4, 8
     q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
     q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     seg = jnp.asarray(np.stack([np.zeros(t), np.arange(t) >= 20]), jnp.int32)  # two packed documents in row 1
-    out = pallas_kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=IMPL)
+    out = pallas_kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=impl)
     ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16)
     np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
 
@@ -207,12 +213,74 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
         assert rel_err(got, want) <= grad_bound
 
 
+# --------------------------------------------------------------------------------- sparse MLA, TPU kernels
+TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny")]
+
+
+# DMA modes of TPU interpret mode. eager: a DMA lands when started (a prefetch into the buffer being read corrupts
+# it); on_wait: only when waited (a read before its wait sees stale data or NaN). A double-buffering mistake fails
+# one of the two.
+@pytest.mark.parametrize("dtype,shape,dma_mode", [(*c, "eager") for c in TPU_CASES]
+                         + [(jnp.float32, "blocks", "on_wait")])
+def test_sparse_mla_tpu_forward_and_probs(rng, monkeypatch, dtype, shape, dma_mode):
+    monkeypatch.setitem(_dispatch.TPU_INTERPRET_OPTIONS, "dma_execution_mode", dma_mode)
+    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
+    scale = q.shape[-1] ** -0.5
+    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, impl=TPU, block_i=16)
+    r_out, r_lse, r_probs = ref_sparse_mla(q, kv, idx, scale, d_v, return_probs=True)
+    fwd_bound, _ = BOUNDS[dtype]
+    assert out.dtype == q.dtype and out.shape == r_out.shape
+    assert rel_err(out, r_out) <= fwd_bound
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+    finite = np.isfinite(np.asarray(r_lse))
+    assert rel_err(np.asarray(lse)[finite], np.asarray(r_lse)[finite]) <= fwd_bound
+    assert rel_err(probs, r_probs) <= fwd_bound
+    assert np.all(np.asarray(out)[1, 2] == 0)
+
+
+@pytest.mark.parametrize("dtype,shape", TPU_CASES)
+def test_sparse_mla_tpu_gradients_match_autodiff_of_reference(rng, dtype, shape):
+    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
+    scale = q.shape[-1] ** -0.5
+    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], d_v)), jnp.float32)
+    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+
+    def grads(fn):
+        def f(q_, kv_):
+            out, lse = fn(q_, kv_)
+            return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
+        return jax.grad(f, argnums=(0, 1))(q, kv)
+
+    got = grads(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=TPU, block_i=8,
+                                                       bwd_partial_bytes=4096))  # several blocks and chunks
+    want = grads(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert rel_err(g, w) <= BOUNDS[dtype][1]
+
+
+def test_sparse_mla_tpu_skips_blocks_without_valid_slots(rng):
+    """Blocks whose slots are all -1 (an early query's tail in a causal prefill) issue no DMA and no MXU work;
+    the result must not change, and rows reading only such blocks must give zeros (never the NaN that
+    uninitialised VMEM holds in interpret mode)."""
+    q, kv, idx, d_v = _mla_case(rng, jnp.float32, t=3, s=50, h=8, d=48, d_v=32, k=40)
+    idx = np.asarray(idx).copy()
+    idx[:, :, 8:24] = -1  # whole blocks of 8 slots invalid in every row
+    idx[0, 0, :] = -1
+    idx = jnp.asarray(idx)
+    out, _ = pallas_kernels.sparse_mla(q, kv, idx, 0.2, d_v, impl=TPU, block_i=8)
+    r_out, _ = ref_sparse_mla(q, kv, idx, 0.2, d_v)
+    assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out)[0, 0] == 0)
+    assert rel_err(out, r_out) <= 1e-5
+
+
 # ------------------------------------------------------------------------------------------ the model hook
-def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch):
+@pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch, impl):
     from flax import nnx
 
     from dsv32_jax import RunOptions, Transformer, load_preset
-    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    monkeypatch.setenv(_dispatch.ENV_VAR, impl)
     model = Transformer(load_preset("tiny").replace(initializer_range=0.2), rngs=nnx.Rngs(5))
     toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 24)), jnp.int32)
     model.options = RunOptions(attention="kernel")
@@ -269,17 +337,41 @@ def test_triton_kernels_lower_at_production_shapes():
                     sds((4,), i32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_hadamard_quant_lowers_for_tpu(dtype):
-    """The pallas_tpu body lowers to Mosaic TPU for a v5p without a TPU (its compilation happens on the device)."""
+def _lower_for_tpu(fn, *shapes):
     from jax.sharding import AbstractDevice, AbstractMesh
     try:
         device = AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
     except TypeError:
         pytest.skip("this jax cannot describe a TPU without one")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = _lower_for("tpu", lambda x: pallas_kernels.hadamard_quant(x, impl="pallas_tpu"),
+        return _lower_for("tpu", fn, *shapes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hadamard_quant_lowers_for_tpu(dtype):
+    """The pallas_tpu body lowers to Mosaic TPU for a v5p without a TPU (its compilation happens on the device)."""
+    text = _lower_for_tpu(lambda x: pallas_kernels.hadamard_quant(x, impl="pallas_tpu"),
                           jax.ShapeDtypeStruct((8, 64, 128), dtype))
+    assert "tpu_custom_call" in text
+
+
+def test_tpu_kernels_lower_at_production_shapes():
+    """The Mosaic TPU sparse MLA (forward, probs, fused backward) and indexer kernels lower for a v5p at the
+    production shapes (H 128, Dqk 576 = 512 + 64, K 2048; indexer 64 heads x 128, 8K keys)."""
+    sds = jax.ShapeDtypeStruct
+    bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
+    tpu = "pallas_tpu"
+    q, kv, idx = sds((1, 8, 128, 576), bf16), sds((1, 4096, 576), bf16), sds((1, 8, 2048), i32)
+    text = _lower_for_tpu(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu,
+                                                                    return_probs=True), q, kv, idx)
+    assert text.count("tpu_custom_call") >= 2
+    grad = jax.grad(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu)[0].astype(f32).sum(),
+                    argnums=(0, 1))
+    assert _lower_for_tpu(grad, q, kv, idx).count("tpu_custom_call") >= 2
+    text = _lower_for_tpu(lambda a, b, c, d, e, g: pallas_kernels.indexer_logits(a, b, c, d, starts=e, ends=g,
+                                                                                 impl=tpu),
+                          sds((1, 64, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32),
+                          sds((1, 64, 64), f32), sds((1, 64), i32), sds((1, 64), i32))
     assert "tpu_custom_call" in text
 
 
