@@ -6,6 +6,8 @@ reference's time measured in the same run; then a summary table; --out PATH also
 
   python bench/kernels.py                                  # H100: L = 8K, 32K, 128K; 4096 queries; H 128, k 2048
   python bench/kernels.py --smoke                          # tiny shapes in interpret mode (CPU), keeps this alive
+  python bench/kernels.py --smoke --impl=interpret_tpu     # the same through the TPU kernel bodies
+  (on a TPU, the default impl is pallas_tpu: the Mosaic kernels, with the reference top-k)
 
 FLOP conventions: indexer 2*H_I*d_I per visible (query, key) pair (causal: the 4096 queries are the last
 positions of the L keys); sparse MLA forward 2*H*k*(d_qk + d_v) per query, backward 2*H*k*(3*d_qk + 2*d_v)
@@ -179,14 +181,16 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ref-rows", type=int, default=256, help="queries for the memory-bound XLA references")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, impl=interpret, one iteration")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, one iteration, impl=interpret (or --impl=interpret_tpu for the TPU kernels)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     sh = Shapes()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.smoke:
         sh, lengths = SMOKE, [40]
-        args.impl, args.warmup, args.iters, args.ref_rows = "interpret", 0, 1, 4
+        args.impl = args.impl if args.impl in ("interpret", "interpret_tpu") else "interpret"
+        args.warmup, args.iters, args.ref_rows = 0, 1, 4
     device = jax.devices()[0]
     header = (f"device: {getattr(device, 'device_kind', device.platform)}; jax {jax.__version__}; "
               f"impl {args.impl or 'auto'}; {datetime.date.today().isoformat()}; shapes {dataclasses.asdict(sh)}")
