@@ -33,9 +33,8 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
                  q_chunk: int | None = 128, impl: str | None = None, logits_dtype=jnp.float32):
     """q [B, T, H_I, D], k [B, S, D], w [B, T, H_I] (constants folded) -> top-k key indices [B, T, min(topk, S)].
 
-    Backends: pallas_gpu, interpret (the kernels above); pallas_tpu, interpret_tpu (the TPU hadamard_quant and
-    indexer_logits kernels, then the reference top-k: `jax.lax.top_k`); elsewhere the reference
-    `dsv32_jax.indexer.indexer_topk`.
+    Backends: pallas_gpu, interpret (the GPU kernels above); pallas_tpu, interpret_tpu (their TPU kernels);
+    elsewhere the reference `dsv32_jax.indexer.indexer_topk`.
     """
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
     if impl == "reference":

@@ -16,19 +16,28 @@ Kernel (Pallas, Triton backend), two programs per row, on the order-preserving i
   2. select + emit: a 32-step bisection over the buffer finds the exact k-th key; keys above it and the first
      ties (lowest columns) are written out with prefix sums, the rest of the row's k slots get -1.
 Typical cost: 1 sample + 2 streaming reads of the row + O(C) work per row. The read floor is one pass.
+
+TPU kernel (Mosaic; TPU has neither the gathers nor the scatters the GPU compaction uses, but a 128K fp32 row is
+only 512 KB of VMEM): programs of 8 rows read their rows once from HBM, turn them into keys in a VMEM scratch, and
+find each row's exact k-th largest key by a 32-step bitwise bisection (step b keeps bit b if at least k keys are
+>= the candidate), each step one compare-and-count pass over VMEM in lane chunks; they return that threshold and
+how many of its ties to take. XLA then emits the indices in ascending column order: keys above the threshold and
+the first ties, by prefix sums and a binary search per output slot (two more streaming reads of the row).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import select_topk
-from pallas_kernels._dispatch import next_pow2, resolve_impl
+from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 INT_MIN = -(2**31)
 INT_MAX = 2**31 - 1
@@ -204,17 +213,94 @@ def _topk_pallas(scores, lengths, *, k, buf, block, backend, num_warps):
     return out.reshape(*lead, k)
 
 
+# ------------------------------------------------------------------------------------------------ TPU
+TPU_ROWS = 8
+
+
+def _tpu_threshold_kernel(x_ref, n_ref, thr_ref, need_ref, keys_ref, *, k, chunk):
+    rows, width = x_ref.shape
+    n_chunks = width // chunk
+
+    def to_keys(c, total):
+        cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+        col = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
+        key = _keys(x_ref[:, cols], col, n_ref[...])
+        key = jnp.where(key > NEG_INF_KEY, key, INT_MIN)  # -inf is never a candidate
+        keys_ref[:, cols] = key
+        return total + jnp.sum((key > INT_MIN).astype(jnp.float32), axis=1, keepdims=True)
+
+    candidates = jax.lax.fori_loop(0, n_chunks, to_keys, jnp.zeros((rows, 1), jnp.float32))
+    k_eff = jnp.minimum(candidates, float(k))
+
+    def count(pred):
+        def body(c, total):
+            key = keys_ref[:, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)]
+            return total + jnp.sum(pred(key).astype(jnp.float32), axis=1, keepdims=True)
+        return jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((rows, 1), jnp.float32))
+
+    def bisect(i, ans):  # ans: the bits found so far of the k-th key in the unsigned (key ^ INT_MIN) order
+        bit = jax.lax.shift_left(jnp.int32(1), 31 - i)
+        cand = ans | bit
+        n_ge = count(lambda key: key >= (cand ^ INT_MIN))
+        return jnp.where(n_ge >= k_eff, cand, ans)
+
+    thr = jax.lax.fori_loop(0, 32, bisect, jnp.zeros((rows, 1), jnp.int32)) ^ INT_MIN  # INT_MAX if k_eff == 0
+    thr_ref[...] = thr
+    need_ref[...] = (k_eff - count(lambda key: key > thr)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "backend"))
+def _topk_tpu(scores, lengths, *, k, backend):
+    lead, length = scores.shape[:-1], scores.shape[-1]
+    if length >= 1 << 24:
+        raise ValueError(f"topk: rows of {length} >= 2^24 candidates are not supported on TPU (float32 counts)")
+    rows = scores.reshape(-1, length)
+    r = rows.shape[0]
+    lengths = (jnp.full((r,), length, jnp.int32) if lengths is None
+               else jnp.clip(lengths.reshape(r).astype(jnp.int32), 0, length))
+    rp, lp = round_up(r, TPU_ROWS), round_up(length, 128)
+    x = jnp.pad(rows, ((0, rp - r), (0, lp - length)), constant_values=-jnp.inf)
+    n = jnp.pad(lengths, (0, rp - r))[:, None]
+    chunk = 128 * math.gcd(lp // 128, 64)  # <= 8192 lanes, divides lp
+    row_spec = pl.BlockSpec((TPU_ROWS, 1), lambda i: (i, 0))
+    thr, need = pl.pallas_call(
+        functools.partial(_tpu_threshold_kernel, k=k, chunk=chunk),
+        grid=(rp // TPU_ROWS,),
+        in_specs=[pl.BlockSpec((TPU_ROWS, lp), lambda i: (i, 0)), row_spec],
+        out_specs=[row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct((rp, 1), jnp.int32)] * 2,
+        scratch_shapes=[pltpu.VMEM((TPU_ROWS, lp), jnp.int32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                             vmem_limit_bytes=max(32 << 20, 3 * TPU_ROWS * lp * 4 + (8 << 20))),
+        interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
+    )(x, n)
+    # emission in XLA: the keys above the threshold and the first `need` ties, in ascending column order
+    col = jnp.arange(length, dtype=jnp.int32)[None, :]
+    key = _keys(rows, col, lengths[:, None])
+    thr, need = thr[:r], need[:r]
+    tie = (key == thr) & (key > NEG_INF_KEY)
+    take = ((key > thr) & (key > NEG_INF_KEY)) | (tie & (jnp.cumsum(tie, axis=1, dtype=jnp.int32) <= need))
+    pos = jnp.cumsum(take, axis=1, dtype=jnp.int32)  # slot s holds the first column where pos reaches s + 1
+    slots = jnp.arange(1, k + 1, dtype=jnp.int32)
+    out = jax.vmap(lambda p: jnp.searchsorted(p, slots, side="left"))(pos).astype(jnp.int32)
+    out = jnp.where(slots[None, :] <= pos[:, -1:], out, -1)
+    return out.reshape(*lead, k)
+
+
 def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, buffer: int | None = None,
          block: int = 256, num_warps: int = 8) -> jnp.ndarray:
     """Top-k column indices [..., k] int32 of scores [..., L] (f32 or bf16), -1 in slots beyond the candidates.
 
     lengths [...] (optional): only columns < lengths are candidates; -inf values never are. `buffer` (power of
-    two > k) is the per-row candidate buffer of the kernel (default max(2 k, 1024)). Backends: pallas_gpu,
-    interpret; TPU and CPU run the reference (`jax.lax.top_k`, a full sort).
+    two > k) is the per-row candidate buffer of the GPU kernel (default max(2 k, 1024)). Backends: pallas_gpu,
+    interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs the
+    reference (`jax.lax.top_k`, a full sort).
     """
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
     if impl == "reference":
         return topk_reference(scores, k, lengths)
+    if impl in ("pallas_tpu", "interpret_tpu"):
+        return _topk_tpu(scores, lengths, k=k, backend=impl)
     buf = buffer or max(next_pow2(2 * k), 1024)
     if buf < next_pow2(k + 1):
         raise ValueError(f"topk: buffer {buf} must be a power of two larger than k={k}")

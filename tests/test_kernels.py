@@ -111,26 +111,30 @@ def _assert_same_selection(out, ref, scores):
         np.testing.assert_array_equal(np.sort(x[o_row[o_row >= 0]]), np.sort(x[r_row[r_row >= 0]]))
 
 
-@pytest.mark.parametrize("buffer", [None, 32])  # 32 < candidates: forces the 16-way refinement passes
-def test_topk_ties_lengths_and_empty_rows(rng, buffer):
+@pytest.mark.parametrize("impl,buffer", [(IMPL, None), (IMPL, 32), (TPU, None)])  # 32 < candidates: forces
+def test_topk_ties_lengths_and_empty_rows(rng, impl, buffer):  # the GPU kernel's 16-way refinement passes
     k = 20
     x = np.round(rng.standard_normal((2, 4, 303)) * 2).astype(np.float32)  # heavy ties
     x[0, 0] = 1.0  # a row of equal values: lowest indices win
     x[0, 1, 50:] = -np.inf  # -inf is never a candidate
     x[1, 2] = rng.standard_normal(303)  # distinct values
     lengths = np.array([[303, 250, 11, 0], [303, 19, 302, 1]], np.int32)  # < k, 0 and full rows
-    out = pallas_kernels.topk(jnp.asarray(x), k, lengths=jnp.asarray(lengths), impl=IMPL, buffer=buffer)
+    out = pallas_kernels.topk(jnp.asarray(x), k, lengths=jnp.asarray(lengths), impl=impl, buffer=buffer)
     ref = topk_reference(jnp.asarray(x), k, jnp.asarray(lengths))
     _assert_same_selection(out, ref, x)
     np.testing.assert_array_equal(np.sort(np.asarray(out)[0, 0]), np.arange(k))
     assert np.all(np.asarray(out)[0, 3] == -1)
 
 
-def test_topk_bf16_and_k_larger_than_row(rng):
+@pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_topk_bf16_and_k_larger_than_row(rng, impl):
     x = jnp.asarray(rng.standard_normal((3, 600)), jnp.bfloat16)  # bf16: many exact ties
-    _assert_same_selection(pallas_kernels.topk(x, 64, impl=IMPL, buffer=128), topk_reference(x, 64), x)
+    _assert_same_selection(pallas_kernels.topk(x, 64, impl=impl, buffer=128), topk_reference(x, 64), x)
+    tiny = jnp.asarray(-np.abs(rng.standard_normal((2, 300))) * 1e-40, jnp.float32)  # negative subnormals, -0.0
+    tiny = tiny.at[:, ::7].set(-0.0)
+    _assert_same_selection(pallas_kernels.topk(tiny, 17, impl=impl), topk_reference(tiny, 17), tiny)
     short = jnp.asarray(rng.standard_normal((2, 5)), jnp.float32)  # S < k
-    out = pallas_kernels.topk(short, 8, impl=IMPL)
+    out = pallas_kernels.topk(short, 8, impl=impl)
     _assert_same_selection(out, topk_reference(short, 8), short)
     assert np.all(np.asarray(out)[:, 5:] == -1)
 
@@ -372,6 +376,9 @@ def test_tpu_kernels_lower_at_production_shapes():
                                                                                  impl=tpu),
                           sds((1, 64, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32),
                           sds((1, 64, 64), f32), sds((1, 64), i32), sds((1, 64), i32))
+    assert "tpu_custom_call" in text
+    text = _lower_for_tpu(lambda x, n: pallas_kernels.topk(x, 2048, lengths=n, impl=tpu), sds((16, 131072), f32),
+                          sds((16,), i32))
     assert "tpu_custom_call" in text
 
 
