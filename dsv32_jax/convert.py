@@ -1,9 +1,9 @@
 """Streaming checkpoint conversion: HF safetensors (FP8 e4m3 + 128x128 weight_scale_inv, or BF16/F32) <-> the
-dsv32-jax orbax checkpoint (see `dsv32_jax.orbax_io` for its layout), as an absl CLI:
+dsv32-jax orbax checkpoint (see `dsv32_jax.orbax_io` for its layout), and training workdirs (W) -> HF, as an absl CLI:
 
     python -m dsv32_jax.convert hf-to-orbax --hf_dir=D --out=O [--dtype=bfloat16|float32|float8] [--include_mtp]
                                             [--mesh=fsdp:2,tensor:4] [--overwrite]
-    python -m dsv32_jax.convert orbax-to-hf --ckpt=O --out=D [--fp8] [--dtype=bfloat16|float32]
+    python -m dsv32_jax.convert orbax-to-hf --ckpt=O|W --out=D [--step=N] [--fp8] [--dtype=bfloat16|float32]
                                             [--shard_size_gb=5] [--overwrite]
 
 Both directions are driven by one mapping table, `dsv32_jax.hf.tensor_specs`, and work one layer at a time:
@@ -15,6 +15,15 @@ the HF tensors straight into pre-planned safetensors shards (`ShardedSafetensors
 computed from the mapping table up front, so a shard is written sequentially without ever holding it in memory).
 With --fp8 the export re-quantizes each 128x128 block (scale = amax / 448 in float32, not rounded to a power of two;
 codes = clip(w / scale) as e4m3); a float8 orbax checkpoint is exported bit-exactly (codes and scales as stored).
+
+orbax-to-hf also exports a training run: --ckpt=W naming a training workdir (`python -m train.main --workdir=W`,
+recognized by its W/checkpoints/ CheckpointManager directory and no dsv32_meta.json) exports the latest finished
+step, or --step=N. Only the step's `params` item is read (one parameter at a time, as numpy on the host; the
+optimizer state is never touched), and the model config is the `model_config` field of its `meta` item (the HF
+config dict the trainer records at every save). Without --dtype every tensor keeps the dtype it was trained in
+(float32 training -> F32 tensors); --dtype=bfloat16 / --fp8 convert as for any checkpoint. The MTP layer is
+exported whenever the config has one (the trainer always builds and trains it). --step is an error for a
+converted checkpoint, which holds a single set of weights.
 
 Safety: the whole inventory (names, shapes, dtypes, scales) is checked from the headers before any data is
 converted; every error names the file and the tensor and says what was expected. Values are checked too (NaN/Inf in
@@ -31,6 +40,7 @@ casts).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -730,7 +740,8 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
         orbax_io.write_json(os.path.join(tmp, orbax_io.META_FILE), meta)
     bar.close()
     return {"tensors": bar.items, "bytes": bar.nbytes, "seconds": bar.elapsed,
-            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out)}
+            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out),
+            "source": os.path.abspath(hf_dir)}
 
 
 # ============================================================================================ orbax -> hf
@@ -758,32 +769,73 @@ def _export_plan(specs, fp8: bool, requested, src_dtypes, alias_of) -> list[tupl
     return plan
 
 
-def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None, shard_size_gb: float = 5.0,
-                overwrite: bool = False, progress: bool = True) -> dict:
-    """Exports a dsv32-jax orbax checkpoint to HF layout: size-bounded safetensors shards + index + config.json.
+@dataclasses.dataclass
+class _ExportSource:
+    cfg: ModelConfig
+    include_mtp: bool
+    reader: orbax_io.ParamsReader
+    src_dtypes: dict  # HF name -> safetensors dtype the export reproduces by default
+    default_dtype: str  # config.json torch_dtype when neither --dtype nor --fp8 is given
+    guard: str  # the output must not be, contain or lie inside this directory
+    label: str
 
+
+def _export_source(ckpt: str, step: int | None) -> _ExportSource:
+    """What orbax-to-hf reads: a converted orbax checkpoint (dsv32_meta.json) or a training workdir (checkpoints/)."""
+    if not os.path.exists(ckpt):
+        raise CheckpointError(f"{ckpt}: does not exist (expected a dsv32-jax orbax checkpoint or a training workdir)")
+    if orbax_io.is_training_workdir(ckpt):
+        tc = orbax_io.training_checkpoint(ckpt, step)
+        reader = orbax_io.ParamsReader(tc.step_dir, item=orbax_io.TRAIN_PARAMS_ITEM)
+        # the trainer builds Transformer(cfg): its parameters include the MTP layer(s) iff the config has them
+        include_mtp = tc.cfg.num_nextn_predict_layers > 0
+        # default: every tensor in the dtype it was trained in (there are no source HF dtypes to reproduce)
+        src_dtypes = {s.hf_names[0]: DTYPE_NAMES.get(reader.dtype(s.path))
+                      for s in tensor_specs(tc.cfg, include_mtp) if not s.alias and s.path in reader}
+        default = "float32" if ("embed",) in reader and reader.dtype(("embed",)) == F32 else "bfloat16"
+        return _ExportSource(tc.cfg, include_mtp, reader, src_dtypes, default, tc.directory,
+                             f"training workdir {tc.workdir} step {tc.step}")
+    if step is not None:
+        raise ValueError(f"--step={step} selects a checkpoint of a training workdir, but {ckpt} is not one "
+                         f"(no {orbax_io.WORKDIR_CHECKPOINTS}/ directory)")
+    if not os.path.isfile(os.path.join(ckpt, orbax_io.META_FILE)):
+        raise CheckpointError(f"{ckpt}: not a dsv32-jax orbax checkpoint ({orbax_io.META_FILE} is missing; an "
+                              "interrupted conversion leaves no such file) nor a training workdir "
+                              f"({orbax_io.WORKDIR_CHECKPOINTS}/ is missing)")
+    meta = orbax_io.read_meta(ckpt)
+    cfg = ModelConfig.from_hf(os.path.join(ckpt, orbax_io.CONFIG_FILE))
+    include_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+    return _ExportSource(cfg, include_mtp, orbax_io.ParamsReader(ckpt), meta.get("hf_dtypes") or {}, "bfloat16",
+                         ckpt, ckpt)
+
+
+def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None, shard_size_gb: float = 5.0,
+                overwrite: bool = False, progress: bool = True, step: int | None = None) -> dict:
+    """Exports a dsv32-jax orbax checkpoint, or a training workdir's checkpoint, to HF layout: size-bounded
+    safetensors shards + index + config.json.
+
+    ckpt: a converted checkpoint (hf-to-orbax; has dsv32_meta.json) or a training workdir (`python -m train.main
+    --workdir=W`; has checkpoints/): its latest finished step, or `step`; only the params item is read (one
+    parameter at a time, on the host), the model config comes from the step's meta item.
     fp8: quantized tensors as F8_E4M3 + F32 128x128 weight_scale_inv (bit-exact from a float8 checkpoint, else
     re-quantized); dtype: 'bfloat16' / 'float32' for the other tensors (default: the source checkpoint's dtypes
-    recorded at import, else the official ones).
+    recorded at import, else the official ones; for a training workdir, the dtypes the parameters were trained in).
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {EXPORT_DTYPES} for orbax-to-hf (use --fp8 for FP8), got {dtype!r}")
     if not shard_size_gb > 0:
         raise ValueError(f"--shard_size_gb must be > 0, got {shard_size_gb}")
     ckpt = os.fspath(ckpt)
-    meta = orbax_io.read_meta(ckpt)
-    cfg = ModelConfig.from_hf(os.path.join(ckpt, orbax_io.CONFIG_FILE))
-    include_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+    source = _export_source(ckpt, step)
+    cfg, include_mtp, reader, src_dtypes = source.cfg, source.include_mtp, source.reader, source.src_dtypes
     specs = tensor_specs(cfg, include_mtp)
-    reader = orbax_io.ParamsReader(ckpt)
     orbax_io.check_stored_tree(reader, {s.path: _kernel_shape(s) for s in specs if not s.alias},
                                allow_extra_prefix=None if include_mtp else [("mtp",)])
-    src_dtypes = meta.get("hf_dtypes") or {}
     main_spec = {s.path: s for s in specs if not s.alias}
     plan = _export_plan(_ordered(specs), fp8, dtype, src_dtypes, main_spec)
     total = sum(_nbytes(s, k) for _, s, k in plan)
     bar = Progress("orbax-to-hf", len(plan), total, enabled=progress)
-    with atomic_output_dir(out, overwrite, inputs=[ckpt]) as tmp:
+    with atomic_output_dir(out, overwrite, inputs=[source.guard]) as tmp:
         writer = ShardedSafetensorsWriter(tmp, plan, int(shard_size_gb * 1e9),
                                           metadata={"converted_by": "dsv32_jax.convert"})
         try:
@@ -800,11 +852,12 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
         hf = out_cfg.to_hf()
         if not include_mtp:
             hf["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
-        hf["torch_dtype"] = "bfloat16" if (fp8 or dtype != "float32") else "float32"
+        hf["torch_dtype"] = "bfloat16" if fp8 else (dtype or source.default_dtype)
         orbax_io.write_json(os.path.join(tmp, "config.json"), hf)
     bar.close()
     return {"tensors": bar.items, "bytes": bar.nbytes, "seconds": bar.elapsed, "shards": len(writer.files),
-            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out)}
+            "gb_per_s": bar.nbytes / 1e9 / max(bar.elapsed, 1e-9), "out": os.path.abspath(out),
+            "source": source.label}
 
 
 def _export_spec(writer: ShardedSafetensorsWriter, spec: TensorSpec, ref: TensorSpec, store, fp8: bool, dtype,
@@ -846,7 +899,10 @@ def _define_flags():
     if "shard_size_gb" in flags.FLAGS:
         return flags.FLAGS
     flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors shards).")
-    flags.DEFINE_string("ckpt", None, "orbax-to-hf: dsv32-jax orbax checkpoint directory.")
+    flags.DEFINE_string("ckpt", None, "orbax-to-hf: a dsv32-jax orbax checkpoint directory (from hf-to-orbax) or a "
+                        "training workdir (python -m train.main --workdir=W; its latest checkpoint unless --step).")
+    flags.DEFINE_integer("step", None, "orbax-to-hf from a training workdir: export the checkpoint of this step "
+                         "(default: the latest finished one).")
     flags.DEFINE_string("out", None, "Output directory (written as <out>.tmp-<pid>, renamed when complete).")
     flags.DEFINE_enum("dtype", None, list(IMPORT_DTYPES),
                       "hf-to-orbax: stored dtype (default bfloat16; float8 keeps FP8 codes + scales). "
@@ -890,6 +946,8 @@ def main(argv) -> int:
         if command == "hf-to-orbax":
             if FLAGS.hf_dir is None:
                 raise app.UsageError("hf-to-orbax needs --hf_dir")
+            if FLAGS.step is not None:
+                raise app.UsageError("--step is an orbax-to-hf flag (a step of a training workdir)")
             summary = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype or "bfloat16",
                                   include_mtp=FLAGS.include_mtp, mesh=FLAGS.mesh, overwrite=FLAGS.overwrite,
                                   progress=FLAGS.progress)
@@ -900,12 +958,12 @@ def main(argv) -> int:
                 raise app.UsageError("orbax-to-hf: use --fp8 for FP8 output; --dtype is bfloat16 or float32")
             summary = orbax_to_hf(FLAGS.ckpt, FLAGS.out, fp8=FLAGS.fp8, dtype=FLAGS.dtype,
                                   shard_size_gb=FLAGS.shard_size_gb, overwrite=FLAGS.overwrite,
-                                  progress=FLAGS.progress)
+                                  progress=FLAGS.progress, step=FLAGS.step)
     except (CheckpointError, ConfigError, OutputExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{command}: wrote {summary['out']} ({summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB in "
-          f"{summary['seconds']:.1f} s, {summary['gb_per_s']:.3f} GB/s)")
+    print(f"{command}: wrote {summary['out']} from {summary['source']} ({summary['tensors']} tensors, "
+          f"{summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s, {summary['gb_per_s']:.3f} GB/s)")
     return 0
 
 

@@ -37,6 +37,13 @@ time on weights that barely compress) and without orbax's defensive host copy (w
 The alternatives were worse: one sub-checkpoint per layer cannot be restored with a single orbax call, and raw
 tensorstore/zarr arrays would bypass orbax's metadata.
 
+Training workdirs (`python -m train.main --workdir=W`) use a different layout, which this module reads but does not
+write: `W/checkpoints/` is an orbax CheckpointManager whose step directories `W/checkpoints/<step>/` hold the items
+`params` (the same pure state dict as above, as saved by the trainer's mesh), `opt`, `data` and `meta` (JSON with
+`model_config`, the HF config dict). `training_checkpoint(W, step)` picks a finished step and reads the config from
+`meta`; `ParamsReader(step_dir, item="params")` then loads parameters one by one exactly as for a converted
+checkpoint (`python -m dsv32_jax.convert orbax-to-hf --ckpt=W` exports a run this way).
+
 Sharding: `dsv32_jax.sharding.make_mesh("fsdp:2,tensor:4")` builds the mesh; `logical_sharding` maps a parameter's
 logical `axes` metadata to mesh axes through the shared rule table (every function takes `rules=`). A mesh axis is used at most once
 per array and only where it divides the dimension; anything else is replicated.
@@ -45,6 +52,7 @@ per array and only where it divides the dimension; anything else is replicated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from typing import Any, Iterator, Mapping
@@ -55,7 +63,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsv32_jax.config import ModelConfig
+from dsv32_jax.config import ConfigError, ModelConfig
 from dsv32_jax import sharding as shd
 from dsv32_jax.safetensors_io import CheckpointError
 
@@ -151,6 +159,70 @@ def write_json(path: str, obj) -> None:
         f.write("\n")
 
 
+# ----------------------------------------------------------------------------------------- training workdirs
+WORKDIR_CHECKPOINTS = "checkpoints"
+TRAIN_PARAMS_ITEM = "params"
+TRAIN_META_ITEM = "meta"
+
+
+def is_training_workdir(path: str | os.PathLike) -> bool:
+    """A training workdir (`python -m train.main --workdir=W`): W/checkpoints/ is its orbax CheckpointManager."""
+    path = os.fspath(path)
+    return os.path.isdir(os.path.join(path, WORKDIR_CHECKPOINTS)) and not os.path.isfile(os.path.join(path, META_FILE))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingCheckpoint:
+    workdir: str
+    directory: str  # W/checkpoints (the CheckpointManager root)
+    step: int
+    step_dir: str  # W/checkpoints/<step>: items params, opt, data, meta (GRPO: also ref)
+    cfg: ModelConfig  # the meta item's 'model_config'
+    meta: dict
+
+
+def training_checkpoint(workdir: str | os.PathLike, step: int | None = None) -> TrainingCheckpoint:
+    """One finished checkpoint of a training workdir (train/trainer.py, train/grpo.py): the latest step, or `step`.
+    Reads only the CheckpointManager's step list and the small `meta` item, whose field 'model_config' (the HF
+    config dict, `ModelConfig.to_hf()`) gives the architecture. Errors name the directory, the step or the field."""
+    import orbax.checkpoint as ocp
+
+    workdir = os.fspath(workdir)
+    root = os.path.abspath(os.path.join(workdir, WORKDIR_CHECKPOINTS))
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{workdir}: not a training workdir ({WORKDIR_CHECKPOINTS}/ is missing)")
+    with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False)) as mngr:
+        steps = sorted(mngr.all_steps())
+        if not steps:
+            raise CheckpointError(f"{root}: training workdir {workdir} has no finished checkpoint (no step directory "
+                                  "with a completed save; was training stopped before its first save?)")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(f"{root}: no finished checkpoint for step {step} (available steps: "
+                                  f"{', '.join(map(str, steps))})")
+        step_dir = os.fspath(ocp.step.standard_name_format().find_step(mngr.directory, step).path)
+        for item in (TRAIN_PARAMS_ITEM, TRAIN_META_ITEM):
+            if not os.path.isdir(os.path.join(step_dir, item)):
+                raise CheckpointError(f"{step_dir}: checkpoint of step {step} has no '{item}' item "
+                                      f"({os.path.join(step_dir, item)} is missing); not written by the trainer?")
+        where = os.path.join(step_dir, TRAIN_META_ITEM)
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(
+                **{TRAIN_META_ITEM: ocp.args.JsonRestore()}))[TRAIN_META_ITEM]
+        except Exception as e:  # orbax raises a variety of types for unreadable items
+            raise CheckpointError(f"{where}: cannot read the meta item ({type(e).__name__}: {e})") from None
+    raw = meta.get("model_config") if isinstance(meta, dict) else None
+    if raw is None:
+        raise CheckpointError(f"{where}: field 'model_config' is missing (the trainer records the model's HF config "
+                              "there; without it the architecture of this checkpoint is unknown)")
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: field 'model_config': {e}") from None
+    return TrainingCheckpoint(workdir, root, int(step), step_dir, cfg, meta)
+
+
 # -------------------------------------------------------------------------------------------------- mesh
 def logical_sharding(axes, shape, mesh, rules=None) -> jax.sharding.NamedSharding:
     """Sharding of an array with logical `axes` under the shared rule table (`dsv32_jax.sharding`)."""
@@ -213,15 +285,21 @@ class ParamsWriter:
 
 # ------------------------------------------------------------------------------------------------ reading
 class ParamsReader:
-    """Stored tree metadata and group-by-group (partial) loading of a checkpoint's params, as numpy arrays."""
+    """Stored tree metadata and group-by-group (partial) loading of a checkpoint's params, as numpy arrays.
 
-    def __init__(self, checkpoint_dir: str):
+    checkpoint_dir: a dsv32-jax orbax checkpoint (reads `<dir>/params`); with `item`, a CheckpointManager step
+    directory instead (reads the item of that name, e.g. 'params' of a training checkpoint `W/checkpoints/<step>`).
+    """
+
+    def __init__(self, checkpoint_dir: str, item: str | None = None):
         from orbax.checkpoint import v1 as ocp
 
         self.directory = os.fspath(checkpoint_dir)
-        self.path = os.path.join(self.directory, PARAMS_DIR)
+        self.path = os.path.join(self.directory, item or PARAMS_DIR)  # what error messages name
+        # (root, checkpointable name) for orbax: a converted checkpoint's params/ resolves itself ('AUTO')
+        self._source = (self.path, "AUTO") if item is None else (self.directory, item)
         try:
-            tree = ocp.metadata(self.path).metadata
+            tree = ocp.metadata(self._source[0], checkpointable_name=self._source[1]).metadata
         except Exception as e:  # orbax raises a variety of types for unreadable checkpoints
             raise CheckpointError(f"{self.path}: cannot read the orbax checkpoint metadata ({type(e).__name__}: {e})") from None
         self.tree = tree
@@ -248,7 +326,7 @@ class ParamsReader:
         ctx.pytree.loading.partial_load = True
         try:
             with ctx:
-                tree = ocp.load(self.path, abstract)
+                tree = ocp.load(self._source[0], abstract, checkpointable_name=self._source[1])
         except Exception as e:
             raise CheckpointError(f"{self.path}: failed to read {[ '/'.join(str_path(p)) for p in paths][:3]}... "
                                   f"({type(e).__name__}: {e})") from None
