@@ -34,6 +34,19 @@ def test_learns_map_a_digit_from_chance(tmp_path):
     assert history[-1]["logprob_mismatch_max"] < 1e-4
 
 
+@pytest.mark.slow
+def test_learns_sum_of_two_digits_from_chance(tmp_path):
+    """configs/grpo_sum_tiny.py: 100 prompts that need both digits; about 6 minutes on 2 CPU cores."""
+    from tests.test_train import load_config as load
+    config = load("grpo_sum_tiny", log_every=1000, **{"checkpoint.every": 1000, "checkpoint.use_async": False})
+    lrn = GRPOLearner(config, str(tmp_path))
+    start = lrn.evaluate()["eval_accuracy"]
+    acc = evals(lrn.fit())
+    print(f"greedy accuracy: start {start}, every 10 steps {acc}")
+    assert start <= 0.2  # constant answers score 0.1
+    assert max(acc) >= 0.9 and acc[-1] >= 0.85
+
+
 def test_length_penalty_shortens_responses_while_accuracy_holds(tmp_path):
     history = learner(tmp_path, 70, **{"grpo.length_target": 1}).fit()
     lengths = [h["response_length"] for h in history]
