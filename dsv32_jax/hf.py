@@ -204,10 +204,12 @@ def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                    include_mtp: bool | None = None, mesh=None, rules=None):
+                    include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
     """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
-    shards) or a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
-    `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized).
+    shards), a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
+    `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized), or a training workdir (`python -m
+    train.main --workdir=W`; detected by `W/checkpoints/`): the parameters of its latest finished checkpoint, or
+    of `step`, with the model config recorded in that checkpoint.
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer
     weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
@@ -218,9 +220,11 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     from dsv32_jax import sharding as shd
 
     path = os.fspath(path)
-    if orbax_io.is_orbax_checkpoint(path):
+    if orbax_io.is_orbax_checkpoint(path) or orbax_io.is_training_workdir(path):
         return orbax_io.load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
-                                         include_mtp=include_mtp, mesh=mesh, rules=rules)
+                                         include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
+    if step is not None:
+        raise ValueError(f"{path}: step={step} applies to training workdirs only (this is an HF checkpoint)")
     cfg = ModelConfig.from_hf(path)
     ckpt = HFCheckpoint(path)
     cfg, include_mtp = resolve_mtp(cfg, checkpoint_has_mtp(ckpt, cfg), include_mtp,

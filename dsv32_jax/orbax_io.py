@@ -373,8 +373,9 @@ def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], all
 
 
 def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                     include_mtp: bool | None = None, mesh=None, rules=None):
-    """Loads a dsv32-jax orbax checkpoint directory into a ready `Transformer`, one layer at a time.
+                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
+    """Loads a dsv32-jax orbax checkpoint directory, or a training workdir (its latest finished checkpoint, or
+    `step`; parameters only), into a ready `Transformer`, one layer at a time.
 
     dtype / param_dtype / options / include_mtp as in `from_pretrained`; FP8 leaves are dequantized. mesh: a
     `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
@@ -383,18 +384,27 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     from dsv32_jax.hf import abstract_model, resolve_mtp
 
     path = os.fspath(path)
-    meta = read_meta(path)
-    cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
-    has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
-    cfg, include_mtp = resolve_mtp(cfg, has_mtp, include_mtp,
-                                   f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
-                                   f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
+    if is_training_workdir(path):
+        ckpt = training_checkpoint(path, step)
+        cfg, reader = ckpt.cfg, ParamsReader(ckpt.step_dir, item=TRAIN_PARAMS_ITEM)
+        has_mtp = cfg.num_nextn_predict_layers > 0 and any(p[0] == "mtp" for p in reader.leaves)
+        why = f"{ckpt.step_dir}: include_mtp=True but this training checkpoint has no MTP parameters"
+    else:
+        if step is not None:
+            raise ValueError(f"{path}: step={step} applies to training workdirs only (this is a converted checkpoint)")
+        meta = read_meta(path)
+        cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
+        has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+        why = (f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
+               f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
+        reader = None
+    cfg, include_mtp = resolve_mtp(cfg, has_mtp, include_mtp, why)
     if isinstance(mesh, str):
         mesh = shd.make_mesh(mesh)
     graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
     axes = param_axes(state)
     targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
-    reader = ParamsReader(path)
+    reader = reader or ParamsReader(path)
     check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
                       allow_extra_prefix=None if include_mtp else [("mtp",)])
     pure = nnx.to_pure_dict(state)

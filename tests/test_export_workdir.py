@@ -326,3 +326,17 @@ def test_error_output_inside_checkpoints(run):
     with pytest.raises(OutputExistsError, match="must not be, contain, or lie inside the input"):
         orbax_to_hf(run["workdir"], run["workdir"], overwrite=True, progress=False)
     assert not os.path.exists(out) and os.path.isdir(os.path.join(run["workdir"], "checkpoints", str(STEPS)))
+
+
+def test_from_pretrained_loads_a_training_workdir(run):
+    """dsv32_jax.from_pretrained(W) reads the latest (or step N) checkpoint's params with the recorded config."""
+    model = dsv32_jax.from_pretrained(run["workdir"], dtype=jnp.float32, options=run["options"])
+    params = {p: np.asarray(v) for p, v in orbax_io.flatten_pure(nnx.to_pure_dict(nnx.state(model)))}
+    _assert_params_equal(params, {p: np.asarray(v) for p, v in orbax_io.flatten_pure(run["params"][STEPS])})
+    logits, aux = model(jnp.asarray(run["tokens"]), return_aux=True)
+    assert rel_err(logits, run["logits"]) <= 1e-6 and rel_err(aux["mtp_logits"][0], run["mtp_logits"]) <= 1e-6
+    first = dsv32_jax.from_pretrained(run["workdir"], dtype=jnp.float32, step=1, include_mtp=False)
+    assert len(first.mtp) == 0
+    np.testing.assert_array_equal(np.asarray(first.embed[...]), run["params"][1]["embed"])
+    with pytest.raises(CheckpointError, match="available steps: 1, 2"):
+        dsv32_jax.from_pretrained(run["workdir"], step=7)
