@@ -172,13 +172,10 @@ SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpa
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_sparse_mla_forward_and_probs(rng, dtype, shape):
+def _check_sparse_mla_forward(rng, dtype, shape, **kernel_kw):
     q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
     scale = q.shape[-1] ** -0.5
-    kw = dict(block_h=16, block_i=16)
-    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, impl=IMPL, **kw)
+    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, **kernel_kw)
     r_out, r_lse, r_probs = ref_sparse_mla(q, kv, idx, scale, d_v, return_probs=True)
     fwd_bound, _ = BOUNDS[dtype]
     assert out.dtype == q.dtype and out.shape == r_out.shape
@@ -190,31 +187,38 @@ def test_sparse_mla_forward_and_probs(rng, dtype, shape):
     assert np.all(np.asarray(out)[1, 2] == 0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
+def _check_sparse_mla_gradients(rng, dtype, shape, **kernel_kw):
+    """Kernel gradients vs autodiff of the float32 reference on the same (possibly bf16-valued) inputs."""
     q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
     scale = q.shape[-1] ** -0.5
     w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], d_v)), jnp.float32)
     w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
 
-    def loss(fn):
+    def grads(fn):
         def f(q_, kv_):
             out, lse = fn(q_, kv_)
             return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
-        return jax.grad(f, argnums=(0, 1))
+        return jax.grad(f, argnums=(0, 1))(q, kv)
 
-    tiles = dict(block_h=32, block_i=32, bwd_block_h=16, bwd_block_i=16)  # backward tiles smaller than forward
-    kernel = loss(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=IMPL, bwd_partial_bytes=4096,
-                                                         **tiles))  # several partial chunks
-    if dtype == jnp.float32:
-        reference = loss(lambda a, c: ref_sparse_mla(a, c, idx, scale, d_v))
-    else:  # bf16: compare with the float32 reference gradient on the same (bf16-valued) inputs
-        reference = loss(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
-    _, grad_bound = BOUNDS[dtype]
-    for got, want in zip(kernel(q, kv), reference(q, kv)):
-        assert got.dtype == dtype
-        assert rel_err(got, want) <= grad_bound
+    got = grads(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, **kernel_kw))
+    want = grads(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        assert rel_err(g, w) <= BOUNDS[dtype][1]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sparse_mla_forward_and_probs(rng, dtype, shape):
+    _check_sparse_mla_forward(rng, dtype, shape, impl=IMPL, block_h=16, block_i=16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
+    # backward tiles smaller than the forward's; a small partial budget gives several dkv chunks
+    _check_sparse_mla_gradients(rng, dtype, shape, impl=IMPL, bwd_partial_bytes=4096, block_h=32, block_i=32,
+                                bwd_block_h=16, bwd_block_i=16)
 
 
 # --------------------------------------------------------------------------------- sparse MLA, TPU kernels
@@ -228,39 +232,12 @@ TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tin
                          + [(jnp.float32, "blocks", "on_wait")])
 def test_sparse_mla_tpu_forward_and_probs(rng, monkeypatch, dtype, shape, dma_mode):
     monkeypatch.setitem(_dispatch.TPU_INTERPRET_OPTIONS, "dma_execution_mode", dma_mode)
-    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
-    scale = q.shape[-1] ** -0.5
-    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, impl=TPU, block_i=16)
-    r_out, r_lse, r_probs = ref_sparse_mla(q, kv, idx, scale, d_v, return_probs=True)
-    fwd_bound, _ = BOUNDS[dtype]
-    assert out.dtype == q.dtype and out.shape == r_out.shape
-    assert rel_err(out, r_out) <= fwd_bound
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
-    finite = np.isfinite(np.asarray(r_lse))
-    assert rel_err(np.asarray(lse)[finite], np.asarray(r_lse)[finite]) <= fwd_bound
-    assert rel_err(probs, r_probs) <= fwd_bound
-    assert np.all(np.asarray(out)[1, 2] == 0)
+    _check_sparse_mla_forward(rng, dtype, shape, impl=TPU, block_i=16)
 
 
 @pytest.mark.parametrize("dtype,shape", TPU_CASES)
 def test_sparse_mla_tpu_gradients_match_autodiff_of_reference(rng, dtype, shape):
-    q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
-    scale = q.shape[-1] ** -0.5
-    w_out = jnp.asarray(rng.standard_normal((*q.shape[:3], d_v)), jnp.float32)
-    w_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
-
-    def grads(fn):
-        def f(q_, kv_):
-            out, lse = fn(q_, kv_)
-            return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
-        return jax.grad(f, argnums=(0, 1))(q, kv)
-
-    got = grads(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, impl=TPU, block_i=8,
-                                                       bwd_partial_bytes=4096))  # several blocks and chunks
-    want = grads(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
-    for g, w in zip(got, want):
-        assert g.dtype == dtype
-        assert rel_err(g, w) <= BOUNDS[dtype][1]
+    _check_sparse_mla_gradients(rng, dtype, shape, impl=TPU, block_i=8, bwd_partial_bytes=4096)
 
 
 def test_sparse_mla_tpu_skips_blocks_without_valid_slots(rng):

@@ -1,8 +1,25 @@
-"""Default experiment config. Experiment files under configs/ call `default_config()` and override what differs."""
+"""Default experiment config. Experiment files under configs/ call `default_config()` (or `base_config(name)`, to
+start from another experiment file) and override what differs."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def base_config(name: str) -> ml_collections.ConfigDict:
+    """The config of the experiment file configs/<name>.py (found next to this package, whatever the cwd)."""
+    path = os.path.join(CONFIGS_DIR, f"{name}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"base_config: no experiment file {path}")
+    spec = importlib.util.spec_from_file_location(f"_dsv32_config_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def default_config() -> ml_collections.ConfigDict:
