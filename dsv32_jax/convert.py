@@ -40,7 +40,6 @@ casts).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math
@@ -769,44 +768,16 @@ def _export_plan(specs, fp8: bool, requested, src_dtypes, alias_of) -> list[tupl
     return plan
 
 
-@dataclasses.dataclass
-class _ExportSource:
-    cfg: ModelConfig
-    include_mtp: bool
-    reader: orbax_io.ParamsReader
-    src_dtypes: dict  # HF name -> safetensors dtype the export reproduces by default
-    default_dtype: str  # config.json torch_dtype when neither --dtype nor --fp8 is given
-    guard: str  # the output must not be, contain or lie inside this directory
-    label: str
-
-
-def _export_source(ckpt: str, step: int | None) -> _ExportSource:
-    """What orbax-to-hf reads: a converted orbax checkpoint (dsv32_meta.json) or a training workdir (checkpoints/)."""
-    if not os.path.exists(ckpt):
-        raise CheckpointError(f"{ckpt}: does not exist (expected a dsv32-jax orbax checkpoint or a training workdir)")
-    if orbax_io.is_training_workdir(ckpt):
-        tc = orbax_io.training_checkpoint(ckpt, step)
-        reader = orbax_io.ParamsReader(tc.step_dir, item=orbax_io.TRAIN_PARAMS_ITEM)
-        # the trainer builds Transformer(cfg): its parameters include the MTP layer(s) iff the config has them
-        include_mtp = tc.cfg.num_nextn_predict_layers > 0
-        # default: every tensor in the dtype it was trained in (there are no source HF dtypes to reproduce)
-        src_dtypes = {s.hf_names[0]: DTYPE_NAMES.get(reader.dtype(s.path))
-                      for s in tensor_specs(tc.cfg, include_mtp) if not s.alias and s.path in reader}
-        default = "float32" if ("embed",) in reader and reader.dtype(("embed",)) == F32 else "bfloat16"
-        return _ExportSource(tc.cfg, include_mtp, reader, src_dtypes, default, tc.directory,
-                             f"training workdir {tc.workdir} step {tc.step}")
-    if step is not None:
-        raise ValueError(f"--step={step} selects a checkpoint of a training workdir, but {ckpt} is not one "
-                         f"(no {orbax_io.WORKDIR_CHECKPOINTS}/ directory)")
-    if not os.path.isfile(os.path.join(ckpt, orbax_io.META_FILE)):
-        raise CheckpointError(f"{ckpt}: not a dsv32-jax orbax checkpoint ({orbax_io.META_FILE} is missing; an "
-                              "interrupted conversion leaves no such file) nor a training workdir "
-                              f"({orbax_io.WORKDIR_CHECKPOINTS}/ is missing)")
-    meta = orbax_io.read_meta(ckpt)
-    cfg = ModelConfig.from_hf(os.path.join(ckpt, orbax_io.CONFIG_FILE))
-    include_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
-    return _ExportSource(cfg, include_mtp, orbax_io.ParamsReader(ckpt), meta.get("hf_dtypes") or {}, "bfloat16",
-                         ckpt, ckpt)
+def _source_dtypes(source: orbax_io.StoredParams) -> tuple[dict, str]:
+    """(HF name -> safetensors dtype the export reproduces by default, config.json torch_dtype without --dtype):
+    a converted checkpoint's dtypes recorded at import; a training run's dtypes as trained."""
+    if not source.training:
+        return source.meta.get("hf_dtypes") or {}, "bfloat16"
+    reader = source.reader
+    dtypes = {s.hf_names[0]: DTYPE_NAMES.get(reader.dtype(s.path))
+              for s in tensor_specs(source.cfg, source.has_mtp) if not s.alias and s.path in reader}
+    default = "float32" if ("embed",) in reader and reader.dtype(("embed",)) == F32 else "bfloat16"
+    return dtypes, default
 
 
 def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None, shard_size_gb: float = 5.0,
@@ -826,8 +797,9 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
     if not shard_size_gb > 0:
         raise ValueError(f"--shard_size_gb must be > 0, got {shard_size_gb}")
     ckpt = os.fspath(ckpt)
-    source = _export_source(ckpt, step)
-    cfg, include_mtp, reader, src_dtypes = source.cfg, source.include_mtp, source.reader, source.src_dtypes
+    source = orbax_io.open_params(ckpt, step)
+    cfg, include_mtp, reader = source.cfg, source.has_mtp, source.reader
+    src_dtypes, default_dtype = _source_dtypes(source)
     specs = tensor_specs(cfg, include_mtp)
     orbax_io.check_stored_tree(reader, {s.path: _kernel_shape(s) for s in specs if not s.alias},
                                allow_extra_prefix=None if include_mtp else [("mtp",)])
@@ -852,7 +824,7 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
         hf = out_cfg.to_hf()
         if not include_mtp:
             hf["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
-        hf["torch_dtype"] = "bfloat16" if fp8 else (dtype or source.default_dtype)
+        hf["torch_dtype"] = "bfloat16" if fp8 else (dtype or default_dtype)
         orbax_io.write_json(os.path.join(tmp, "config.json"), hf)
     bar.close()
     return {"tensors": bar.items, "bytes": bar.nbytes, "seconds": bar.elapsed, "shards": len(writer.files),

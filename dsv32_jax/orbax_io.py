@@ -223,6 +223,43 @@ def training_checkpoint(workdir: str | os.PathLike, step: int | None = None) -> 
     return TrainingCheckpoint(workdir, root, int(step), step_dir, cfg, meta)
 
 
+@dataclasses.dataclass(frozen=True)
+class StoredParams:
+    """Where a checkpoint's parameters come from: a converted checkpoint or one step of a training workdir."""
+    cfg: ModelConfig
+    reader: "ParamsReader"
+    has_mtp: bool  # the stored parameters include the MTP layer(s)
+    guard: str  # the directory an output must not be, contain or lie inside
+    label: str  # for messages
+    meta: dict  # dsv32_meta.json, or the training checkpoint's meta item
+    training: bool
+
+
+def open_params(path: str | os.PathLike, step: int | None = None) -> StoredParams:
+    """Resolves a converted orbax checkpoint (dsv32_meta.json) or a training workdir (checkpoints/; its latest
+    finished step, or `step`) to its config and a `ParamsReader`; errors name the path, the step or the field."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: does not exist (expected a dsv32-jax orbax checkpoint or a training workdir)")
+    if is_training_workdir(path):
+        tc = training_checkpoint(path, step)
+        # the trainer builds Transformer(cfg): its parameters include the MTP layer(s) iff the config has them
+        return StoredParams(tc.cfg, ParamsReader(tc.step_dir, item=TRAIN_PARAMS_ITEM),
+                            tc.cfg.num_nextn_predict_layers > 0, tc.directory,
+                            f"training workdir {tc.workdir} step {tc.step}", tc.meta, True)
+    if step is not None:
+        raise ValueError(f"--step={step} selects a checkpoint of a training workdir, but {path} is not one "
+                         f"(no {WORKDIR_CHECKPOINTS}/ directory)")
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        raise CheckpointError(f"{path}: not a dsv32-jax orbax checkpoint ({META_FILE} is missing; an interrupted "
+                              f"conversion leaves no such file) nor a training workdir ({WORKDIR_CHECKPOINTS}/ is "
+                              "missing)")
+    meta = read_meta(path)
+    cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
+    has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
+    return StoredParams(cfg, ParamsReader(path), has_mtp, path, path, meta, False)
+
+
 # -------------------------------------------------------------------------------------------------- mesh
 def logical_sharding(axes, shape, mesh, rules=None) -> jax.sharding.NamedSharding:
     """Sharding of an array with logical `axes` under the shared rule table (`dsv32_jax.sharding`)."""
@@ -383,28 +420,15 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     from dsv32_jax.convert import dequant_fp8
     from dsv32_jax.hf import abstract_model, resolve_mtp
 
-    path = os.fspath(path)
-    if is_training_workdir(path):
-        ckpt = training_checkpoint(path, step)
-        cfg, reader = ckpt.cfg, ParamsReader(ckpt.step_dir, item=TRAIN_PARAMS_ITEM)
-        has_mtp = cfg.num_nextn_predict_layers > 0 and any(p[0] == "mtp" for p in reader.leaves)
-        why = f"{ckpt.step_dir}: include_mtp=True but this training checkpoint has no MTP parameters"
-    else:
-        if step is not None:
-            raise ValueError(f"{path}: step={step} applies to training workdirs only (this is a converted checkpoint)")
-        meta = read_meta(path)
-        cfg = ModelConfig.from_hf(os.path.join(path, CONFIG_FILE))
-        has_mtp = bool(meta.get("include_mtp")) and cfg.num_nextn_predict_layers > 0
-        why = (f"{path}: include_mtp=True but the checkpoint was converted without the MTP layer "
-               f"({META_FILE}: include_mtp={meta.get('include_mtp')})")
-        reader = None
-    cfg, include_mtp = resolve_mtp(cfg, has_mtp, include_mtp, why)
+    source = open_params(path, step)
+    reader = source.reader
+    cfg, include_mtp = resolve_mtp(source.cfg, source.has_mtp, include_mtp,
+                                   f"{source.label}: include_mtp=True but the checkpoint has no MTP layer")
     if isinstance(mesh, str):
         mesh = shd.make_mesh(mesh)
     graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
     axes = param_axes(state)
     targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
-    reader = reader or ParamsReader(path)
     check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
                       allow_extra_prefix=None if include_mtp else [("mtp",)])
     pure = nnx.to_pure_dict(state)

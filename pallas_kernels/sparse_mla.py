@@ -183,18 +183,23 @@ def _probs_kernel(q_ref, kv_ref, idx_ref, lse_ref, p_ref, *, cfg: _Cfg, n_head_b
     p_ref[...] = jax.lax.fori_loop(0, n_head_blocks, body, jnp.zeros((cfg.block_i,), jnp.float32))
 
 
+def _per_slot_specs(qf, kvf, cfg: _Cfg):
+    """in_specs of a (token, slot block) program: all heads of the token's q, the whole cache, its slot block."""
+    _, hp, dp = qf.shape
+    return [pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
+            pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
+            pl.BlockSpec((None, cfg.block_i), lambda t, j: (t, j))]
+
+
 def _head_summed_probs(qf, kvf, idxf, lse, cfg: _Cfg):
     if cfg.tpu:
         return sparse_mla_tpu.head_summed_probs(qf, kvf, idxf[:, None, :], lse[..., None], cfg)[:, 0]
-    n, hp, dp = qf.shape
+    n, hp, _ = qf.shape
     kp, bi = idxf.shape[1], cfg.block_i
     return _call(
         cfg, functools.partial(_probs_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
         grid=(n, kp // bi),
-        in_specs=[pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
-                  pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
-                  pl.BlockSpec((None, bi), lambda t, j: (t, j)),
-                  pl.BlockSpec((None, hp), lambda t, j: (t, 0))],
+        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp), lambda t, j: (t, 0))],
         out_specs=pl.BlockSpec((None, bi), lambda t, j: (t, j)),
         out_shape=jax.ShapeDtypeStruct((n, kp), jnp.float32),
     )(qf, kvf, idxf, lse)
@@ -270,10 +275,8 @@ def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg, part_dtype):
     return _call(
         cfg, functools.partial(_dkv_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
         grid=(n, kp // bi),
-        in_specs=[pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
-                  pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
-                  pl.BlockSpec((None, bi), lambda t, j: (t, j)),
-                  pl.BlockSpec((None, hp, cfg.dv_p), lambda t, j: (t, 0, 0)), heads, heads],
+        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp, cfg.dv_p), lambda t, j: (t, 0, 0)),
+                  heads, heads],
         out_specs=pl.BlockSpec((None, bi, dp), lambda t, j: (t, j, 0)),
         out_shape=jax.ShapeDtypeStruct((n, kp, dp), part_dtype),
     )(qf, kvf, idxf, do, lse, delta)
@@ -294,9 +297,9 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
     part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
-    if not cfg.tpu:
+    if not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
-    dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i)
+        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i)
     # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))

@@ -43,58 +43,38 @@ def _call(cfg, kernel, **kwargs):
     return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **kwargs)
 
 
-def _row_copy(kv_hbm, buf, sem, slot, r, row):
-    return pltpu.make_async_copy(kv_hbm.at[pl.ds(row, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
-
-
-def _rows(idx_smem, j, r, cfg):
-    row = idx_smem[0, j * cfg.block_i + r]
-    return row, (row >= 0) & (row < cfg.num_keys)
-
-
-def _start_block(idx_smem, kv_hbm, buf, sem, j, cfg):
-    slot = j % 2
-
-    def body(r, carry):
-        row, ok = _rows(idx_smem, j, r, cfg)
-
-        @pl.when(ok)
-        def _():
-            _row_copy(kv_hbm, buf, sem, slot, r, row).start()
-        return carry
-
-    jax.lax.fori_loop(0, cfg.block_i, body, 0)
-
-
-def _wait_block(idx_smem, kv_hbm, buf, sem, j, cfg):
-    """Waits for block j's row copies; returns how many of its slots are valid."""
+def _block_copies(idx_smem, kv_hbm, buf, sem, j, cfg, action: str):
+    """Starts (action "start") or waits for ("wait") the row copies of slot block j into buffer slot j % 2, one
+    per valid slot (kv[row] -> buf[j % 2, r]); returns how many of the block's slots are valid."""
     slot = j % 2
 
     def body(r, n_valid):
-        row, ok = _rows(idx_smem, j, r, cfg)
+        row = idx_smem[0, j * cfg.block_i + r]
+        ok = (row >= 0) & (row < cfg.num_keys)
 
         @pl.when(ok)
         def _():
-            _row_copy(kv_hbm, buf, sem, slot, r, row).wait()
+            copy = pltpu.make_async_copy(kv_hbm.at[pl.ds(row, 1)], buf.at[slot, pl.ds(r, 1)], sem.at[slot])
+            getattr(copy, action)()
         return n_valid + ok.astype(jnp.int32)
 
     return jax.lax.fori_loop(0, cfg.block_i, body, jnp.int32(0))
 
 
 def _pipeline(idx_smem, kv_hbm, buf, sem, cfg):
-    """Double-buffered gather: returns (the current block's rows [BI, Dp], its valid mask [1, BI], #valid)."""
+    """Double-buffered gather: returns (the current slot block's rows [BI, Dp], its number of valid slots)."""
     j, nb = pl.program_id(1), pl.num_programs(1)
 
     @pl.when(j == 0)
     def _():
         buf[...] = jnp.zeros(buf.shape, buf.dtype)
-        _start_block(idx_smem, kv_hbm, buf, sem, j, cfg)
+        _block_copies(idx_smem, kv_hbm, buf, sem, j, cfg, "start")
 
     @pl.when(j + 1 < nb)
     def _():
-        _start_block(idx_smem, kv_hbm, buf, sem, j + 1, cfg)
+        _block_copies(idx_smem, kv_hbm, buf, sem, j + 1, cfg, "start")
 
-    n_valid = _wait_block(idx_smem, kv_hbm, buf, sem, j, cfg)
+    n_valid = _block_copies(idx_smem, kv_hbm, buf, sem, j, cfg, "wait")
     return buf[j % 2], n_valid
 
 

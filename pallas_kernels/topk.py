@@ -64,6 +64,12 @@ def _keys(x, col, n):
     return jnp.where(col < n, key, INT_MIN)
 
 
+def _candidate_keys(x, col, n):
+    """Like `_keys`, with -inf mapped to INT_MIN too: every non-candidate has the smallest key (TPU path)."""
+    key = _keys(x, col, n)
+    return jnp.where(key > NEG_INF_KEY, key, INT_MIN)
+
+
 def _load_keys(x_ref, col, n):
     x = pltriton.load(x_ref.at[col], mask=col < n, other=-jnp.inf)
     return _keys(x, col, n)
@@ -224,8 +230,7 @@ def _tpu_threshold_kernel(x_ref, n_ref, thr_ref, need_ref, keys_ref, *, k, chunk
     def to_keys(c, total):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         col = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
-        key = _keys(x_ref[:, cols], col, n_ref[...])
-        key = jnp.where(key > NEG_INF_KEY, key, INT_MIN)  # -inf is never a candidate
+        key = _candidate_keys(x_ref[:, cols], col, n_ref[...])
         keys_ref[:, cols] = key
         return total + jnp.sum((key > INT_MIN).astype(jnp.float32), axis=1, keepdims=True)
 
@@ -276,10 +281,10 @@ def _topk_tpu(scores, lengths, *, k, backend):
     )(x, n)
     # emission in XLA: the keys above the threshold and the first `need` ties, in ascending column order
     col = jnp.arange(length, dtype=jnp.int32)[None, :]
-    key = _keys(rows, col, lengths[:, None])
-    thr, need = thr[:r], need[:r]
-    tie = (key == thr) & (key > NEG_INF_KEY)
-    take = ((key > thr) & (key > NEG_INF_KEY)) | (tie & (jnp.cumsum(tie, axis=1, dtype=jnp.int32) <= need))
+    key = _candidate_keys(rows, col, lengths[:, None])
+    thr, need = thr[:r], need[:r]  # thr > INT_MIN: a candidate's key, or INT_MAX for a row without candidates
+    tie = key == thr
+    take = (key > thr) | (tie & (jnp.cumsum(tie, axis=1, dtype=jnp.int32) <= need))
     pos = jnp.cumsum(take, axis=1, dtype=jnp.int32)  # slot s holds the first column where pos reaches s + 1
     slots = jnp.arange(1, k + 1, dtype=jnp.int32)
     out = jax.vmap(lambda p: jnp.searchsorted(p, slots, side="left"))(pos).astype(jnp.int32)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from flax import nnx
-from ml_collections import config_flags
 from test_convert_helpers import ROOT, compare_checkpoints, leftovers, make_synthetic_checkpoint
 
 import dsv32_jax
@@ -26,6 +25,7 @@ from dsv32_jax import CheckpointError, load_preset, orbax_io
 from dsv32_jax.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
 from dsv32_jax.options import RunOptions
 from dsv32_jax.safetensors_io import HFCheckpoint
+from tests.test_train import load_config
 from train import data as data_lib
 from train.trainer import Trainer
 
@@ -36,13 +36,6 @@ DENSE = RunOptions(dsa=False, attention="dense")
 
 
 LAYERS = 2  # layer 0 dense, layer 1 MoE, checkpoint layer 2 = the MTP layer (the tiny preset has 3 + 1)
-
-
-def _config(**overrides):
-    path = os.path.join(ROOT, "configs", "sparse_tiny.py")
-    config = config_flags.config_flags._LoadConfigModule("sparse_tiny", path).get_config()  # noqa: SLF001
-    config.update_from_flattened_dict(overrides)
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +49,7 @@ def run(tmp_path_factory):
     make_synthetic_checkpoint(init, load_preset("tiny").replace(num_hidden_layers=LAYERS), seed=4, fp8=False,
                               float_dtype="F32")
     workdir = str(root / "workdir")
-    config = _config(**{"init_from": init, "steps": STEPS, "data.seq_len": 32, "data.batch_size": 2,
+    config = load_config("sparse_tiny", **{"init_from": init, "steps": STEPS, "data.seq_len": 32, "data.batch_size": 2,
                         "checkpoint.every": 1, "checkpoint.use_async": False, "log_every": 1000})
     trainer = Trainer(config, workdir)
     it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size)
@@ -313,9 +306,11 @@ def test_error_meta_without_model_config(run, tmp_path):
     shutil.copytree(os.path.join(run["workdir"], "checkpoints"), os.path.join(work, "checkpoints"))
     meta_dir = os.path.join(work, "checkpoints", str(STEPS), "meta")
     meta_file = os.path.join(meta_dir, "metadata")
-    meta = json.load(open(meta_file))
+    with open(meta_file) as f:
+        meta = json.load(f)
     del meta["model_config"]
-    json.dump(meta, open(meta_file, "w"))
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
     _fails(work, tmp_path, re.escape(f"{meta_dir}: field 'model_config' is missing"))
 
 
