@@ -42,7 +42,8 @@ write: `W/checkpoints/` is an orbax CheckpointManager whose step directories `W/
 `params` (the same pure state dict as above, as saved by the trainer's mesh), `opt`, `data` and `meta` (JSON with
 `model_config`, the HF config dict). `training_checkpoint(W, step)` picks a finished step and reads the config from
 `meta`; `ParamsReader(step_dir, item="params")` then loads parameters one by one exactly as for a converted
-checkpoint (`python -m dsv32_jax.convert orbax-to-hf --ckpt=W` exports a run this way).
+checkpoint. `open_params(path, step)` resolves either kind of directory to (config, reader); `python -m
+dsv32_jax.convert orbax-to-hf --ckpt=W` and `from_pretrained(W)` go through it.
 
 Sharding: `dsv32_jax.sharding.make_mesh("fsdp:2,tensor:4")` builds the mesh; `logical_sharding` maps a parameter's
 logical `axes` metadata to mesh axes through the shared rule table (every function takes `rules=`). A mesh axis is used at most once
