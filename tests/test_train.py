@@ -16,6 +16,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from dsv32_jax import sharding as shd
+from tests.learning import perturb_params, run_seed
 from train import data as data_lib
 from train.metrics import read_jsonl
 from train.plot import find_runs, plot
@@ -56,18 +57,27 @@ def window(history, key, first):
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
+    """Warm-up (80 steps) then sparse (40 steps) from it; seeds from the fixture's name (tests/learning.py), initial
+    parameters optionally perturbed (DSV32_TEST_PERTURB)."""
     root = tmp_path_factory.mktemp("stages")
-    warm, it = small_run("warmup", str(root / "warmup"), 80, **{"optimizer.lr": 3e-3})
+    seed = run_seed("tests/test_train.py::stages")
+    warm, it = small_run("warmup", str(root / "warmup"), 80, **{"optimizer.lr": 3e-3, "seed": seed, "data.seed": seed})
+    perturb_params(warm.ts.state[0])
     before = jax.device_get(nnx.to_pure_dict(warm.ts.state[0]))
     warm_hist = warm.fit(it)
     after = jax.device_get(nnx.to_pure_dict(warm.ts.state[0]))
     sparse, it = small_run("sparse", str(root / "sparse"), 40, init_from=str(root / "warmup"),
-                           **{"optimizer.lr": 3e-3, "data.seed": 5})
+                           **{"optimizer.lr": 3e-3, "seed": seed, "data.seed": seed + 5})
     sparse_hist = sparse.fit(it)
     return dict(root=root, warm_hist=warm_hist, before=before, after=after, sparse_hist=sparse_hist)
 
 
+@pytest.mark.xdist_group("stages")
 def test_warmup_halves_indexer_kl_and_raises_captured_mass(stages):
+    """Mean of the first vs the last 5 steps. Measured over DSV32_TEST_SEED=0..4 and 0..1 with DSV32_TEST_PERTURB=1e-6
+    (2026-11-24, 2-core CPU), 7 runs: KL 2.94-3.36 -> 1.20-1.34 (ratio 0.39-0.45, bound 0.5); captured mass
+    0.382-0.392 -> 0.461-0.495 (gain 0.076-0.106, bound 0.05). The warm-up is a regression onto a fixed target, so a
+    1e-6 perturbation moves these figures by < 1e-4."""
     h = stages["warm_hist"]
     kl0, kl1 = window(h, "indexer_kl", True), window(h, "indexer_kl", False)
     m0, m1 = window(h, "captured_mass", True), window(h, "captured_mass", False)
@@ -76,6 +86,7 @@ def test_warmup_halves_indexer_kl_and_raises_captured_mass(stages):
     assert m1 > m0 + 0.05
 
 
+@pytest.mark.xdist_group("stages")
 def test_warmup_changes_only_the_indexer(stages):
     flat_before = dict(nnx.traversals.flatten_mapping(stages["before"]))
     flat_after = dict(nnx.traversals.flatten_mapping(stages["after"]))
@@ -89,7 +100,9 @@ def test_warmup_changes_only_the_indexer(stages):
     assert changed_indexer > 0
 
 
+@pytest.mark.xdist_group("stages")
 def test_sparse_stage_lowers_lm_loss(stages):
+    """Measured as above, 7 runs: LM loss 7.77-8.22 -> 2.81-3.41 over 40 steps (bound: a drop of 0.1)."""
     h = stages["sparse_hist"]
     lm0, lm1 = window(h, "lm_loss", True), window(h, "lm_loss", False)
     print(f"sparse: LM loss {lm0:.4f} -> {lm1:.4f}")
@@ -97,6 +110,7 @@ def test_sparse_stage_lowers_lm_loss(stages):
     assert all(np.isfinite(x["indexer_kl"]) for x in h)
 
 
+@pytest.mark.xdist_group("stages")
 def test_curves_png(stages, tmp_path):
     out = str(tmp_path / "curves.png")
     panels = plot(find_runs([str(stages["root"])]), out)
