@@ -1,5 +1,4 @@
 import os
-import zlib
 
 import numpy as np
 import pytest
@@ -8,17 +7,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # Every random input is a function of the test's name (and its parameters), so a run is repeatable and a failure
-# reproduces alone. DSV32_TEST_SEED=N (default 0) shifts every seed at once: sweep it to check that a statistical
-# bound holds over many draws (tools/seed_sweep.sh), never to make a failing test pass.
-SEED_OFFSET = int(os.environ.get("DSV32_TEST_SEED", "0"))
-
-
-def test_seed(name: str, offset: int | None = None) -> int:
-    """Deterministic 31-bit seed for a test id such as 'tests/test_x.py::test_y[param]'."""
-    return (zlib.crc32(name.encode()) + (SEED_OFFSET if offset is None else offset)) % (2**31)
-
-
-test_seed.__test__ = False  # a helper, not a test
+# reproduces alone; see tests/seeds.py (DSV32_TEST_SEED shifts all seeds for sweeps).
+from seeds import SEED_OFFSET, test_seed  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from conftest import test_seed
+from tests.seeds import test_seed
 
 PERTURB = float(os.environ.get("DSV32_TEST_PERTURB", "0"))
 
