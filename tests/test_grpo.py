@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from tests.test_train import load_config
-from train import rl_tasks
-from train.grpo import GRPOLearner, _forward_logprobs
+from dsv32_jax.train import rl_tasks
+from dsv32_jax.train.grpo import GRPOLearner, _forward_logprobs
 
 
 def learner(workdir, steps, **overrides):

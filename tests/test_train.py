@@ -16,10 +16,10 @@ from flax import nnx
 from ml_collections import config_flags
 
 from dsv32_jax import sharding as shd
-from train import data as data_lib
-from train.metrics import read_jsonl
-from train.plot import find_runs, plot
-from train.trainer import Trainer
+from dsv32_jax.train import data as data_lib
+from dsv32_jax.train.metrics import read_jsonl
+from dsv32_jax.train.plot import find_runs, plot
+from dsv32_jax.train.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def test_curves_png(stages, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-CLI = [sys.executable, "-m", "train.main", "--config=configs/dense_tiny.py", "--config.steps=10",
+CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/dense_tiny.py", "--config.steps=10",
        "--config.checkpoint.every=2", "--config.data.seq_len=32", "--config.data.batch_size=4",
        "--config.log_every=1", "--config.optimizer.warmup_steps=2"]
 
