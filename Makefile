@@ -31,10 +31,10 @@ test-all: $(STAMP)
 # The paper's recipe in miniature: dense LM pre-training -> dense warm-up of the indexer (eq. 3) -> sparse
 # training (eq. 4), then curves in runs/demo/curves.png. Re-running resumes (finished stages are skipped).
 train: $(STAMP)
-	$(PY) -m train.main --config=configs/dense_tiny.py --workdir=runs/demo/dense
-	$(PY) -m train.main --config=configs/warmup_tiny.py --workdir=runs/demo/warmup
-	$(PY) -m train.main --config=configs/sparse_tiny.py --workdir=runs/demo/sparse
-	$(PY) -m train.plot runs/demo --out runs/demo/curves.png
+	$(PY) -m dsv32_jax.train.main --config=configs/dense_tiny.py --workdir=runs/demo/dense
+	$(PY) -m dsv32_jax.train.main --config=configs/warmup_tiny.py --workdir=runs/demo/warmup
+	$(PY) -m dsv32_jax.train.main --config=configs/sparse_tiny.py --workdir=runs/demo/sparse
+	$(PY) -m dsv32_jax.train.plot runs/demo --out runs/demo/curves.png
 
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:

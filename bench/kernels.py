@@ -1,4 +1,4 @@
-"""Benchmark of the DSA kernels (pallas_kernels) against their XLA references, in one run.
+"""Benchmark of the DSA kernels (dsv32_jax.kernels, in pallas_kernels/) against their XLA references, in one run.
 
 Per op and key length L it prints the kernel time (median of --iters after --warmup, timed with
 jax.block_until_ready), TFLOP/s with the FLOP conventions of shared/docs/kernels.md section 2, and the XLA
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import pallas_kernels  # noqa: E402
+from dsv32_jax import kernels  # noqa: E402
 from dsv32_jax import attention  # noqa: E402
 from dsv32_jax.indexer import quantize_indexer  # noqa: E402
-from pallas_kernels.indexer_logits import indexer_logits_reference  # noqa: E402
-from pallas_kernels.topk import topk_reference  # noqa: E402
+from dsv32_jax.kernels.indexer_logits import indexer_logits_reference  # noqa: E402
+from dsv32_jax.kernels.topk import topk_reference  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -99,12 +99,12 @@ def bench_length(length, sh: Shapes, args, key) -> list[Row]:
     ki = jax.random.normal(ks[1], (1, length, sh.index_dim), jnp.bfloat16)
     wi = jax.random.normal(ks[2], (1, t, sh.index_heads), jnp.float32) * sh.index_heads**-0.5
     q8, k8, kscale, w8 = quantize_indexer(qi, ki, wi)
-    hq = jax.jit(lambda x: pallas_kernels.hadamard_quant(x, impl=impl))
+    hq = jax.jit(lambda x: kernels.hadamard_quant(x, impl=impl))
     ms, _ = timed(hq, qi, warmup=w, iters=it)
-    ref_ms, _ = timed(jax.jit(lambda x: pallas_kernels.hadamard_quant(x, impl="reference")), qi, warmup=w, iters=it)
+    ref_ms, _ = timed(jax.jit(lambda x: kernels.hadamard_quant(x, impl="reference")), qi, warmup=w, iters=it)
     rows.append(Row("hadamard_quant(q)", length, ms, qi.size * 2 * sh.index_dim / ms / 1e9, "TFLOP/s", ref_ms))
 
-    logits_fn = jax.jit(lambda a, b, c, d, s, e: pallas_kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl))
+    logits_fn = jax.jit(lambda a, b, c, d, s, e: kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl))
     ms, logits = timed(logits_fn, q8, k8, kscale, w8, starts, ends, warmup=w, iters=it)
     flops = 2 * sh.index_heads * sh.index_dim * causal_pairs(length, t)
     ref_fn = jax.jit(lambda a, b, c, d, s, e: indexer_logits_reference(a, b, c, d, s, e))
@@ -115,14 +115,14 @@ def bench_length(length, sh: Shapes, args, key) -> list[Row]:
 
     # ---- top-k over the causal logits
     scores = logits[0]
-    tk = jax.jit(lambda x: pallas_kernels.topk(x, sh.topk, impl=impl))
+    tk = jax.jit(lambda x: kernels.topk(x, sh.topk, impl=impl))
     ms, _ = timed(tk, scores, warmup=w, iters=it)
     ref_ms, _ = timed(jax.jit(lambda x: topk_reference(x, sh.topk)), scores, warmup=w, iters=it)
     rows.append(Row("topk", length, ms, scores.size * 4 / ms / 1e6, "GB/s", ref_ms))
 
     # ---- indexer_topk (fp8 composition, chunked over queries)
     seg = jnp.zeros((1, length), jnp.int32)
-    it_fn = jax.jit(lambda a, b, c: pallas_kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
+    it_fn = jax.jit(lambda a, b, c: kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
                                                                 q_chunk=sh.q_chunk, impl=impl))
     ms, idx = timed(it_fn, qi, ki, wi, warmup=w, iters=it)
     rows.append(Row("indexer_topk(fp8)", length, ms, flops / ms / 1e9, "TFLOP/s", None))
@@ -138,7 +138,7 @@ def bench_length(length, sh: Shapes, args, key) -> list[Row]:
     def mla(which):
         if which == "reference":
             return lambda a, c, i: attention.sparse_mla(a, c, i, scale, sh.d_v)
-        return lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, scale, sh.d_v, impl=which)
+        return lambda a, c, i: kernels.sparse_mla(a, c, i, scale, sh.d_v, impl=which)
 
     def fwd_bwd(which):
         f = mla(which)
@@ -153,8 +153,8 @@ def bench_length(length, sh: Shapes, args, key) -> list[Row]:
     rows.append(Row("sparse_mla bwd", length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", ref_both - ref_fwd))
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
-    layer = jax.jit(lambda a, b, c, qq, cc: pallas_kernels.sparse_mla(
-        qq, cc, pallas_kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
+    layer = jax.jit(lambda a, b, c, qq, cc: kernels.sparse_mla(
+        qq, cc, kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
                                             q_chunk=sh.q_chunk, impl=impl), scale, sh.d_v, impl=impl)[0])
     ms, _ = timed(layer, qi, ki, wi, q, kv, warmup=w, iters=it)
     dense = jax.jit(lambda a, c, qi_: attention.dense_mqa(a, c, qi_, qi_ * 0, seg, scale, sh.d_v, q_chunk=64)[0])

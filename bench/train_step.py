@@ -27,8 +27,8 @@ def run_case(args) -> dict:
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from train.config import default_config
-    from train.trainer import Trainer
+    from dsv32_jax.train.config import default_config
+    from dsv32_jax.train.trainer import Trainer
 
     config = default_config()
     config.stage = "dense" if args.mode == "dense" else "sparse"

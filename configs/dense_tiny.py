@@ -1,6 +1,6 @@
 """CPU demo, stage 0: LM pre-training of the tiny model with dense attention (the "dense checkpoint" that the
 paper's DSA adaptation starts from). Built-in corpus, byte tokens."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

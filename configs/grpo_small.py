@@ -1,6 +1,6 @@
-"""GPU: GRPO for the small model (configs/models/small.json) on the built-in tasks, from a sparse-stage workdir
+"""GPU: GRPO for the small model (dsv32_jax/presets/small.json) on the built-in tasks, from a sparse-stage workdir
 or checkpoint (--config.init_from=...). Sampling with top-p (keep sampling mask active), Pallas sparse MLA."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

@@ -2,7 +2,7 @@
 model from random init. Differs from grpo_tiny in what this harder task needs: 32 prompts x 16 completions per step
 (more groups with at least one correct answer) and lr 2e-3 with a cosine decay to 2e-4 over the 300 steps
 (greedy accuracy 0.93 at step 300, >= 0.9 from step 240; measured 2026-11-22, BENCHMARKS.md "GRPO")."""
-from train.config import base_config
+from dsv32_jax.train.config import base_config
 
 
 def get_config():

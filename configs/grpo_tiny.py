@@ -1,6 +1,6 @@
 """CPU demo: GRPO on built-in verifiable tasks (map a digit, sum of two digits mod 10) with the tiny MoE + DSA
 model (random init, 32-token task vocabulary). Curves in <workdir>/curves.png."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

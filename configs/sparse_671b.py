@@ -1,7 +1,7 @@
 """The paper's sparse training stage: top-k 2048 sparse attention, all parameters trained, the indexer by the
 KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
 (943.7B tokens). Mesh: 2048 devices."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

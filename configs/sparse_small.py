@@ -1,6 +1,6 @@
 """GPU, small model: sparse continued pre-training (eq. 4) with the Pallas sparse MLA kernel, from a warm-up
 workdir (--config.init_from=runs/warmup_small)."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

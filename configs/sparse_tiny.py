@@ -1,6 +1,6 @@
 """CPU demo, stage 2 (sparse training, eq. 4): top-k sparse attention, LM loss for the main model, KL on the
 selected set for the indexer (inputs detached). Starts from configs/warmup_tiny.py's workdir."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """The paper's dense warm-up (section 2.1.1) for DeepSeek-V3.2 from DeepSeek-V3.1-Terminus: dense attention,
 every parameter frozen except the lightning indexer, KL to the head-summed attention (eq. 3); lr 1e-3,
 1000 steps x 16 sequences x 128K tokens (2.1B tokens). Mesh: 2048 devices (256 nodes x 8)."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

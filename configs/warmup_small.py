@@ -1,6 +1,6 @@
-"""GPU, small model (configs/models/small.json, ~1.5B params): dense warm-up of the indexer (eq. 3).
+"""GPU, small model (dsv32_jax/presets/small.json, ~1.5B params): dense warm-up of the indexer (eq. 3).
 Start from a dense checkpoint with --config.init_from=<HF dir | converted orbax dir | dense-stage workdir>."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

@@ -1,6 +1,6 @@
 """CPU demo, stage 1 (dense warm-up, eq. 3): only the indexer trains, to match the head-summed dense attention
 of the frozen model from configs/dense_tiny.py."""
-from train.config import default_config
+from dsv32_jax.train.config import default_config
 
 
 def get_config():

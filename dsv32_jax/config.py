@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")  # package data
 
 
 class ConfigError(ValueError):
@@ -266,7 +266,7 @@ def preset_path(name: str) -> str:
 
 
 def load_preset(name: str) -> ModelConfig:
-    """A model preset shipped under configs/models/ ('tiny', 'small', 'deepseek_v32_671b') or a config.json path."""
+    """A model preset shipped under dsv32_jax/presets/ ('tiny', 'small', 'deepseek_v32_671b') or a config.json path."""
     path = name if (os.sep in name or name.endswith(".json")) else preset_path(name)
     if not os.path.exists(path):
         available = sorted(p[:-5] for p in os.listdir(_CONFIG_DIR) if p.endswith(".json"))

@@ -16,7 +16,7 @@ computed from the mapping table up front, so a shard is written sequentially wit
 With --fp8 the export re-quantizes each 128x128 block (scale = amax / 448 in float32, not rounded to a power of two;
 codes = clip(w / scale) as e4m3); a float8 orbax checkpoint is exported bit-exactly (codes and scales as stored).
 
-orbax-to-hf also exports a training run: --ckpt=W naming a training workdir (`python -m train.main --workdir=W`,
+orbax-to-hf also exports a training run: --ckpt=W naming a training workdir (`python -m dsv32_jax.train.main --workdir=W`,
 recognized by its W/checkpoints/ CheckpointManager directory and no dsv32_meta.json) exports the latest finished
 step, or --step=N. Only the step's `params` item is read (one parameter at a time, as numpy on the host; the
 optimizer state is never touched), and the model config is the `model_config` field of its `meta` item (the HF
@@ -785,7 +785,7 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
     """Exports a dsv32-jax orbax checkpoint, or a training workdir's checkpoint, to HF layout: size-bounded
     safetensors shards + index + config.json.
 
-    ckpt: a converted checkpoint (hf-to-orbax; has dsv32_meta.json) or a training workdir (`python -m train.main
+    ckpt: a converted checkpoint (hf-to-orbax; has dsv32_meta.json) or a training workdir (`python -m dsv32_jax.train.main
     --workdir=W`; has checkpoints/): its latest finished step, or `step`; only the params item is read (one
     parameter at a time, on the host), the model config comes from the step's meta item.
     fp8: quantized tensors as F8_E4M3 + F32 128x128 weight_scale_inv (bit-exact from a float8 checkpoint, else
@@ -872,7 +872,7 @@ def _define_flags():
         return flags.FLAGS
     flags.DEFINE_string("hf_dir", None, "hf-to-orbax: HF checkpoint directory (config.json + safetensors shards).")
     flags.DEFINE_string("ckpt", None, "orbax-to-hf: a dsv32-jax orbax checkpoint directory (from hf-to-orbax) or a "
-                        "training workdir (python -m train.main --workdir=W; its latest checkpoint unless --step).")
+                        "training workdir (python -m dsv32_jax.train.main --workdir=W; its latest checkpoint unless --step).")
     flags.DEFINE_integer("step", None, "orbax-to-hf from a training workdir: export the checkpoint of this step "
                          "(default: the latest finished one).")
     flags.DEFINE_string("out", None, "Output directory (written as <out>.tmp-<pid>, renamed when complete).")

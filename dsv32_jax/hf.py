@@ -208,7 +208,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
     shards), a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
     `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized), or a training workdir (`python -m
-    train.main --workdir=W`; detected by `W/checkpoints/`): the parameters of its latest finished checkpoint, or
+    dsv32_jax.train.main --workdir=W`; detected by `W/checkpoints/`): the parameters of its latest finished checkpoint, or
     of `step`, with the model config recorded in that checkpoint.
 
     dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer

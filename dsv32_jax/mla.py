@@ -167,7 +167,7 @@ class MLA(nnx.Module):
                 if opts.attention == "sparse":
                     sparse = functools.partial(attention.sparse_mla, q_chunk=opts.attn_chunk)
                 else:
-                    from pallas_kernels import sparse_mla as sparse
+                    from dsv32_jax.kernels import sparse_mla as sparse
                 if opts.indexer_loss == "sparse":
                     o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank,
                                                   return_probs=True)

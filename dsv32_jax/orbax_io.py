@@ -37,7 +37,7 @@ time on weights that barely compress) and without orbax's defensive host copy (w
 The alternatives were worse: one sub-checkpoint per layer cannot be restored with a single orbax call, and raw
 tensorstore/zarr arrays would bypass orbax's metadata.
 
-Training workdirs (`python -m train.main --workdir=W`) use a different layout, which this module reads but does not
+Training workdirs (`python -m dsv32_jax.train.main --workdir=W`) use a different layout, which this module reads but does not
 write: `W/checkpoints/` is an orbax CheckpointManager whose step directories `W/checkpoints/<step>/` hold the items
 `params` (the same pure state dict as above, as saved by the trainer's mesh), `opt`, `data` and `meta` (JSON with
 `model_config`, the HF config dict). `training_checkpoint(W, step)` picks a finished step and reads the config from
@@ -167,7 +167,7 @@ TRAIN_META_ITEM = "meta"
 
 
 def is_training_workdir(path: str | os.PathLike) -> bool:
-    """A training workdir (`python -m train.main --workdir=W`): W/checkpoints/ is its orbax CheckpointManager."""
+    """A training workdir (`python -m dsv32_jax.train.main --workdir=W`): W/checkpoints/ is its orbax CheckpointManager."""
     path = os.fspath(path)
     return os.path.isdir(os.path.join(path, WORKDIR_CHECKPOINTS)) and not os.path.isfile(os.path.join(path, META_FILE))
 

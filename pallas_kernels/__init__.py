@@ -9,12 +9,12 @@
 Each takes impl=None|"reference"|"pallas_gpu"|"pallas_tpu"|"interpret" (see `_dispatch`).
 """
 
-from pallas_kernels._dispatch import ENV_VAR, IMPLS, set_default_impl
-from pallas_kernels.hadamard_quant import hadamard_quant
-from pallas_kernels.indexer_logits import indexer_logits
-from pallas_kernels.indexer_topk import indexer_topk
-from pallas_kernels.sparse_mla import sparse_mla
-from pallas_kernels.topk import topk
+from dsv32_jax.kernels._dispatch import ENV_VAR, IMPLS, set_default_impl
+from dsv32_jax.kernels.hadamard_quant import hadamard_quant
+from dsv32_jax.kernels.indexer_logits import indexer_logits
+from dsv32_jax.kernels.indexer_topk import indexer_topk
+from dsv32_jax.kernels.sparse_mla import sparse_mla
+from dsv32_jax.kernels.topk import topk
 
 __all__ = ["ENV_VAR", "IMPLS", "hadamard_quant", "indexer_logits", "indexer_topk", "set_default_impl", "sparse_mla",
            "topk"]

@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import index_scores_fp8
-from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 
 def _ranges(starts, ends, b, t, s):

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 
 from dsv32_jax import indexer as ref_indexer
 from dsv32_jax.attention import map_query_chunks
-from pallas_kernels._dispatch import resolve_impl
-from pallas_kernels.hadamard_quant import hadamard_quant
-from pallas_kernels.indexer_logits import indexer_logits
-from pallas_kernels.topk import topk as kernel_topk
+from dsv32_jax.kernels._dispatch import resolve_impl
+from dsv32_jax.kernels.hadamard_quant import hadamard_quant
+from dsv32_jax.kernels.indexer_logits import indexer_logits
+from dsv32_jax.kernels.topk import topk as kernel_topk
 
 
 def _key_ranges(q_index, q_segment, kv_segment):

@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax import attention
-from pallas_kernels import sparse_mla_tpu
-from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up
+from dsv32_jax.kernels import sparse_mla_tpu
+from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
 

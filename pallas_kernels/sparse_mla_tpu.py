@@ -1,6 +1,6 @@
 """Gathered sparse MLA for TPU (Pallas Mosaic TPU): forward, fused backward and the head-summed probabilities.
 
-Called by `pallas_kernels.sparse_mla` (which owns the semantics, the custom VJP, the flattened-token layout with
+Called by `kernels.sparse_mla` (which owns the semantics, the custom VJP, the flattened-token layout with
 global indices and the dkv reduction); this module only holds the TPU kernels. Layout from the wrapper:
 qf [N, Hp, Dp], kvf [NS, Dp] (value dims first, dv_p and dt_p multiples of 128, so every slice is lane-aligned),
 idx [N, 1, Kp] int32 global rows (-1 = invalid), Hp a multiple of 8.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._dispatch import tpu_interpret_params
+from dsv32_jax.kernels._dispatch import tpu_interpret_params
 
 
 def _call(cfg, kernel, **kwargs):

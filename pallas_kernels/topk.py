@@ -37,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import select_topk
-from pallas_kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 INT_MIN = -(2**31)
 INT_MAX = 2**31 - 1

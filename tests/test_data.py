@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from train import data
-from train.data import DataConfig, make_dataset, make_iterator, make_tokenizer
+from dsv32_jax.train import data
+from dsv32_jax.train.data import DataConfig, make_dataset, make_iterator, make_tokenizer
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

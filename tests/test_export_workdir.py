@@ -26,8 +26,8 @@ from dsv32_jax.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
 from dsv32_jax.options import RunOptions
 from dsv32_jax.safetensors_io import HFCheckpoint
 from tests.test_train import load_config
-from train import data as data_lib
-from train.trainer import Trainer
+from dsv32_jax.train import data as data_lib
+from dsv32_jax.train.trainer import Trainer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -10,8 +10,8 @@ from flax import nnx
 
 from tests.learning import perturb_params, run_seed
 from tests.test_train import load_config
-from train import rl_tasks
-from train.grpo import GRPOLearner, _forward_logprobs
+from dsv32_jax.train import rl_tasks
+from dsv32_jax.train.grpo import GRPOLearner, _forward_logprobs
 
 
 def learner(workdir, steps, **overrides):

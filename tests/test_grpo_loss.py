@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.grpo_loss import (check_groups, group_advantages, grpo_loss, opsm_mask, processed_logprobs,
+from dsv32_jax.train.grpo_loss import (check_groups, group_advantages, grpo_loss, opsm_mask, processed_logprobs,
                              unbiased_kl)
 
 

@@ -1,4 +1,4 @@
-"""pallas_kernels against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs): the
+"""dsv32_jax.kernels (pallas_kernels/) against their plain-JAX references, in Pallas interpret mode on CPU (fresh random inputs): the
 GPU (Triton) kernel bodies with impl="interpret", the TPU (Mosaic) ones with impl="interpret_tpu" (TPU interpret
 mode simulates DMAs, semaphores and VMEM/SMEM; uninitialised memory reads as NaN).
 
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, rel_err
 
-import pallas_kernels
+from dsv32_jax import kernels
 from dsv32_jax import indexer as ref_indexer
 from dsv32_jax.attention import sparse_mla as ref_sparse_mla
-from pallas_kernels import _dispatch
-from pallas_kernels.hadamard_quant import hadamard_quant_reference
-from pallas_kernels.indexer_logits import indexer_logits_reference
-from pallas_kernels.topk import topk_reference
+from dsv32_jax.kernels import _dispatch
+from dsv32_jax.kernels.hadamard_quant import hadamard_quant_reference
+from dsv32_jax.kernels.indexer_logits import indexer_logits_reference
+from dsv32_jax.kernels.topk import topk_reference
 
 IMPL = "interpret"
 TPU = "interpret_tpu"
@@ -37,11 +37,11 @@ def test_dispatch_resolution(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, "interpret")
     assert _dispatch.resolve_impl(None, ("interpret",)) == "interpret"
     assert _dispatch.resolve_impl(None, ("pallas_gpu",)) == "reference"  # op without that backend
-    pallas_kernels.set_default_impl("reference")
+    kernels.set_default_impl("reference")
     try:
         assert _dispatch.resolve_impl(None, ("interpret",)) == "reference"
     finally:
-        pallas_kernels.set_default_impl(None)
+        kernels.set_default_impl(None)
     with pytest.raises(ValueError, match="unknown kernel impl"):
         _dispatch.resolve_impl("cuda", ("interpret",))
 
@@ -53,7 +53,7 @@ def test_dispatch_resolution(monkeypatch):
 def test_hadamard_quant_matches_reference_exactly(rng, impl, dtype, scale_fmt):
     x = rng.standard_normal((3, 37, 128)) * rng.uniform(1e-3, 30, (3, 37, 1))
     x = jnp.asarray(x, dtype)
-    codes, scale = pallas_kernels.hadamard_quant(x, scale_fmt=scale_fmt, impl=impl)
+    codes, scale = kernels.hadamard_quant(x, scale_fmt=scale_fmt, impl=impl)
     ref_codes, ref_scale = hadamard_quant_reference(x, scale_fmt)
     assert codes.dtype == F8 and scale.shape == (3, 37)
     if scale_fmt == "ue8m0":  # powers of two: an fp32 ulp in amax almost never moves them
@@ -83,7 +83,7 @@ def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, blo
     ends = starts + rng.integers(0, 150, (b, t))
     starts[0, 0], ends[0, 0] = 7, 7  # empty range -> all -inf
     starts, ends = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
-    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=impl,
+    out = kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=impl,
                                         block_q=block_q, block_k=block_k)
     ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends, out_dtype)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -97,7 +97,7 @@ def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, blo
 @pytest.mark.parametrize("impl", [IMPL, TPU])
 def test_indexer_logits_full_range_production_head_layout(rng, impl):
     qf, kf, ks, wf = _indexer_inputs(rng, 1, 3, 70, 16, 128)
-    out = pallas_kernels.indexer_logits(qf, kf, ks, wf, impl=impl, block_q=1 if impl == IMPL else 8)
+    out = kernels.indexer_logits(qf, kf, ks, wf, impl=impl, block_q=1 if impl == IMPL else 8)
     assert rel_err(out, indexer_logits_reference(qf, kf, ks, wf)) <= 1e-6
 
 
@@ -119,7 +119,7 @@ def test_topk_ties_lengths_and_empty_rows(rng, impl, buffer):  # the GPU kernel'
     x[0, 1, 50:] = -np.inf  # -inf is never a candidate
     x[1, 2] = rng.standard_normal(303)  # distinct values
     lengths = np.array([[303, 250, 11, 0], [303, 19, 302, 1]], np.int32)  # < k, 0 and full rows
-    out = pallas_kernels.topk(jnp.asarray(x), k, lengths=jnp.asarray(lengths), impl=impl, buffer=buffer)
+    out = kernels.topk(jnp.asarray(x), k, lengths=jnp.asarray(lengths), impl=impl, buffer=buffer)
     ref = topk_reference(jnp.asarray(x), k, jnp.asarray(lengths))
     _assert_same_selection(out, ref, x)
     np.testing.assert_array_equal(np.sort(np.asarray(out)[0, 0]), np.arange(k))
@@ -129,12 +129,12 @@ def test_topk_ties_lengths_and_empty_rows(rng, impl, buffer):  # the GPU kernel'
 @pytest.mark.parametrize("impl", [IMPL, TPU])
 def test_topk_bf16_and_k_larger_than_row(rng, impl):
     x = jnp.asarray(rng.standard_normal((3, 600)), jnp.bfloat16)  # bf16: many exact ties
-    _assert_same_selection(pallas_kernels.topk(x, 64, impl=impl, buffer=128), topk_reference(x, 64), x)
+    _assert_same_selection(kernels.topk(x, 64, impl=impl, buffer=128), topk_reference(x, 64), x)
     tiny = jnp.asarray(-np.abs(rng.standard_normal((2, 300))) * 1e-40, jnp.float32)  # negative subnormals, -0.0
     tiny = tiny.at[:, ::7].set(-0.0)
-    _assert_same_selection(pallas_kernels.topk(tiny, 17, impl=impl), topk_reference(tiny, 17), tiny)
+    _assert_same_selection(kernels.topk(tiny, 17, impl=impl), topk_reference(tiny, 17), tiny)
     short = jnp.asarray(rng.standard_normal((2, 5)), jnp.float32)  # S < k
-    out = pallas_kernels.topk(short, 8, impl=impl)
+    out = kernels.topk(short, 8, impl=impl)
     _assert_same_selection(out, topk_reference(short, 8), short)
     assert np.all(np.asarray(out)[:, 5:] == -1)
 
@@ -148,7 +148,7 @@ def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
     w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
     q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     seg = jnp.asarray(np.stack([np.zeros(t), np.arange(t) >= 20]), jnp.int32)  # two packed documents in row 1
-    out = pallas_kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=impl)
+    out = kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=impl)
     ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16)
     np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
 
@@ -175,7 +175,7 @@ SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpa
 def _check_sparse_mla_forward(rng, dtype, shape, **kernel_kw):
     q, kv, idx, d_v = _mla_case(rng, dtype, **SHAPES[shape])
     scale = q.shape[-1] ** -0.5
-    out, lse, probs = pallas_kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, **kernel_kw)
+    out, lse, probs = kernels.sparse_mla(q, kv, idx, scale, d_v, return_probs=True, **kernel_kw)
     r_out, r_lse, r_probs = ref_sparse_mla(q, kv, idx, scale, d_v, return_probs=True)
     fwd_bound, _ = BOUNDS[dtype]
     assert out.dtype == q.dtype and out.shape == r_out.shape
@@ -200,7 +200,7 @@ def _check_sparse_mla_gradients(rng, dtype, shape, **kernel_kw):
             return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
         return jax.grad(f, argnums=(0, 1))(q, kv)
 
-    got = grads(lambda a, c: pallas_kernels.sparse_mla(a, c, idx, scale, d_v, **kernel_kw))
+    got = grads(lambda a, c: kernels.sparse_mla(a, c, idx, scale, d_v, **kernel_kw))
     want = grads(lambda a, c: ref_sparse_mla(a.astype(jnp.float32), c.astype(jnp.float32), idx, scale, d_v))
     for g, w in zip(got, want):
         assert g.dtype == dtype
@@ -249,7 +249,7 @@ def test_sparse_mla_tpu_skips_blocks_without_valid_slots(rng):
     idx[:, :, 8:24] = -1  # whole blocks of 8 slots invalid in every row
     idx[0, 0, :] = -1
     idx = jnp.asarray(idx)
-    out, _ = pallas_kernels.sparse_mla(q, kv, idx, 0.2, d_v, impl=TPU, block_i=8)
+    out, _ = kernels.sparse_mla(q, kv, idx, 0.2, d_v, impl=TPU, block_i=8)
     r_out, _ = ref_sparse_mla(q, kv, idx, 0.2, d_v)
     assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(out)[0, 0] == 0)
     assert rel_err(out, r_out) <= 1e-5
@@ -305,16 +305,16 @@ def test_triton_kernels_lower_at_production_shapes():
     bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
     gpu = "pallas_gpu"
     q, kv, idx = sds((1, 8, 128, 576), bf16), sds((1, 4096, 576), bf16), sds((1, 8, 2048), i32)
-    assert "triton" in _lower_for_cuda(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu,
+    assert "triton" in _lower_for_cuda(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu,
                                                                                  return_probs=True), q, kv, idx)
-    grad = jax.grad(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu)[0].astype(f32).sum(),
+    grad = jax.grad(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu)[0].astype(f32).sum(),
                     argnums=(0, 1))
     assert _lower_for_cuda(grad, q, kv, idx).count("triton") >= 3
-    _lower_for_cuda(lambda a, b, c, d, e, g: pallas_kernels.indexer_logits(a, b, c, d, starts=e, ends=g, impl=gpu),
+    _lower_for_cuda(lambda a, b, c, d, e, g: kernels.indexer_logits(a, b, c, d, starts=e, ends=g, impl=gpu),
                     sds((1, 8, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32), sds((1, 8, 64), f32),
                     sds((1, 8), i32), sds((1, 8), i32))
-    _lower_for_cuda(lambda x: pallas_kernels.hadamard_quant(x, impl=gpu), sds((8, 64, 128), bf16))
-    _lower_for_cuda(lambda x, n: pallas_kernels.topk(x, 2048, lengths=n, impl=gpu), sds((4, 131072), f32),
+    _lower_for_cuda(lambda x: kernels.hadamard_quant(x, impl=gpu), sds((8, 64, 128), bf16))
+    _lower_for_cuda(lambda x, n: kernels.topk(x, 2048, lengths=n, impl=gpu), sds((4, 131072), f32),
                     sds((4,), i32))
 
 
@@ -331,7 +331,7 @@ def _lower_for_tpu(fn, *shapes):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_hadamard_quant_lowers_for_tpu(dtype):
     """The pallas_tpu body lowers to Mosaic TPU for a v5p without a TPU (its compilation happens on the device)."""
-    text = _lower_for_tpu(lambda x: pallas_kernels.hadamard_quant(x, impl="pallas_tpu"),
+    text = _lower_for_tpu(lambda x: kernels.hadamard_quant(x, impl="pallas_tpu"),
                           jax.ShapeDtypeStruct((8, 64, 128), dtype))
     assert "tpu_custom_call" in text
 
@@ -343,18 +343,18 @@ def test_tpu_kernels_lower_at_production_shapes():
     bf16, i32, f32 = jnp.bfloat16, jnp.int32, jnp.float32
     tpu = "pallas_tpu"
     q, kv, idx = sds((1, 8, 128, 576), bf16), sds((1, 4096, 576), bf16), sds((1, 8, 2048), i32)
-    text = _lower_for_tpu(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu,
+    text = _lower_for_tpu(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu,
                                                                     return_probs=True), q, kv, idx)
     assert text.count("tpu_custom_call") >= 2
-    grad = jax.grad(lambda a, c, i: pallas_kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu)[0].astype(f32).sum(),
+    grad = jax.grad(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu)[0].astype(f32).sum(),
                     argnums=(0, 1))
     assert _lower_for_tpu(grad, q, kv, idx).count("tpu_custom_call") >= 2
-    text = _lower_for_tpu(lambda a, b, c, d, e, g: pallas_kernels.indexer_logits(a, b, c, d, starts=e, ends=g,
+    text = _lower_for_tpu(lambda a, b, c, d, e, g: kernels.indexer_logits(a, b, c, d, starts=e, ends=g,
                                                                                  impl=tpu),
                           sds((1, 64, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32),
                           sds((1, 64, 64), f32), sds((1, 64), i32), sds((1, 64), i32))
     assert "tpu_custom_call" in text
-    text = _lower_for_tpu(lambda x, n: pallas_kernels.topk(x, 2048, lengths=n, impl=tpu), sds((16, 131072), f32),
+    text = _lower_for_tpu(lambda x, n: kernels.topk(x, 2048, lengths=n, impl=tpu), sds((16, 131072), f32),
                           sds((16,), i32))
     assert "tpu_custom_call" in text
 

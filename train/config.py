@@ -8,7 +8,9 @@ import os
 
 import ml_collections
 
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+import dsv32_jax.configs
+
+CONFIGS_DIR = os.path.dirname(os.path.abspath(dsv32_jax.configs.__file__))  # configs/ (dsv32_jax.configs when installed)
 
 
 def base_config(name: str) -> ml_collections.ConfigDict:
@@ -26,7 +28,7 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # "dense" (LM pre-training with dense attention), "warmup" (eq. 3: indexer only), "sparse" (eq. 4 + LM)
     c.stage = "sparse"
-    c.model = "tiny"  # preset under configs/models/ or a config.json path
+    c.model = "tiny"  # preset under dsv32_jax/presets/ or a config.json path
     c.model_overrides = ml_collections.ConfigDict()  # e.g. {"index_topk": 16}
     # Start from: "" (random init with `seed`), an HF / converted-orbax checkpoint dir, or a training workdir
     # (its latest checkpoint's parameters).

@@ -24,11 +24,11 @@ import dsv32_jax
 from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import sharding as shd
 from dsv32_jax.sampler import SamplingConfig, generate, sequence_layout
-from train import rl_tasks
-from train.grpo_loss import check_groups, group_advantages, grpo_loss, processed_logprobs
-from train.metrics import MetricsWriter
-from train.optimizer import make_tx
-from train.trainer import model_config
+from dsv32_jax.train import rl_tasks
+from dsv32_jax.train.grpo_loss import check_groups, group_advantages, grpo_loss, processed_logprobs
+from dsv32_jax.train.metrics import MetricsWriter
+from dsv32_jax.train.optimizer import make_tx
+from dsv32_jax.train.trainer import model_config
 
 
 def _forward_logprobs(model, batch, temperature, replay: bool):
@@ -266,7 +266,7 @@ def run_grpo(config, workdir: str):
     learner = GRPOLearner(config, workdir)
     history = learner.fit()
     if jax.process_index() == 0 and history:
-        from train.plot import find_runs, plot
+        from dsv32_jax.train.plot import find_runs, plot
         try:
             plot(find_runs([workdir]), os.path.join(workdir, "curves.png"))
             where = f"curves in {os.path.join(workdir, 'curves.png')}"

@@ -1,4 +1,4 @@
-"""Training entry point: `python -m train.main --config=configs/<experiment>.py --workdir=W [--config.x=y ...]`.
+"""Training entry point: `python -m dsv32_jax.train.main --config=configs/<experiment>.py --workdir=W [--config.x=y ...]`.
 
 Multi-host: pass --coordinator_address, --num_processes and --process_id (or set them through the
 environment that `jax.distributed.initialize()` understands, with --distributed)."""
@@ -10,7 +10,9 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "sparse_tiny.py")
+from dsv32_jax.train.config import CONFIGS_DIR
+
+_DEFAULT_CONFIG = os.path.join(CONFIGS_DIR, "sparse_tiny.py")
 config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "experiment config file (configs/*.py)")
 flags.DEFINE_string("workdir", "", "checkpoints, metrics.jsonl, TensorBoard events (default runs/<config name>)")
 flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (auto-detected cluster environment)")
@@ -31,7 +33,7 @@ def main(argv):
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     elif FLAGS.distributed:
         jax.distributed.initialize()
-    from train.run import run
+    from dsv32_jax.train.run import run
 
     config = FLAGS.config
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
@@ -40,5 +42,10 @@ def main(argv):
     run(config, workdir)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console script `dsv32-train` (same flags as `python -m dsv32_jax.train.main`)."""
     app.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,4 +1,4 @@
-"""Renders training curves to PNG: `python -m train.plot RUN_DIR [RUN_DIR ...] --out curves.png`.
+"""Renders training curves to PNG: `python -m dsv32_jax.train.plot RUN_DIR [RUN_DIR ...] --out curves.png`.
 
 Every metrics.jsonl under the given directories becomes one line per metric panel (labelled by its directory)."""
 
@@ -8,7 +8,7 @@ import argparse
 import glob
 import os
 
-from train.metrics import read_jsonl
+from dsv32_jax.train.metrics import read_jsonl
 
 PANELS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
           "reward_mean", "accuracy", "response_length", "kl", "clip_fraction", "opsm_masked_fraction")

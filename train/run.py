@@ -6,14 +6,14 @@ import os
 
 import jax
 
-from train import data as data_lib
-from train.trainer import Trainer, write_summary
+from dsv32_jax.train import data as data_lib
+from dsv32_jax.train.trainer import Trainer, write_summary
 
 
 def run(config, workdir: str):
     os.makedirs(workdir, exist_ok=True)
     if config.stage == "grpo":
-        from train.grpo import run_grpo
+        from dsv32_jax.train.grpo import run_grpo
         return run_grpo(config, workdir)
     trainer = Trainer(config, workdir)
     data_cfg = data_lib.DataConfig(**config.data.to_dict())

@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding
 import dsv32_jax
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax import sharding as shd
-from train import losses
-from train.metrics import MetricsWriter
-from train.optimizer import learning_rate_schedule, make_tx, trainable_filter
+from dsv32_jax.train import losses
+from dsv32_jax.train.metrics import MetricsWriter
+from dsv32_jax.train.optimizer import learning_rate_schedule, make_tx, trainable_filter
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5e": 197.0,
                "TPU v6": 918.0}
