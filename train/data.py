@@ -75,6 +75,8 @@ from typing import Any, Protocol, Sequence
 import grain
 import numpy as np
 
+from dsv32_jax.optional import require
+
 SOURCES = ("builtin", "jsonl", "parquet", "arrayrecord", "text")
 
 
@@ -429,7 +431,7 @@ class ParquetSource:
             if field not in names:
                 raise KeyError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
             typ = pf.schema_arrow.field(field).type
-            import pyarrow as pa  # noqa: PLC0415
+            pa = require("pyarrow", "parquet", "data.source='parquet'")
 
             is_view = getattr(pa.types, "is_string_view", lambda t: False)
             if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_view(typ)):
@@ -458,7 +460,7 @@ class ParquetSource:
 
     @staticmethod
     def _open(path: str):
-        import pyarrow.parquet as pq  # noqa: PLC0415
+        pq = require("pyarrow.parquet", "parquet", "data.source='parquet'")
 
         try:
             return pq.ParquetFile(path)
@@ -501,6 +503,7 @@ class ParquetSource:
 
 class ArrayRecordSource:
     def __init__(self, files: Sequence[str], field: str):
+        require("array_record", "arrayrecord", "data.source='arrayrecord'")
         self.files = list(files)
         self.field = field
         self._sources = []

@@ -270,7 +270,7 @@ def run_grpo(config, workdir: str):
         try:
             plot(find_runs([workdir]), os.path.join(workdir, "curves.png"))
             where = f"curves in {os.path.join(workdir, 'curves.png')}"
-        except ImportError:  # matplotlib is a declared dependency, but a bare accelerator image may lack it
+        except ImportError:  # optional extra [plot]
             where = "no curves (matplotlib missing); metrics in metrics.jsonl"
         print(f"done: {learner.step} GRPO steps in {workdir}; {where}", flush=True)
     return history

@@ -8,6 +8,9 @@ import sys
 import time
 
 import numpy as np
+from absl import logging
+
+from dsv32_jax.optional import require
 
 
 class MetricsWriter:
@@ -23,10 +26,10 @@ class MetricsWriter:
         self._jsonl = open(self.path, "a")
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter
-                self._tb = SummaryWriter(os.path.join(workdir, "tb"))
-            except ImportError:  # tensorboardX is a declared dependency; tolerate its absence for library use
-                self._tb = None
+                summary_writer = require("tensorboardX", "tensorboard", "TensorBoard event files").SummaryWriter
+                self._tb = summary_writer(os.path.join(workdir, "tb"))
+            except ImportError as e:  # optional: metrics.jsonl is always written
+                logging.info("%s; writing %s only", e, self.path)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -8,6 +8,7 @@ import argparse
 import glob
 import os
 
+from dsv32_jax.optional import require
 from dsv32_jax.train.metrics import read_jsonl
 
 PANELS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
@@ -28,8 +29,7 @@ def find_runs(paths) -> dict[str, list[dict]]:
 
 
 def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plot", "Plotting training curves")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
