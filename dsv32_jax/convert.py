@@ -940,9 +940,11 @@ def main(argv) -> int:
 
 
 def cli(argv=None) -> None:
+    """Console script `dsv32-convert` (same as `python -m dsv32_jax.convert`)."""
     from absl import app
 
     _define_flags()
+    sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints (the console-script wrapper has none)
     app.run(main, argv=argv)
 
 

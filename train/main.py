@@ -6,6 +6,7 @@ environment that `jax.distributed.initialize()` understands, with --distributed)
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -44,6 +45,7 @@ def main(argv):
 
 def cli() -> None:
     """Console script `dsv32-train` (same flags as `python -m dsv32_jax.train.main`)."""
+    sys.modules["__main__"].__doc__ = __doc__  # what absl's --help prints (the console-script wrapper has none)
     app.run(main)
 
 
