@@ -4,6 +4,7 @@ pip cache; needs the package index or a cache)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -24,9 +25,15 @@ def test_readme_has_python_snippets():
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
+    src = tmp / "src"  # setuptools writes build/ next to the sources: build from a copy of the tracked files
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        if os.path.exists(os.path.join(ROOT, rel)):
+            os.makedirs(os.path.dirname(src / rel), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, rel), src / rel)
     wheels = tmp / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), ROOT], check=True,
-                   cwd=tmp, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(src)],
+                   check=True, cwd=tmp, capture_output=True)
     (wheel,) = wheels.glob("dsv32_jax-*.whl")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
