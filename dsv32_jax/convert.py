@@ -40,310 +40,35 @@ casts).
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import math
 import os
 import shutil
-import struct
 import sys
 import time
 from typing import Iterable, Mapping
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from dsv32_jax import orbax_io
 from dsv32_jax import sharding as shd
 from dsv32_jax.config import ConfigError, ModelConfig
-from dsv32_jax.hf import SCALE_SUFFIX, TensorSpec, tensor_specs
-from dsv32_jax.safetensors_io import DTYPE_NAMES, DTYPES, CheckpointError, HFCheckpoint
+from dsv32_jax.fp8 import SCALE_SUFFIX
+from dsv32_jax.hf import TensorSpec, tensor_specs
+from dsv32_jax.fp8_weights import BF16, BLOCK, F32, FP8, _quantize, fp8_blocks, convert_tensor, dequant_fp8, quantize_fp8
+from dsv32_jax.validate import FLOAT_KINDS, _kernel_shape, check_hf_checkpoint
+from dsv32_jax.safetensors_io import (DTYPE_NAMES, DTYPES, INDEX_FILE, CheckpointError, HFCheckpoint, check_alias, check_finite,
+                                      check_scale_values,
+                                      ShardedSafetensorsWriter, _nbytes)
 
-BLOCK = 128
-FP8_MAX = 448.0
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-FLOAT_KINDS = ("BF16", "F32", "F16", "F64")
 IMPORT_DTYPES = ("bfloat16", "float32", "float8")
 EXPORT_DTYPES = ("bfloat16", "float32")
-INDEX_FILE = "model.safetensors.index.json"
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
 
 
 class OutputExistsError(FileExistsError):
     """The output path already holds something and --overwrite was not given."""
-
-
-# ============================================================================================ numeric kernels
-# Each kernel is written once against an array namespace `xp` (numpy or jax.numpy). Tensors of at least
-# JAX_MIN_ELEMENTS elements run the jitted JAX version on the host CPU (about 2x faster than numpy on these
-# memory-bound conversions), smaller ones run numpy (no compile per shape). Both give bitwise identical results:
-# float32 products and quotients are IEEE operations, and every cast rounds to nearest-even.
-JAX_MIN_ELEMENTS = 1 << 20
-
-
-def _swap(xp, x, transpose: bool):
-    return xp.swapaxes(x, -1, -2) if transpose else x
-
-
-def _finite(xp, x):
-    return xp.all(xp.isfinite(x.astype(xp.float32)))
-
-
-def _cast_swap(xp, x, dtype, transpose):
-    """Cast and (optionally) transpose, moving the narrower representation (same bits either way)."""
-    if np.dtype(dtype).itemsize <= np.dtype(x.dtype).itemsize:
-        return _swap(xp, x.astype(dtype), transpose)
-    return _swap(xp, x, transpose).astype(dtype)
-
-
-def _dequant_impl(xp, codes, scale, dtype, transpose):
-    r, c = codes.shape[-2:]
-    s = xp.repeat(xp.repeat(scale.astype(xp.float32), BLOCK, axis=-2), BLOCK, axis=-1)[..., :r, :c]
-    w = codes.astype(xp.float32) * s
-    return _cast_swap(xp, w, dtype, transpose), _finite(xp, w)
-
-
-def _cast_impl(xp, x, dtype, transpose):
-    return _cast_swap(xp, x, dtype, transpose), _finite(xp, x)
-
-
-def _exact(xp, divisor):
-    """XLA rewrites x / broadcast(d) (and x / constant) as x * (1 / d), which is not the IEEE quotient; an
-    optimization barrier on the materialized divisor keeps the true division (numpy divides exactly anyway)."""
-    return jax.lax.optimization_barrier(divisor) if xp is jnp else divisor
-
-
-def _quant_impl(xp, x, transpose):
-    """Per 128x128 block of x [r, c]: scale = amax / 448 (1 for an all-zero block), codes = clip(x / scale) as e4m3;
-    both transposed at the end when transpose (the 1-byte codes are the cheap thing to move)."""
-    x = x.astype(xp.float32)
-    r, c = x.shape
-    pr, pc = -(-r // BLOCK) * BLOCK, -(-c // BLOCK) * BLOCK
-    b = xp.pad(x, [(0, pr - r), (0, pc - c)]).reshape(pr // BLOCK, BLOCK, pc // BLOCK, BLOCK)
-    amax = xp.max(xp.abs(b), axis=(1, 3))
-    scale = amax / _exact(xp, xp.full(amax.shape, FP8_MAX, xp.float32))
-    scale = xp.where(amax > 0, scale, xp.float32(1.0))
-    divisor = _exact(xp, xp.broadcast_to(scale[:, None, :, None], b.shape))
-    codes = xp.clip(b / divisor, -FP8_MAX, FP8_MAX).astype(FP8).reshape(pr, pc)[:r, :c]
-    return _swap(xp, codes, transpose), _swap(xp, scale, transpose), _finite(xp, x)
-
-
-_IMPLS = {"dequant": (_dequant_impl, ("dtype", "transpose")), "cast": (_cast_impl, ("dtype", "transpose")),
-          "quant": (_quant_impl, ("transpose",))}
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted(kind: str):
-    impl, static = _IMPLS[kind]
-    return jax.jit(functools.partial(impl, jnp), static_argnames=static)
-
-
-def _call(kind: str, *args, **kw):
-    """One kernel call on host arrays; returns numpy arrays (numpy bools for the finiteness flags)."""
-    if max(int(np.prod(np.shape(a))) for a in args) < JAX_MIN_ELEMENTS:
-        out = _IMPLS[kind][0](np, *[np.asarray(a) for a in args], **kw)
-    else:
-        with orbax_io.cpu_default_device():
-            out = _jitted(kind)(*[jnp.asarray(a) for a in args], **kw)
-    return jax.tree.map(np.asarray, out)
-
-
-# Large tensors go through the kernels in strips of whole 128-column blocks of at most CHUNK_ELEMENTS elements:
-# that bounds the float32 temporaries (the 671B embedding would need 3.7 GB of them at once) and is ~1.5x faster
-# for the transposing kernels (cache-sized working sets).
-CHUNK_ELEMENTS = 1 << 22
-
-
-def _strips(rows: int, cols: int):
-    width = max(BLOCK, (CHUNK_ELEMENTS // max(rows, 1)) // BLOCK * BLOCK)
-    return [(j, min(cols, j + width)) for j in range(0, cols, width)]
-
-
-def _out_shape(shape, transpose):
-    return tuple(shape[:-2]) + ((shape[-1], shape[-2]) if transpose else tuple(shape[-2:]))
-
-
-def convert_tensor(x: np.ndarray, scale: np.ndarray | None, dtype, transpose: bool,
-                   check: bool = True) -> tuple[np.ndarray, bool]:
-    """x [..., r, c] -> dtype, last two dims swapped when transpose; e4m3 codes are dequantized with their 128x128
-    block scale when `scale` is given. Returns (array, all values finite); with check=False an array that needs
-    no change is returned as is (finiteness not checked)."""
-    dtype = np.dtype(dtype)
-    kind = "cast" if scale is None else "dequant"
-    if scale is None and not transpose and x.dtype == dtype and not check:
-        return x, True
-    if x.ndim > 2:
-        out, ok = np.empty(_out_shape(x.shape, transpose), dtype), True
-        for idx in np.ndindex(*x.shape[:-2]):
-            out[idx], ok_i = convert_tensor(x[idx], None if scale is None else scale[idx], dtype, transpose, check)
-            ok = ok and ok_i
-        return out, ok
-    if x.ndim < 2:
-        y, ok = _call("cast", x, dtype=dtype, transpose=False)
-        return y, bool(ok)
-    rows, cols = x.shape
-    args = lambda j0, j1: (x[:, j0:j1],) + (() if scale is None else (scale[:, j0 // BLOCK:-(-j1 // BLOCK)],))
-    if x.size < JAX_MIN_ELEMENTS or x.size <= CHUNK_ELEMENTS:
-        y, ok = _call(kind, *args(0, cols), dtype=dtype, transpose=transpose)
-        return y, bool(ok)
-    out, ok = np.empty(_out_shape(x.shape, transpose), dtype), True
-    for j0, j1 in _strips(rows, cols):
-        y, ok_i = _call(kind, *args(j0, j1), dtype=dtype, transpose=transpose)
-        if transpose:
-            out[j0:j1] = y
-        else:
-            out[:, j0:j1] = y
-        ok = ok and bool(ok_i)
-    return out, ok
-
-
-def _quantize(x: np.ndarray, transpose: bool) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(codes, scale, all finite) of x [..., r, c], in the transposed layout when transpose."""
-    if x.ndim > 2:
-        lead = x.shape[:-2]
-        codes = np.empty(_out_shape(x.shape, transpose), FP8)
-        scale = np.empty(lead + orbax_io.fp8_blocks(codes.shape[-2:]), F32)
-        ok = True
-        for idx in np.ndindex(*lead):
-            codes[idx], scale[idx], ok_i = _quantize(x[idx], transpose)
-            ok = ok and ok_i
-        return codes, scale, ok
-    rows, cols = x.shape
-    strips = [(0, cols)] if x.size <= CHUNK_ELEMENTS else _strips(rows, cols)
-    codes = np.empty(_out_shape(x.shape, transpose), FP8)
-    scale = np.empty(orbax_io.fp8_blocks(codes.shape), F32)
-    ok = True
-    for j0, j1 in strips:
-        c, s, ok_i = _call("quant", x[:, j0:j1], transpose=transpose)
-        b0, b1 = j0 // BLOCK, -(-j1 // BLOCK)
-        if transpose:
-            codes[j0:j1], scale[b0:b1] = c, s
-        else:
-            codes[:, j0:j1], scale[:, b0:b1] = c, s
-        ok = ok and bool(ok_i)
-    return codes, scale, ok
-
-
-def dequant_fp8(codes: np.ndarray, scale: np.ndarray, dtype=np.float32, transpose: bool = False) -> np.ndarray:
-    """codes (e4m3) * 128x128 block scale over the last two dims (leading dims: experts), ragged edges cropped."""
-    if tuple(scale.shape) != orbax_io.fp8_blocks(codes.shape):
-        raise ValueError(f"scale shape {list(scale.shape)} does not match {list(codes.shape)} "
-                         f"(expected {list(orbax_io.fp8_blocks(codes.shape))} for {BLOCK}x{BLOCK} blocks)")
-    out, _ = convert_tensor(codes, scale, dtype, transpose)
-    return out
-
-
-def quantize_fp8(w: np.ndarray, transpose: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Per 128x128 block (last two dims): scale = amax / 448 (float32, 1.0 for an all-zero block),
-    codes = clip(w / scale, +-448) as float8_e4m3fn. Returns (codes, scale); w ~= codes * scale."""
-    codes, scale, _ = _quantize(w, transpose)
-    return codes, scale
-
-
-# ======================================================================================== safetensors writing
-def _header_bytes(entries: list[tuple[str, tuple, str]], metadata: Mapping[str, str] | None) -> bytes:
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    offset = 0
-    for name, shape, kind in entries:
-        n = int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
-        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _nbytes(shape, kind) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
-
-
-def _as_bytes(x: np.ndarray):
-    x = np.ascontiguousarray(x)
-    return x.reshape(-1).view(np.uint8).data
-
-
-class ShardedSafetensorsWriter:
-    """Writes a planned list of tensors (name, shape, safetensors dtype) into size-bounded shards
-    `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`, streaming: tensors arrive one by one, in
-    plan order, and go straight to disk (each shard's header is known in advance)."""
-
-    def __init__(self, directory: str, entries: Iterable[tuple[str, tuple, str]], max_shard_bytes: int,
-                 metadata: Mapping[str, str] | None = None, prefix: str = "model"):
-        self.directory = directory
-        self.metadata = {"format": "pt", **(metadata or {})}
-        entries = [(n, tuple(int(d) for d in s), k) for n, s, k in entries]
-        names = [e[0] for e in entries]
-        if len(set(names)) != len(names):
-            raise ValueError("duplicate tensor names in the shard plan")
-        self.shards: list[list] = []
-        size = 0
-        for e in entries:
-            n = _nbytes(e[1], e[2])
-            if not self.shards or (size + n > max_shard_bytes and self.shards[-1]):
-                self.shards.append([])
-                size = 0
-            self.shards[-1].append(e)
-            size += n
-        m = len(self.shards)
-        self.files = [f"{prefix}-{i + 1:05d}-of-{m:05d}.safetensors" for i in range(m)]
-        self.total_size = sum(_nbytes(s, k) for _, s, k in entries)
-        self._plan = [(i, e) for i, shard in enumerate(self.shards) for e in shard]
-        self._pos = 0
-        self._file = None
-        self._shard = -1
-
-    def add(self, name: str, array: np.ndarray) -> None:
-        if self._pos >= len(self._plan):
-            raise RuntimeError(f"tensor '{name}' is beyond the shard plan")
-        shard, (want_name, want_shape, want_kind) = self._plan[self._pos]
-        kind = DTYPE_NAMES.get(np.dtype(array.dtype))
-        if (name, tuple(array.shape), kind) != (want_name, want_shape, want_kind):
-            raise RuntimeError(f"shard plan mismatch: got '{name}' {list(array.shape)} {kind}, planned "
-                               f"'{want_name}' {list(want_shape)} {want_kind}")
-        if shard != self._shard:
-            self._close_file()
-            self._shard = shard
-            self._file = open(os.path.join(self.directory, self.files[shard]), "wb")
-            self._file.write(_header_bytes(self.shards[shard], self.metadata))
-        self._file.write(_as_bytes(array))
-        self._pos += 1
-
-    def _close_file(self):
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-
-    def close(self) -> None:
-        self._close_file()
-        if self._pos != len(self._plan):
-            raise RuntimeError(f"shard plan incomplete: {self._pos} of {len(self._plan)} tensors written")
-        weight_map = {name: self.files[i] for i, (name, _, _) in self._plan}
-        index = {"metadata": {"total_size": self.total_size},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        orbax_io.write_json(os.path.join(self.directory, INDEX_FILE), index)
-
-    def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
-    """One safetensors file from in-memory arrays (any dtype of `safetensors_io.DTYPES`, F8_E4M3 included)."""
-    entries = [(n, tuple(a.shape), DTYPE_NAMES[np.dtype(a.dtype)]) for n, a in tensors.items()]
-    with open(path, "wb") as f:
-        f.write(_header_bytes(entries, {"format": "pt", **(metadata or {})}))
-        for a in tensors.values():
-            f.write(_as_bytes(a))
 
 
 # ================================================================================================ progress
@@ -456,121 +181,6 @@ def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] =
         os.rename(tmp, out)
 
 
-# ===================================================================================== HF source validation
-def _kernel_shape(spec: TensorSpec) -> tuple:
-    shape = tuple(spec.hf_shape[::-1]) if spec.transpose else tuple(spec.hf_shape)
-    return ((len(spec.hf_names),) + shape) if len(spec.hf_names) > 1 else shape
-
-
-def _mtp_layer(name: str, cfg: ModelConfig) -> int | None:
-    parts = name.split(".")
-    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        layer = int(parts[2])
-        if cfg.num_hidden_layers <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
-            return layer
-    return None
-
-
-def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool) -> dict[str, str]:
-    """Validates the inventory against the config from the headers alone; returns {tensor name: dtype}.
-
-    Raises CheckpointError naming the file and tensor for: missing / unexpected tensors, wrong shapes, dtypes that
-    are not allowed (FP8 only where the official checkpoint quantizes, floats elsewhere), FP8 weights without a
-    scale or with a scale of the wrong shape or dtype, and scales next to weights that are not FP8.
-    """
-    where_cfg = os.path.join(ckpt.directory, "config.json")
-    index = os.path.join(ckpt.directory, INDEX_FILE)
-    listing = index if os.path.exists(index) else ckpt.directory
-    specs = tensor_specs(cfg, include_mtp)
-    dtypes: dict[str, str] = {}
-    consumed: set[str] = set()
-
-    def kind_of(name):
-        return ckpt.location[name].dtype_name(name)
-
-    for spec in specs:
-        for name in spec.hf_names:
-            consumed.add(name)
-            if name not in ckpt:
-                hint = ""
-                if _mtp_layer(name, cfg) is not None:
-                    hint = " (the MTP layer was requested with include_mtp but the checkpoint does not have it)"
-                raise CheckpointError(f"{listing}: missing tensor '{name}' (expected shape {list(spec.hf_shape)} from "
-                                      f"{where_cfg}){hint}")
-            file = ckpt.where(name)
-            shape, kind = ckpt.location[name].shape(name), kind_of(name)
-            if shape != tuple(spec.hf_shape):
-                raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, expected "
-                                      f"{list(spec.hf_shape)} from {where_cfg}; does config.json match the weights?")
-            allowed = (("F8_E4M3",) if spec.quantized else ()) + FLOAT_KINDS
-            if kind not in allowed:
-                what = "F8_E4M3 (+ weight_scale_inv) or a float dtype" if spec.quantized else \
-                    "a float dtype (BF16/F32/F16; this tensor is never FP8-quantized)"
-                raise CheckpointError(f"{file}: tensor '{name}' has dtype {kind}, expected {what}")
-            scale = name + SCALE_SUFFIX
-            if kind == "F8_E4M3":
-                consumed.add(scale)
-                blocks = tuple(-(-n // BLOCK) for n in spec.hf_shape)
-                if scale not in ckpt:
-                    raise CheckpointError(f"{file}: tensor '{name}' is F8_E4M3 but its scale '{scale}' is missing "
-                                          f"(expected F32 {list(blocks)})")
-                sfile, sshape, skind = ckpt.where(scale), ckpt.location[scale].shape(scale), kind_of(scale)
-                if sshape != blocks:
-                    raise CheckpointError(f"{sfile}: scale '{scale}' has shape {list(sshape)}, expected {list(blocks)} "
-                                          f"for {BLOCK}x{BLOCK} blocks of '{name}' {list(spec.hf_shape)}")
-                if skind not in FLOAT_KINDS:
-                    raise CheckpointError(f"{sfile}: scale '{scale}' has dtype {skind}, expected F32")
-            elif scale in ckpt:
-                raise CheckpointError(f"{ckpt.where(scale)}: scale '{scale}' belongs to '{name}', which is {kind}, "
-                                      "not F8_E4M3 (mismatched scale)")
-            dtypes.setdefault(name, kind)
-    unexpected, skipped_layers = [], set()
-    for name in ckpt.names():
-        if name in consumed:
-            continue
-        layer = _mtp_layer(name, cfg)
-        if not include_mtp and layer is not None:
-            skipped_layers.add(layer)
-            continue
-        unexpected.append(name)
-    for layer in sorted(skipped_layers):
-        marker = f"model.layers.{layer}.eh_proj.weight"
-        if marker not in ckpt:
-            example = next(n for n in ckpt.names() if n.startswith(f"model.layers.{layer}."))
-            raise CheckpointError(f"{ckpt.where(example)}: tensor '{example}' belongs to layer {layer}, which "
-                                  f"{where_cfg} makes the MTP layer, but the checkpoint has no '{marker}'; "
-                                  f"num_hidden_layers={cfg.num_hidden_layers} does not match the weights")
-    if unexpected:
-        unexpected.sort()
-        raise CheckpointError(f"{ckpt.where(unexpected[0])}: unexpected tensor '{unexpected[0]}' "
-                              f"({len(unexpected)} unexpected in total) for the config in {where_cfg}; "
-                              "does config.json match the weights?")
-    return dtypes
-
-
-def _check_scale_values(ckpt: HFCheckpoint, scale_name: str, scale: np.ndarray) -> None:
-    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
-        bad = np.argwhere(~np.isfinite(scale) | (scale < 0))[0]
-        raise CheckpointError(f"{ckpt.where(scale_name)}: scale '{scale_name}' has an invalid value "
-                              f"{scale[tuple(bad)]!r} at block {bad.tolist()} (expected finite and >= 0)")
-
-
-def _check_alias(ckpt: HFCheckpoint, alias: str, main: str, chunk_bytes: int = 64 << 20) -> int:
-    """The MTP copies of embed / lm_head must equal the originals (they are shared here); returns bytes read."""
-    a, b = ckpt.get(alias), ckpt.get(main)
-    rows = max(1, chunk_bytes // max(1, a.strides[0]))
-    for r in range(0, a.shape[0], rows):
-        x, y = np.asarray(a[r:r + rows]), np.asarray(b[r:r + rows])
-        same = np.array_equal(x, y) if x.dtype == y.dtype else np.array_equal(x.astype(F32), y.astype(F32))
-        if not same:
-            raise CheckpointError(f"{ckpt.where(alias)}: tensor '{alias}' should be an exact copy of '{main}' "
-                                  f"({ckpt.where(main)}; the MTP layer shares the main embedding / LM head) but "
-                                  f"differs in rows {r}..{r + len(x) - 1}; refusing to drop it")
-    n = a.nbytes
-    del a, b
-    return n
-
-
 # ============================================================================================ hf -> orbax
 def _abstract_state(cfg: ModelConfig, param_dtype):
     from flax import nnx
@@ -613,18 +223,13 @@ def _stored_dtype(spec: TensorSpec, model_dtype: np.dtype, keep_fp8: bool, kinds
     return model_dtype
 
 
-def _check_ok(ok, ckpt: HFCheckpoint, name: str) -> None:
-    if not bool(ok):
-        raise CheckpointError(f"{ckpt.where(name)}: tensor '{name}' contains NaN or Inf values (corrupt shard?)")
-
-
 def _import_spec(ckpt: HFCheckpoint, spec: TensorSpec, keep_fp8: bool, dtype: np.dtype, progress: Progress):
     """The stored leaf (and its scale when keep_fp8) of one spec, read tensor by tensor."""
     stacked = len(spec.hf_names) > 1
     kshape = _kernel_shape(spec)
     if keep_fp8:
         codes = np.empty(kshape, FP8) if stacked else None
-        scales = np.empty(orbax_io.fp8_blocks(kshape), F32) if stacked else None
+        scales = np.empty(fp8_blocks(kshape), F32) if stacked else None
     else:
         out = np.empty(kshape, dtype) if stacked else None
     for i, name in enumerate(spec.hf_names):
@@ -635,16 +240,16 @@ def _import_spec(ckpt: HFCheckpoint, spec: TensorSpec, keep_fp8: bool, dtype: np
         if kind == "F8_E4M3":
             sname = name + SCALE_SUFFIX
             scale = np.asarray(ckpt.get(sname), F32)
-            _check_scale_values(ckpt, sname, scale)
+            check_scale_values(ckpt, sname, scale)
             nbytes += ckpt.location[sname].nbytes(sname)
         if keep_fp8:
             if scale is not None:
                 c, ok = convert_tensor(src, None, FP8, spec.transpose)
-                _check_ok(ok, ckpt, name)
+                check_finite(ok, ckpt, name)
                 s = np.ascontiguousarray(scale.T) if spec.transpose else scale
             else:
                 c, s, ok = _quantize(src, spec.transpose)
-                _check_ok(ok, ckpt, name)
+                check_finite(ok, ckpt, name)
             if stacked:
                 codes[i], scales[i] = c, s
             else:
@@ -654,7 +259,7 @@ def _import_spec(ckpt: HFCheckpoint, spec: TensorSpec, keep_fp8: bool, dtype: np
                 y, ok = convert_tensor(src, scale, dtype, spec.transpose)
             else:
                 y, ok = convert_tensor(src, None, dtype, spec.transpose)
-            _check_ok(ok, ckpt, name)
+            check_finite(ok, ckpt, name)
             if stacked:
                 out[i] = y
             else:
@@ -713,7 +318,7 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
             subtree: dict = {}
             for spec in gspecs:
                 if spec.alias:
-                    bar.update(1, _check_alias(ckpt, spec.hf_names[0], main_names[spec.path]))
+                    bar.update(1, check_alias(ckpt, spec.hf_names[0], main_names[spec.path]))
                     continue
                 target = _stored_dtype(spec, np.dtype(leaves[spec.path].dtype), keep_fp8,
                                        {src_dtypes[n] for n in spec.hf_names})

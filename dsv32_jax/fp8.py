@@ -12,8 +12,10 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite e4m3 value
 FP8_DTYPE = jnp.float8_e4m3fn
+WEIGHT_BLOCK = 128  # checkpoint weights: one scale per 128x128 block
+SCALE_SUFFIX = "_scale_inv"  # HF: "<name>.weight_scale_inv" holds the block multipliers of "<name>.weight"
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,6 @@ the main embedding / LM head (aliases: shared here, written back as copies on ex
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Iterator
 
 import jax.numpy as jnp
@@ -17,9 +16,10 @@ import numpy as np
 from flax import nnx
 
 from dsv32_jax.config import ModelConfig
-from dsv32_jax.safetensors_io import CheckpointError, HFCheckpoint
+from dsv32_jax.fp8 import SCALE_SUFFIX, WEIGHT_BLOCK
+from dsv32_jax.fp8_weights import dequant_fp8
+from dsv32_jax.safetensors_io import CheckpointError, HFCheckpoint, check_alias, check_finite, check_scale_values
 
-SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def hf_inventory(cfg: ModelConfig, include_mtp: bool = True, fp8: bool = True) -
         for name in spec.hf_names:
             if spec.quantized and fp8:
                 yield name, spec.hf_shape, "F8_E4M3"
-                yield name[: -len(".weight")] + ".weight" + SCALE_SUFFIX, tuple(-(-n // 128) for n in spec.hf_shape), "F32"
+                yield name[: -len(".weight")] + ".weight" + SCALE_SUFFIX, tuple(-(-n // WEIGHT_BLOCK) for n in spec.hf_shape), "F32"
             else:
                 yield name, spec.hf_shape, spec.hf_dtype
 
@@ -139,16 +139,19 @@ def read_hf_tensor(ckpt: HFCheckpoint, name: str, shape: tuple) -> np.ndarray:
         scale_name = name + SCALE_SUFFIX
         if scale_name not in ckpt:
             raise CheckpointError(f"{where} is F8_E4M3 but its scale '{scale_name}' is missing")
-        from dsv32_jax.convert import dequant_fp8  # lazy: convert imports this module
 
-        scale = ckpt.get(scale_name)
+        scale = np.asarray(ckpt.get(scale_name), np.float32)
+        check_scale_values(ckpt, scale_name, scale)
         try:
-            return dequant_fp8(np.asarray(arr), np.asarray(scale, np.float32))
+            out = dequant_fp8(np.asarray(arr), np.asarray(scale, np.float32))
         except ValueError as e:
             raise CheckpointError(f"{ckpt.where(scale_name)}: tensor '{scale_name}': {e}") from None
-    if not kind.startswith(("F", "BF")):
+    elif not kind.startswith(("F", "BF")):
         raise CheckpointError(f"{where} has dtype {kind}, expected a floating-point tensor")
-    return np.asarray(arr, np.float32)
+    else:
+        out = np.asarray(arr, np.float32)
+    check_finite(np.all(np.isfinite(out)), ckpt, name)
+    return out
 
 
 def _is_mtp_name(name: str, num_hidden_layers: int) -> bool:
@@ -164,11 +167,13 @@ def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, includ
     """Fills an (abstract) parameter state of `Transformer(cfg)` from the checkpoint; strict about the inventory."""
     pure = nnx.to_pure_dict(state)
     specs = tensor_specs(cfg, include_mtp)
+    main_names = {s.path: s.hf_names[0] for s in specs if not s.alias}
     consumed = set()
     for spec in specs:
         consumed.update(spec.hf_names)
         consumed.update(n + SCALE_SUFFIX for n in spec.hf_names)
-        if spec.alias:
+        if spec.alias:  # MTP copy of the embedding / LM head: must equal the main tensor, which is loaded
+            check_alias(ckpt, spec.hf_names[0], main_names[spec.path])
             continue
         parts = [read_hf_tensor(ckpt, name, spec.hf_shape) for name in spec.hf_names]
         parts = [p.T if spec.transpose else p for p in parts]
@@ -185,53 +190,3 @@ def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, includ
                               f"'{unexpected[0]}' in {ckpt.where(unexpected[0])}; does config.json match the weights?")
     nnx.replace_by_pure_dict(state, pure)
     return state
-
-
-def resolve_mtp(cfg: ModelConfig, has_mtp: bool, include_mtp: bool | None, missing_error: str):
-    """(config to build, whether to load the MTP layer): None loads it iff present; True requires it."""
-    if include_mtp and not has_mtp:
-        raise CheckpointError(missing_error)
-    include_mtp = has_mtp if include_mtp is None else include_mtp
-    return (cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)), include_mtp
-
-
-def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
-    """(graphdef, abstract state) of Transformer(cfg) without allocating parameters."""
-    from dsv32_jax.model import Transformer
-
-    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype,
-                                                        param_dtype=param_dtype or dtype, options=options)))
-
-
-def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                    include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
-    """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
-    shards), a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
-    `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized), or a training workdir (`python -m
-    dsv32_jax.train.main --workdir=W`; detected by `W/checkpoints/`): the parameters of its latest finished checkpoint, or
-    of `step`, with the model config recorded in that checkpoint.
-
-    dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer
-    weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
-    `jax.sharding.Mesh` or a spec like 'fsdp:2,tensor:4' to shard the parameters by their logical axes
-    (`rules`: logical axis -> mesh axes, default `dsv32_jax.sharding.DEFAULT_RULES`).
-    """
-    from dsv32_jax import orbax_io
-    from dsv32_jax import sharding as shd
-
-    path = os.fspath(path)
-    if orbax_io.is_orbax_checkpoint(path) or orbax_io.is_training_workdir(path):
-        return orbax_io.load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
-                                         include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
-    if step is not None:
-        raise ValueError(f"{path}: step={step} applies to training workdirs only (this is an HF checkpoint)")
-    cfg = ModelConfig.from_hf(path)
-    ckpt = HFCheckpoint(path)
-    cfg, include_mtp = resolve_mtp(cfg, checkpoint_has_mtp(ckpt, cfg), include_mtp,
-                                   f"{path}: include_mtp=True but the checkpoint has no MTP layer "
-                                   f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
-    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
-    state = load_hf_state(ckpt, cfg, state, include_mtp)
-    if mesh is not None:
-        state = orbax_io.shard_state(state, shd.make_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
-    return nnx.merge(graphdef, state)

@@ -52,20 +52,20 @@ per array and only where it divides the dimension; anything else is replicated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 from typing import Any, Iterator, Mapping
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from dsv32_jax.config import ConfigError, ModelConfig
 from dsv32_jax import sharding as shd
+from dsv32_jax.fp8 import SCALE_SUFFIX
+from dsv32_jax.fp8_weights import fp8_blocks
+from dsv32_jax.fp8_weights import FP8 as FP8_DTYPE
 from dsv32_jax.safetensors_io import CheckpointError
 
 FORMAT_NAME = "dsv32-jax-orbax"
@@ -73,9 +73,6 @@ FORMAT_VERSION = 1
 META_FILE = "dsv32_meta.json"
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
-SCALE_SUFFIX = "_scale_inv"
-BLOCK = 128
-FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 
 # --------------------------------------------------------------------------------------------- tree helpers
 def group_of(path: tuple) -> str:
@@ -120,11 +117,6 @@ def flatten(tree: Mapping, prefix: tuple = ()) -> Iterator[tuple[tuple[str, ...]
             yield from flatten(value, prefix + (str(key),))
         else:
             yield prefix + (str(key),), value
-
-
-def fp8_blocks(shape: tuple) -> tuple:
-    """Block-scale shape of an FP8 array: leading (expert) dims kept, last two divided into 128-blocks."""
-    return tuple(shape[:-2]) + tuple(-(-n // BLOCK) for n in shape[-2:])
 
 
 # ------------------------------------------------------------------------------------------------- meta
@@ -372,12 +364,9 @@ class ParamsReader:
 
 
 def _numpy_abstract(shape, dtype):
-    """Abstract leaf that orbax restores as a host numpy array (whatever sharding the array was saved with)."""
-    try:
-        from orbax.checkpoint.experimental.v1._src.serialization.numpy_leaf_handler import NumpyShapeDtype
-    except ImportError:  # other orbax versions: an unallocated (untouched) numpy array is the documented form
-        return np.empty(shape, dtype)
-    return NumpyShapeDtype(shape=shape, dtype=dtype)
+    """Abstract leaf that orbax restores as a host numpy array (whatever sharding the array was saved with): an
+    unallocated numpy array, the form orbax's public API documents (its pages are never touched, so no memory)."""
+    return np.empty(shape, dtype)
 
 
 def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], allow_extra_prefix=None) -> None:
@@ -410,60 +399,6 @@ def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], all
                               f"does {CONFIG_FILE} match the checkpoint?")
 
 
-def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
-    """Loads a dsv32-jax orbax checkpoint directory, or a training workdir (its latest finished checkpoint, or
-    `step`; parameters only), into a ready `Transformer`, one layer at a time.
-
-    dtype / param_dtype / options / include_mtp as in `from_pretrained`; FP8 leaves are dequantized. mesh: a
-    `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
-    """
-    from dsv32_jax.convert import dequant_fp8
-    from dsv32_jax.hf import abstract_model, resolve_mtp
-
-    source = open_params(path, step)
-    reader = source.reader
-    cfg, include_mtp = resolve_mtp(source.cfg, source.has_mtp, include_mtp,
-                                   f"{source.label}: include_mtp=True but the checkpoint has no MTP layer")
-    if isinstance(mesh, str):
-        mesh = shd.make_mesh(mesh)
-    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
-    axes = param_axes(state)
-    targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
-    check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
-                      allow_extra_prefix=None if include_mtp else [("mtp",)])
-    pure = nnx.to_pure_dict(state)
-    groups: dict[str, list] = {}
-    for p in targets:
-        groups.setdefault(group_of(p), []).append(p)
-    for group in sorted(groups, key=group_sort_key):
-        paths = groups[group]
-        wanted = []
-        for p in paths:
-            wanted.append(p)
-            if reader.dtype(p) == FP8_DTYPE:
-                wanted.append(scale_path(p))
-        stored = reader.load(wanted)
-        for p in paths:
-            x = stored.pop(str_path(p))
-            target = targets[p]
-            if x.dtype == FP8_DTYPE:
-                x = dequant_fp8(x, stored.pop(scale_path(p)), target.dtype)
-            x = np.asarray(x).astype(target.dtype, copy=False)
-            if mesh is not None:
-                value = jax.device_put(x, logical_sharding(axes.get(p, ()), x.shape, mesh, rules))
-            else:
-                value = jnp.asarray(x)
-            node = pure
-            for key in p[:-1]:
-                node = node[key]
-            node[p[-1]] = value
-            del x
-        del stored
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
-
-
 def flatten_pure(tree: Mapping, prefix: tuple = ()):
     """Like `flatten` but keeps the original (int) keys of an nnx pure dict."""
     for key, value in tree.items():
@@ -471,15 +406,3 @@ def flatten_pure(tree: Mapping, prefix: tuple = ()):
             yield from flatten_pure(value, prefix + (key,))
         else:
             yield prefix + (key,), value
-
-
-@contextlib.contextmanager
-def cpu_default_device():
-    """Conversion kernels run on the host even where an accelerator is the default backend."""
-    try:
-        cpu = jax.devices("cpu")[0]
-    except RuntimeError:
-        yield
-        return
-    with jax.default_device(cpu):
-        yield

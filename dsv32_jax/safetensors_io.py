@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +19,7 @@ DTYPES = {
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -129,3 +131,140 @@ class HFCheckpoint:
         if name not in self.location:
             raise CheckpointError(f"{self.directory}: missing tensor '{name}'")
         return self.location[name].get(name)
+
+
+def check_finite(ok, ckpt: HFCheckpoint, name: str) -> None:
+    """The one finiteness check of checkpoint values (hf-to-orbax and from_pretrained): `ok` = all values finite."""
+    if not bool(ok):
+        raise CheckpointError(f"{ckpt.where(name)}: tensor '{name}' contains NaN or Inf values (corrupt shard?)")
+
+
+def check_scale_values(ckpt: HFCheckpoint, scale_name: str, scale: np.ndarray) -> None:
+    """FP8 block scales must be finite and >= 0."""
+    if not np.all(np.isfinite(scale)) or np.any(scale < 0):
+        bad = np.argwhere(~np.isfinite(scale) | (scale < 0))[0]
+        raise CheckpointError(f"{ckpt.where(scale_name)}: scale '{scale_name}' has an invalid value "
+                              f"{scale[tuple(bad)]!r} at block {bad.tolist()} (expected finite and >= 0)")
+
+
+def check_alias(ckpt: HFCheckpoint, alias: str, main: str, chunk_bytes: int = 64 << 20) -> int:
+    """The MTP copies of embed / lm_head must equal the originals (they are shared here); returns bytes read."""
+    a, b = ckpt.get(alias), ckpt.get(main)
+    rows = max(1, chunk_bytes // max(1, a.strides[0]))
+    for r in range(0, a.shape[0], rows):
+        x, y = np.asarray(a[r:r + rows]), np.asarray(b[r:r + rows])
+        same = np.array_equal(x, y) if x.dtype == y.dtype else np.array_equal(x.astype(np.float32), y.astype(np.float32))
+        if not same:
+            raise CheckpointError(f"{ckpt.where(alias)}: tensor '{alias}' should be an exact copy of '{main}' "
+                                  f"({ckpt.where(main)}; the MTP layer shares the main embedding / LM head) but "
+                                  f"differs in rows {r}..{r + len(x) - 1}; refusing to drop it")
+    n = a.nbytes
+    del a, b
+    return n
+
+
+# ======================================================================================== safetensors writing
+# Small whole files go through `safetensors.numpy.save_file`. The streaming shard writer below stays ours: it writes
+# tensors one by one as a conversion produces them (bounded memory for a 671B export), which save_file (a dict of
+# in-memory arrays) cannot; likewise the reader above: `safetensors.safe_open(framework="numpy")` cannot return
+# F8_E4M3 tensors, which every DeepSeek checkpoint holds.
+def _header_bytes(entries: list[tuple[str, tuple, str]], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name, shape, kind in entries:
+        n = int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
+        header[name] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _nbytes(shape, kind) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * DTYPES[kind].itemsize
+
+
+def _as_bytes(x: np.ndarray):
+    x = np.ascontiguousarray(x)
+    return x.reshape(-1).view(np.uint8).data
+
+
+class ShardedSafetensorsWriter:
+    """Writes a planned list of tensors (name, shape, safetensors dtype) into size-bounded shards
+    `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json`, streaming: tensors arrive one by one, in
+    plan order, and go straight to disk (each shard's header is known in advance)."""
+
+    def __init__(self, directory: str, entries: Iterable[tuple[str, tuple, str]], max_shard_bytes: int,
+                 metadata: Mapping[str, str] | None = None, prefix: str = "model"):
+        self.directory = directory
+        self.metadata = {"format": "pt", **(metadata or {})}
+        entries = [(n, tuple(int(d) for d in s), k) for n, s, k in entries]
+        names = [e[0] for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in the shard plan")
+        self.shards: list[list] = []
+        size = 0
+        for e in entries:
+            n = _nbytes(e[1], e[2])
+            if not self.shards or (size + n > max_shard_bytes and self.shards[-1]):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(e)
+            size += n
+        m = len(self.shards)
+        self.files = [f"{prefix}-{i + 1:05d}-of-{m:05d}.safetensors" for i in range(m)]
+        self.total_size = sum(_nbytes(s, k) for _, s, k in entries)
+        self._plan = [(i, e) for i, shard in enumerate(self.shards) for e in shard]
+        self._pos = 0
+        self._file = None
+        self._shard = -1
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self._pos >= len(self._plan):
+            raise RuntimeError(f"tensor '{name}' is beyond the shard plan")
+        shard, (want_name, want_shape, want_kind) = self._plan[self._pos]
+        kind = DTYPE_NAMES.get(np.dtype(array.dtype))
+        if (name, tuple(array.shape), kind) != (want_name, want_shape, want_kind):
+            raise RuntimeError(f"shard plan mismatch: got '{name}' {list(array.shape)} {kind}, planned "
+                               f"'{want_name}' {list(want_shape)} {want_kind}")
+        if shard != self._shard:
+            self._close_file()
+            self._shard = shard
+            self._file = open(os.path.join(self.directory, self.files[shard]), "wb")
+            self._file.write(_header_bytes(self.shards[shard], self.metadata))
+        self._file.write(_as_bytes(array))
+        self._pos += 1
+
+    def _close_file(self):
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        self._close_file()
+        if self._pos != len(self._plan):
+            raise RuntimeError(f"shard plan incomplete: {self._pos} of {len(self._plan)} tensors written")
+        weight_map = {name: self.files[i] for i, (name, _, _) in self._plan}
+        index = {"metadata": {"total_size": self.total_size},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+            f.write("\n")
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """One safetensors file from in-memory arrays (any dtype of `safetensors_io.DTYPES`, F8_E4M3 included)."""
+    entries = [(n, tuple(a.shape), DTYPE_NAMES[np.dtype(a.dtype)]) for n, a in tensors.items()]
+    with open(path, "wb") as f:
+        f.write(_header_bytes(entries, {"format": "pt", **(metadata or {})}))
+        for a in tensors.values():
+            f.write(_as_bytes(a))

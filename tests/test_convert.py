@@ -21,9 +21,10 @@ from test_convert_helpers import (INDEX, ROOT, compare_checkpoints, copy_checkpo
 
 import dsv32_jax
 from dsv32_jax import CheckpointError, ConfigError, load_preset
-from dsv32_jax import convert, orbax_io
-from dsv32_jax.convert import (OutputExistsError, ShardedSafetensorsWriter, dequant_fp8, hf_to_orbax, orbax_to_hf,
-                               quantize_fp8)
+from dsv32_jax import fp8_weights, orbax_io
+from dsv32_jax.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
+from dsv32_jax.fp8_weights import dequant_fp8, quantize_fp8
+from dsv32_jax.safetensors_io import ShardedSafetensorsWriter
 from dsv32_jax.hf import hf_inventory, tensor_specs
 from dsv32_jax.safetensors_io import HFCheckpoint
 
@@ -193,9 +194,9 @@ def test_written_shards_are_readable_by_the_safetensors_library(synth_bf16):
 
 @pytest.mark.parametrize("backend", ["numpy", "jax", "jax_strips"])
 def test_fp8_block_codec_ragged_shapes(rng, monkeypatch, backend):
-    monkeypatch.setattr(convert, "JAX_MIN_ELEMENTS", 1 << 40 if backend == "numpy" else 0)
+    monkeypatch.setattr(fp8_weights, "JAX_MIN_ELEMENTS", 1 << 40 if backend == "numpy" else 0)
     if backend == "jax_strips":  # 128-column strips, the last one ragged
-        monkeypatch.setattr(convert, "CHUNK_ELEMENTS", 128 * 200)
+        monkeypatch.setattr(fp8_weights, "CHUNK_ELEMENTS", 128 * 200)
     w = rng.standard_normal((3, 200, 300)).astype(np.float32) * rng.uniform(0.01, 10, (3, 1, 1)).astype(np.float32)
     codes, scale = quantize_fp8(w)
     assert codes.dtype == FP8 and codes.shape == w.shape and scale.shape == (3, 2, 3)
@@ -383,7 +384,7 @@ def test_jax_and_numpy_kernels_agree_bitwise(tmp_path, synth_fp8, monkeypatch):
     """The same conversions with every tensor through the jitted JAX kernels and through numpy: dequantize,
     cast + transpose (import), block amax + codes (export --fp8)."""
     for backend, limit in (("np", 1 << 40), ("jax", 0)):
-        monkeypatch.setattr(convert, "JAX_MIN_ELEMENTS", limit)
+        monkeypatch.setattr(fp8_weights, "JAX_MIN_ELEMENTS", limit)
         hf_to_orbax(synth_fp8, str(tmp_path / f"{backend}_b"), dtype="bfloat16", progress=False)
         orbax_to_hf(str(tmp_path / f"{backend}_b"), str(tmp_path / f"{backend}_hf8"), fp8=True, progress=False)
     for a, b in (("np_b", "jax_b"),):
@@ -412,6 +413,9 @@ def _convert_fails(src, tmp_path, match, exc=CheckpointError, **kw):
     with pytest.raises(exc, match=match) as info:
         hf_to_orbax(src, out, progress=False, **kw)
     assert leftovers(out) == []  # nothing written, nothing half-written
+    if exc is CheckpointError and set(kw) <= {"include_mtp"}:  # one validator: from_pretrained refuses it alike
+        with pytest.raises(exc, match=match):
+            dsv32_jax.from_pretrained(src, dtype=jnp.float32, include_mtp=kw.get("include_mtp"))
     return str(info.value)
 
 

@@ -27,9 +27,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv32_jax.config import ModelConfig, load_preset  # noqa: E402
-from dsv32_jax.convert import (QUANTIZATION_CONFIG, OutputExistsError, Progress,  # noqa: E402
-                               ShardedSafetensorsWriter, atomic_output_dir)
-from dsv32_jax.hf import SCALE_SUFFIX, hf_inventory, tensor_specs  # noqa: E402
+from dsv32_jax.convert import QUANTIZATION_CONFIG, OutputExistsError, Progress, atomic_output_dir  # noqa: E402
+from dsv32_jax.fp8 import SCALE_SUFFIX  # noqa: E402
+from dsv32_jax.hf import hf_inventory, tensor_specs  # noqa: E402
+from dsv32_jax.safetensors_io import ShardedSafetensorsWriter  # noqa: E402
 from dsv32_jax.orbax_io import write_json  # noqa: E402
 from dsv32_jax.safetensors_io import DTYPES  # noqa: E402
 
