@@ -262,9 +262,10 @@ class ShardedSafetensorsWriter:
 
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
-    """One safetensors file from in-memory arrays (any dtype of `safetensors_io.DTYPES`, F8_E4M3 included)."""
-    entries = [(n, tuple(a.shape), DTYPE_NAMES[np.dtype(a.dtype)]) for n, a in tensors.items()]
-    with open(path, "wb") as f:
-        f.write(_header_bytes(entries, {"format": "pt", **(metadata or {})}))
-        for a in tensors.values():
-            f.write(_as_bytes(a))
+    """One safetensors file from in-memory arrays (BF16 and F8_E4M3 included, via ml_dtypes), written to a temporary
+    name and renamed."""
+    from safetensors.numpy import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, tmp, metadata={"format": "pt", **(metadata or {})})
+    os.replace(tmp, path)
