@@ -39,13 +39,9 @@ casts).
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import shutil
 import sys
-import time
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import jax
 import numpy as np
@@ -54,10 +50,11 @@ from dsv32_jax import orbax_io
 from dsv32_jax import sharding as shd
 from dsv32_jax.config import ConfigError, ModelConfig
 from dsv32_jax.fp8 import SCALE_SUFFIX
+from dsv32_jax.io_utils import OutputExistsError, Progress, atomic_output_dir, copy_tokenizer_files
 from dsv32_jax.hf import TensorSpec, tensor_specs
 from dsv32_jax.fp8_weights import BF16, BLOCK, F32, FP8, _quantize, fp8_blocks, convert_tensor, dequant_fp8, quantize_fp8
 from dsv32_jax.validate import FLOAT_KINDS, _kernel_shape, check_hf_checkpoint
-from dsv32_jax.safetensors_io import (DTYPE_NAMES, DTYPES, INDEX_FILE, CheckpointError, HFCheckpoint, check_alias, check_finite,
+from dsv32_jax.safetensors_io import (DTYPE_NAMES, DTYPES, CheckpointError, HFCheckpoint, check_alias, check_finite,
                                       check_scale_values,
                                       ShardedSafetensorsWriter, _nbytes)
 
@@ -65,120 +62,6 @@ IMPORT_DTYPES = ("bfloat16", "float32", "float8")
 EXPORT_DTYPES = ("bfloat16", "float32")
 QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                        "weight_block_size": [BLOCK, BLOCK], "scale_fmt": "ue8m0"}
-
-
-class OutputExistsError(FileExistsError):
-    """The output path already holds something and --overwrite was not given."""
-
-
-# ================================================================================================ progress
-class Progress:
-    """A small progress bar: items and bytes done, tensors/s and GB/s, ETA (stderr; one line per update when
-    stderr is not a terminal, at most every `interval` seconds)."""
-
-    def __init__(self, label: str, total_items: int, total_bytes: int, enabled: bool = True, stream=None,
-                 unit: str = "tensors"):
-        self.label, self.total_items, self.total_bytes, self.unit = label, total_items, total_bytes, unit
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval = 0.5 if self.tty else 15.0
-        self.items = 0
-        self.nbytes = 0
-        self.start = time.perf_counter()
-        self._last = 0.0
-
-    def update(self, items: int = 0, nbytes: int = 0) -> None:
-        self.items += items
-        self.nbytes += nbytes
-        now = time.perf_counter()
-        if self.enabled and now - self._last >= self.interval:
-            self._last = now
-            self._print(final=False)
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def line(self) -> str:
-        dt = max(self.elapsed, 1e-9)
-        frac = self.nbytes / self.total_bytes if self.total_bytes else 1.0
-        eta = dt * (1 - frac) / frac if frac > 0 else float("nan")
-        width = 24
-        bar = "#" * int(width * min(frac, 1.0))
-        return (f"{self.label} [{bar:<{width}}] {self.items}/{self.total_items} {self.unit} "
-                f"{_fmt_bytes(self.nbytes)}/{_fmt_bytes(self.total_bytes)}  {self.items / dt:.1f} {self.unit}/s  "
-                f"{self.nbytes / 1e9 / dt:.3f} GB/s  {_fmt_time(dt)} elapsed, ETA {_fmt_time(eta)}")
-
-    def _print(self, final: bool) -> None:
-        text = self.line()
-        if self.tty:
-            self.stream.write("\r" + text + ("\n" if final else ""))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._print(final=True)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _fmt_time(s: float) -> str:
-    if not math.isfinite(s):
-        return "?"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-# ======================================================================================= atomic output dirs
-def _same_or_nested(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] = ()):
-    """Yields a fresh `<out>.tmp-<pid>` directory; renamed to `out` only if the block completes. An existing
-    non-empty `out` is refused unless overwrite (then replaced only at the very end)."""
-    out = os.path.abspath(os.fspath(out))
-    for src in inputs:
-        if _same_or_nested(out, src):
-            raise OutputExistsError(f"{out}: the output must not be, contain, or lie inside the input {src}")
-    if os.path.lexists(out):
-        if not os.path.isdir(out):
-            raise OutputExistsError(f"{out}: exists and is not a directory; pass --overwrite to replace it")
-        content = sorted(os.listdir(out))
-        if content and not overwrite:
-            kind = ("an orbax checkpoint" if orbax_io.is_orbax_checkpoint(out) else
-                    "an HF checkpoint" if os.path.exists(os.path.join(out, INDEX_FILE)) or
-                    any(c.endswith(".safetensors") for c in content) else f"{len(content)} entries")
-            raise OutputExistsError(f"{out}: output directory already exists and holds {kind}; refusing to overwrite "
-                                    "it (pass --overwrite to replace it)")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.lexists(out):
-        old = f"{out}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
 
 
 # ============================================================================================ hf -> orbax
@@ -313,6 +196,7 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
     n_total, bytes_total = _source_bytes(ckpt, specs)
     bar = Progress("hf-to-orbax", n_total, bytes_total, enabled=progress)
     with atomic_output_dir(out, overwrite, inputs=[hf_dir]) as tmp:
+        copy_tokenizer_files(hf_dir, tmp)  # kept beside the weights, so that orbax-to-hf can export them again
         writer = orbax_io.ParamsWriter(tmp)
         for group, gspecs in _groups(specs):
             subtree: dict = {}
@@ -413,6 +297,7 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
     total = sum(_nbytes(s, k) for _, s, k in plan)
     bar = Progress("orbax-to-hf", len(plan), total, enabled=progress)
     with atomic_output_dir(out, overwrite, inputs=[source.guard]) as tmp:
+        copy_tokenizer_files(os.fspath(ckpt), tmp)
         writer = ShardedSafetensorsWriter(tmp, plan, int(shard_size_gb * 1e9),
                                           metadata={"converted_by": "dsv32_jax.convert"})
         try:

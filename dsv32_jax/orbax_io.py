@@ -64,13 +64,14 @@ from flax import nnx
 from dsv32_jax.config import ConfigError, ModelConfig
 from dsv32_jax import sharding as shd
 from dsv32_jax.fp8 import SCALE_SUFFIX
+from dsv32_jax.io_utils import ORBAX_META_FILE
 from dsv32_jax.fp8_weights import fp8_blocks
 from dsv32_jax.fp8_weights import FP8 as FP8_DTYPE
 from dsv32_jax.safetensors_io import CheckpointError
 
 FORMAT_NAME = "dsv32-jax-orbax"
 FORMAT_VERSION = 1
-META_FILE = "dsv32_meta.json"
+META_FILE = ORBAX_META_FILE
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 

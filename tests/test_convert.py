@@ -629,14 +629,24 @@ def _cli(*args, env=None):
 
 
 def test_cli_round_trip(tmp_path, synth_fp8):
+    """hf -> orbax -> hf through the CLI; the tokenizer files travel with the weights (a served export needs them)."""
     o, hf = str(tmp_path / "o"), str(tmp_path / "hf")
-    r = _cli("hf-to-orbax", f"--hf_dir={synth_fp8}", f"--out={o}", "--dtype=float8", "--include_mtp")
+    src = copy_checkpoint(synth_fp8, str(tmp_path / "src"))
+    tokenizer = {"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}',
+                 "tokenizer_config.json": '{"bos_token": "<s>"}'}
+    for name, text in tokenizer.items():
+        with open(os.path.join(src, name), "w") as f:
+            f.write(text)
+    r = _cli("hf-to-orbax", f"--hf_dir={src}", f"--out={o}", "--dtype=float8", "--include_mtp")
     assert r.returncode == 0, r.stderr
-    assert "tensors/s" in r.stderr and "GB/s" in r.stderr and "267/267 tensors" in r.stderr
+    assert "B/s" in r.stderr and "267/267 tensors" in r.stderr
     assert "hf-to-orbax: wrote" in r.stdout
     r = _cli("orbax-to-hf", f"--ckpt={o}", f"--out={hf}", "--fp8", f"--shard_size_gb={SHARD / 1e9}", "--noprogress")
     assert r.returncode == 0, r.stderr
     assert compare_checkpoints(synth_fp8, hf) == []
+    for name, text in tokenizer.items():
+        with open(os.path.join(hf, name)) as f:
+            assert f.read() == text, name
     r = _cli("orbax-to-hf", f"--ckpt={o}", f"--out={hf}")
     assert r.returncode == 1 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
     r = _cli("convert-everything", f"--out={o}")

@@ -1,7 +1,7 @@
 """Import layering of the model library: the modules of dsv32_jax/ import each other without cycles (lazy imports
 inside functions included), and the checkpoint stack imports only downward:
 
-    fp8 -> fp8_weights -> safetensors_io -> hf -> validate -> orbax_io -> loading -> convert
+    fp8 -> fp8_weights -> safetensors_io -> io_utils -> hf -> validate -> orbax_io -> loading -> convert
 """
 
 import ast
@@ -10,7 +10,7 @@ import os
 import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dsv32_jax")
-CHECKPOINT_STACK = ["fp8", "fp8_weights", "safetensors_io", "hf", "validate", "orbax_io", "loading", "convert"]
+CHECKPOINT_STACK = ["fp8", "fp8_weights", "safetensors_io", "io_utils", "hf", "validate", "orbax_io", "loading", "convert"]
 
 
 def package_imports(name: str) -> set[str]:

@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv32_jax.config import ModelConfig, load_preset  # noqa: E402
-from dsv32_jax.convert import QUANTIZATION_CONFIG, OutputExistsError, Progress, atomic_output_dir  # noqa: E402
+from dsv32_jax.convert import QUANTIZATION_CONFIG  # noqa: E402
+from dsv32_jax.io_utils import OutputExistsError, Progress, atomic_output_dir  # noqa: E402
 from dsv32_jax.fp8 import SCALE_SUFFIX  # noqa: E402
 from dsv32_jax.hf import hf_inventory, tensor_specs  # noqa: E402
 from dsv32_jax.safetensors_io import ShardedSafetensorsWriter  # noqa: E402
