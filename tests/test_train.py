@@ -247,3 +247,30 @@ def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
     it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size)
     history = trainer.fit(it)
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
+
+
+def test_init_from_a_workdir_uses_its_recorded_model_config(tmp_path):
+    """A workdir trained with a non-default architecture (2 layers, index_topk 4) initializes a run whose config
+    names the plain preset: the recorded architecture is built and its trained weights are loaded; overrides of
+    non-shape fields still apply on top; a shape-changing override is refused naming the parameter."""
+    base = {"data.seq_len": 32, "data.batch_size": 2, "checkpoint.every": 1, "checkpoint.use_async": False}
+    first = load_config("dense_tiny", steps=1, log_every=1000, **base)
+    first.model_overrides = {"num_hidden_layers": 2, "index_topk": 4}
+    trainer = Trainer(first, str(tmp_path / "a"))
+    trainer.fit(data_lib.make_iterator(data_lib.DataConfig(**first.data.to_dict()), vocab_size=trainer.cfg.vocab_size))
+    trained = jax.device_get(nnx.to_pure_dict(nnx.state(trainer.model)))
+
+    second = Trainer(load_config("sparse_tiny", steps=1, init_from=str(tmp_path / "a"), log_every=1000, **base),
+                     str(tmp_path / "b"))
+    assert (second.cfg.num_hidden_layers, second.cfg.index_topk) == (2, 4)
+    loaded = jax.device_get(nnx.to_pure_dict(nnx.state(second.model)))
+    for path, value in nnx.traversals.flatten_mapping(trained).items():
+        np.testing.assert_array_equal(nnx.traversals.flatten_mapping(loaded)[path], value, err_msg=str(path))
+
+    third = load_config("sparse_tiny", steps=1, init_from=str(tmp_path / "a"), log_every=1000, **base)
+    third.model_overrides = {"index_topk": 2}
+    assert Trainer(third, str(tmp_path / "c")).cfg.index_topk == 2
+    fourth = load_config("sparse_tiny", steps=1, init_from=str(tmp_path / "a"), log_every=1000, **base)
+    fourth.model_overrides = {"num_hidden_layers": 3}
+    with pytest.raises(ValueError, match=r"config.init_from=.*parameter layers/2/.* has shape None there"):
+        Trainer(fourth, str(tmp_path / "d"))

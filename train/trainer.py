@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 import dsv32_jax
+from dsv32_jax import orbax_io
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax import sharding as shd
 from dsv32_jax.train import losses
@@ -45,8 +46,12 @@ def run_options(config) -> RunOptions:
 
 
 def model_config(config) -> dsv32_jax.ModelConfig:
+    """The architecture to build: the one recorded in `config.init_from` (a training workdir's checkpoint meta, or an
+    HF / converted checkpoint's config.json), else the preset `config.model`; `config.model_overrides` on top."""
     init = config.init_from
-    if init and os.path.exists(os.path.join(init, "config.json")):
+    if init and orbax_io.is_training_workdir(init):
+        cfg = orbax_io.training_checkpoint(init).cfg
+    elif init and os.path.exists(os.path.join(init, "config.json")):
         cfg = dsv32_jax.ModelConfig.from_hf(init)
     else:
         cfg = load_preset(config.model)
@@ -125,20 +130,23 @@ class Trainer:
         return TrainState(graphdef, state, shardings)
 
     def _load_model(self, init: str) -> Transformer:
-        ckpt_dir = os.path.abspath(os.path.join(init, "checkpoints"))
-        if os.path.isdir(ckpt_dir):  # a training workdir: parameters of its latest checkpoint
-            graphdef, model_state = nnx.split(nnx.eval_shape(
-                lambda: Transformer(self.cfg, rngs=nnx.Rngs(0), dtype=self.dtype, param_dtype=self.param_dtype)))
-            with ocp.CheckpointManager(ckpt_dir) as mngr:
-                step = mngr.latest_step()
-                if step is None:
-                    raise FileNotFoundError(f"config.init_from={init}: no finished checkpoint in {ckpt_dir}")
-                target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(model_state))
-                restored = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-            nnx.replace_by_pure_dict(model_state, restored["params"])
-            logging.info("initialized parameters from %s step %d", ckpt_dir, step)
-            return nnx.merge(graphdef, model_state)
-        return dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype)
+        """Parameters from an HF / converted checkpoint or a training workdir (its latest finished checkpoint, with
+        the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`."""
+        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype)
+        # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
+        cfg = self.cfg.replace(num_nextn_predict_layers=loaded.config.num_nextn_predict_layers)
+        graphdef, abstract = nnx.split(nnx.eval_shape(
+            lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=self.dtype, param_dtype=self.param_dtype)))
+        state = nnx.state(loaded)
+        want = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(abstract))))
+        have = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(state))))
+        for path in sorted(set(want) | set(have), key=str):
+            if want.get(path) != have.get(path):
+                raise ValueError(f"config.init_from={init}: parameter {'/'.join(map(str, path))} has shape "
+                                 f"{have.get(path)} there but {want.get(path)} in this run's model "
+                                 "(config.model / config.model_overrides change the architecture)")
+        logging.info("initialized parameters from %s", init)
+        return nnx.merge(graphdef, state)
 
     # ------------------------------------------------------------------- step
     def _compile_step(self):
