@@ -1,4 +1,4 @@
-"""train/data.py: sources, tokenizers, packing invariants, determinism, exact resume, host sharding."""
+"""train/data/ (dsv32_jax.train.data): sources, tokenizers, packing invariants, determinism, exact resume, host sharding."""
 
 import json
 import os
@@ -373,3 +373,19 @@ def test_error_messages(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="holds no documents"):
         make_dataset(finite("jsonl", [str(tmp_path / "empty.jsonl")]), vocab_size=256)
+
+
+def test_window_shuffle_permutes_rows_within_windows_only():
+    """grain's WindowShuffleIterDataset gives the training signal of an unshuffled stream: the same rows, each
+    window of `shuffle_window` rows permuted in place (rows of one long document spread over batches, no row lost)."""
+    window, batch, n_batches = 8, 2, 16
+    plain = take(make_iterator(DataConfig(seq_len=32, batch_size=batch, seed=3, shuffle_window=0), vocab_size=256),
+                 n_batches)
+    shuffled = take(make_iterator(DataConfig(seq_len=32, batch_size=batch, seed=3, shuffle_window=window),
+                                  vocab_size=256), n_batches)
+    rows = lambda bs: [r.tobytes() for b in bs for r in np.concatenate(  # noqa: E731
+        [b["tokens"], b["targets"], b["segment_ids"]], axis=1)]
+    a, b = rows(plain), rows(shuffled)
+    for w in range(0, len(a), window):
+        assert sorted(a[w:w + window]) == sorted(b[w:w + window]), f"window {w // window} holds other rows"
+    assert a != b

@@ -1,0 +1,45 @@
+"""The data configuration (`config.data` of an experiment)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+SOURCES = ("builtin", "jsonl", "parquet", "arrayrecord", "text")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    source: str = "builtin"  # "builtin" | "jsonl" | "parquet" | "arrayrecord" | "text"
+    paths: tuple[str, ...] = ()  # files, directories or glob patterns (ignored for builtin)
+    text_field: str = "text"  # JSONL key / Parquet column / JSON key inside ArrayRecord records
+    tokenizer: str = "byte"  # "byte", a tokenizer.json, or a checkpoint dir containing tokenizer.json
+    seq_len: int = 128
+    batch_size: int = 4  # global batch (rows); each host yields batch_size // process_count
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = None  # None = repeat forever
+    add_eos: bool = True  # append the tokenizer's EOS id to each document (byte tokenizer: none)
+    worker_count: int = 0  # grain worker processes for reading + tokenizing (0 = threads in-process)
+    shuffle_window: int = 512  # with shuffle: packed rows shuffled together in windows of this many (<= 1: off)
+
+    def __post_init__(self):
+        paths = self.paths
+        if isinstance(paths, (str, os.PathLike)):
+            paths = (paths,)
+        object.__setattr__(self, "paths", tuple(os.fspath(p) for p in (paths or ())))
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.source != "builtin" and not self.paths:
+            raise ValueError(f"data.paths is empty: source {self.source!r} needs files or glob patterns")
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"data.seed must be in [0, 2**32), got {self.seed}")
+        if self.worker_count < 0:
+            raise ValueError(f"data.worker_count must be >= 0, got {self.worker_count}")

@@ -1,0 +1,276 @@
+"""Training data: a deterministic, resumable grain pipeline of packed token rows.
+
+Pipeline (``make_dataset``)::
+
+    documents (random-access source: builtin / JSONL / Parquet / ArrayRecord / text)
+      -> per-epoch shuffle (global; per row group for Parquet) -> repeat(num_epochs)
+      -> this host's shard  [process_index::process_count] of the document stream
+      -> tokenize (+ EOS)  (in ReadOptions threads, or in `worker_count` processes via mp_prefetch)
+      -> pack into rows of seq_len (concatenate, then split)
+      -> shuffle rows in windows of `shuffle_window` (with shuffle)  -> batch(batch_size // process_count)
+
+Each element is a dict of numpy arrays, ``b = batch_size // process_count`` rows of ``seq_len``:
+
+* ``tokens`` int32: documents laid end to end (no padding except at the very end of a finite stream).
+* ``segment_ids`` int32: 1, 2, 3, ... for the document pieces of a row in order; 0 only for padding. The
+  model never lets attention or the indexer cross a segment boundary.
+* ``positions`` int32: position within the piece, restarting at 0 at each segment. A document longer
+  than the space left in a row is split at the row end and continues as segment 1 of the next row with
+  positions restarting at 0. (Attention cannot see across rows anyway and RoPE depends on position
+  differences only, so restarting loses nothing and keeps positions < seq_len.)
+* ``targets`` int32: the document's next token. Inside a segment this is ``tokens[t + 1]``; at the last
+  token of a piece whose document continues in the next row it is that next row's first token (the true
+  next token of the document, so no target is lost at a split). 0 where there is none.
+* ``loss_mask`` float32: 1 where ``targets`` is a real next token of the same document; 0 at each
+  document's last token and on padding.
+
+Deeper targets (MTP depth j predicts token t + 2 + j) are ``targets[t + 1 + j]``, valid where
+``segment_ids[t + 1 + j] == segment_ids[t]`` and ``loss_mask[t + 1 + j] == 1``.
+
+With ``add_eos`` the tokenizer's EOS id ends every document (the byte tokenizer has none; documents are
+still separated by segment ids). Empty documents (empty or whitespace-only text, null fields) are
+skipped: they carry no tokens. Nothing else is dropped, except, when ``num_epochs`` is finite, the final
+partial batch of each host (the last partial row is padded and kept). Hosts shard documents, so with a
+finite ``num_epochs`` they can run out a few batches apart: multi-host training should use
+``num_epochs=None`` and stop after a number of steps.
+
+Order is a pure function of the config and seed: ``get_state()`` of the iterator is a small
+JSON-serializable dict and ``set_state()`` resumes exactly at the next batch. The document shard of a
+host depends on ``process_count``; the rows do not depend on ``worker_count`` (workers only read and
+tokenize; packing runs in the host process), but the iterator state format does, so keep
+``worker_count`` fixed across a resume.
+
+Sources (``DataConfig.source``; ``paths`` are files, directories or glob patterns, sorted per entry):
+
+* ``builtin``: Python's own documentation, present on every CPython install: the pydoc help topics
+  (``pydoc_data.topics``, ~80 documents, ~0.5 MB) and the docstrings of a fixed list of stdlib modules
+  (one document per module, ~0.4 MB). Fixed order; contents depend on the Python version.
+* ``jsonl``: one JSON object per line, text under ``text_field``; blank lines are ignored. Files are
+  indexed by line offsets once (one pass) and read line by line on demand.
+* ``parquet``: string column ``text_field``; read one row group at a time. Shuffling permutes the row
+  groups and the rows within each row group (a full shuffle would decode a row group per document).
+* ``arrayrecord``: one document per record; a record that is a JSON object must hold ``text_field``,
+  any other record is taken as raw UTF-8 text.
+* ``text``: ``.txt`` files (a directory means the ``*.txt`` files under it); each file is one document.
+  Files larger than 1 MiB are read as consecutive pieces of about 1 MiB cut at line ends, each piece its
+  own document (bounded memory; documents are split into seq_len pieces anyway). Invalid UTF-8 bytes in
+  text files and raw ArrayRecord records decode to U+FFFD.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+
+import grain
+import numpy as np
+
+from dsv32_jax.train.data.config import DataConfig
+from dsv32_jax.train.data.sources import make_source
+from dsv32_jax.train.data.tokenizers import make_tokenizer
+
+
+class BlockShuffleMapDataset(grain.MapDataset):
+    """Per-epoch shuffle that keeps locality: permutes the blocks (e.g. Parquet row groups), then the
+    elements inside each block. Index i of epoch e = i // len reads parent[perm_e(i % len)]."""
+
+    def __init__(self, parent: grain.MapDataset, blocks: np.ndarray, seed: int):
+        super().__init__(parent)
+        self._blocks = np.asarray(blocks, np.int64)
+        self._seed = int(seed)
+        self._len = int(self._blocks[-1])
+        self._lock = threading.Lock()
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._block_cache: collections.OrderedDict = collections.OrderedDict()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        state["_epoch_cache"] = None
+        state["_block_cache"] = collections.OrderedDict()
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        return self._len
+
+    def __str__(self):
+        return "BlockShuffleMapDataset"
+
+    def _epoch(self, epoch: int):
+        cached = self._epoch_cache
+        if cached is None or cached[0] != epoch:
+            order = np.random.default_rng([self._seed, epoch]).permutation(len(self._blocks) - 1)
+            sizes = np.diff(self._blocks)[order]
+            cached = self._epoch_cache = (epoch, order, np.cumsum(np.concatenate([[0], sizes])))
+        return cached
+
+    def _inner(self, epoch: int, block: int) -> np.ndarray:
+        key = (epoch, block)
+        with self._lock:
+            perm = self._block_cache.get(key)
+            if perm is None:
+                size = int(self._blocks[block + 1] - self._blocks[block])
+                perm = np.random.default_rng([self._seed, epoch, block + 1]).permutation(size)
+                self._block_cache[key] = perm
+                while len(self._block_cache) > 8:
+                    self._block_cache.popitem(last=False)
+            return perm
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        epoch, i = divmod(int(index), self._len)
+        _, order, starts = self._epoch(epoch)
+        k = bisect.bisect_right(starts, i) - 1
+        block = int(order[k])
+        inner = self._inner(epoch, block)[i - int(starts[k])]
+        return self._parent[int(self._blocks[block]) + int(inner) + epoch * self._len]
+
+
+class _Tokenize:
+    def __init__(self, tokenizer, add_eos: bool, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_id if add_eos else None
+        self.vocab_size = vocab_size
+
+    def __call__(self, text: str) -> np.ndarray:
+        if not text or not text.strip():
+            return np.zeros(0, np.int32)
+        ids = self.tokenizer.encode_array(text)
+        if self.eos_id is not None:
+            ids = np.append(ids, np.int32(self.eos_id))
+        if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+            raise ValueError(f"tokenizer {self.tokenizer.name!r} produced id {int(ids.max())} outside the "
+                             f"model's vocab_size {self.vocab_size}")
+        return ids.astype(np.int32, copy=False)
+
+
+class PackIterDataset(grain.IterDataset):
+    """Concatenate-then-split packing of token arrays into rows of seq_len (see the module docstring).
+
+    Ours rather than grain.experimental.ConcatThenSplitIterDataset: a document split at a row end keeps its true next
+    token as the target of the piece's last position (taken from the next row), which grain's packer, splitting
+    feature arrays independently, does not provide; positions restart at each piece as the contract above says."""
+
+    def __init__(self, parent: grain.IterDataset, seq_len: int):
+        super().__init__(parent)
+        self._seq_len = seq_len
+
+    def __iter__(self):
+        return _PackIterator(self._parent.__iter__(), self._seq_len)
+
+    def __str__(self):
+        return f"PackIterDataset(seq_len={self._seq_len})"
+
+
+class _PackIterator(grain.DatasetIterator):
+    def __init__(self, parent, seq_len: int):
+        super().__init__(parent)
+        self._seq_len = seq_len
+        self._doc: np.ndarray | None = None  # the document being laid out
+        self._doc_state = None  # parent state from before the document was fetched
+        self._offset = 0  # tokens of _doc already emitted
+        self._exhausted = False
+
+    def _next_document(self) -> bool:
+        while True:
+            state = self._parent.get_state()
+            try:
+                doc = next(self._parent)
+            except StopIteration:
+                self._exhausted = True
+                return False
+            if len(doc):
+                self._doc, self._doc_state, self._offset = np.asarray(doc, np.int32), state, 0
+                return True
+
+    def __next__(self):
+        n = self._seq_len
+        tokens = np.zeros(n, np.int32)
+        targets = np.zeros(n, np.int32)
+        segment_ids = np.zeros(n, np.int32)
+        positions = np.zeros(n, np.int32)
+        loss_mask = np.zeros(n, np.float32)
+        p, segment = 0, 0
+        while p < n:
+            if self._doc is None and (self._exhausted or not self._next_document()):
+                break
+            doc, o = self._doc, self._offset
+            k = min(n - p, len(doc) - o)
+            segment += 1
+            tokens[p:p + k] = doc[o:o + k]
+            nxt = doc[o + 1:o + k + 1]  # the document's next tokens (one short at its end)
+            targets[p:p + len(nxt)] = nxt
+            loss_mask[p:p + len(nxt)] = 1.0
+            segment_ids[p:p + k] = segment
+            positions[p:p + k] = np.arange(k, dtype=np.int32)
+            p += k
+            self._offset = o + k
+            if self._offset == len(doc):
+                self._doc, self._doc_state, self._offset = None, None, 0
+        if p == 0:
+            raise StopIteration
+        return {"tokens": tokens, "targets": targets, "segment_ids": segment_ids, "positions": positions,
+                "loss_mask": loss_mask}
+
+    def get_state(self) -> dict:
+        if self._doc is not None:
+            return {"parent": self._doc_state, "offset": self._offset}
+        return {"parent": self._parent.get_state(), "offset": 0}
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state["parent"])
+        self._doc, self._doc_state, self._offset, self._exhausted = None, None, 0, False
+        offset = int(state["offset"])
+        if offset:
+            if not self._next_document():
+                raise ValueError("iterator state points past the end of the data")
+            self._offset = offset
+
+    def __str__(self):
+        return f"_PackIterator(seq_len={self._seq_len})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry points
+
+
+def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
+                 process_count: int = 1) -> grain.IterDataset:
+    """Batches of packed rows for this host (see the module docstring for the fields)."""
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} / process_count {process_count} is not a valid shard")
+    if cfg.batch_size % process_count:
+        raise ValueError(f"data.batch_size {cfg.batch_size} must be divisible by the process count {process_count}")
+    tokenizer = make_tokenizer(cfg.tokenizer, vocab_size)
+    source, blocks = make_source(cfg)
+    if len(source) == 0:
+        raise ValueError(f"data source {cfg.source!r} {list(cfg.paths)} holds no documents")
+    ds = grain.MapDataset.source(source)
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed) if blocks is None else BlockShuffleMapDataset(ds, blocks, cfg.seed)
+    ds = ds.repeat(cfg.num_epochs)
+    if process_count > 1:
+        ds = ds[process_index::process_count]
+    ds = ds.map(_Tokenize(tokenizer, cfg.add_eos, vocab_size))
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
+    if cfg.worker_count > 0:
+        from absl import flags  # noqa: PLC0415
+
+        if not flags.FLAGS.is_parsed():  # grain's worker processes read its absl flags (defaults suffice)
+            flags.FLAGS.mark_as_parsed()
+        it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    it = PackIterDataset(it, cfg.seq_len)
+    if cfg.shuffle and cfg.shuffle_window > 1:  # spreads the rows of one long document over many batches
+        it = grain.experimental.WindowShuffleIterDataset(it, window_size=cfg.shuffle_window, seed=cfg.seed)
+    return it.batch(cfg.batch_size // process_count, drop_remainder=True)
+
+
+def make_iterator(cfg: DataConfig, **kw):
+    """iter(make_dataset(cfg, **kw)): a grain DatasetIterator with get_state() / set_state()."""
+    return iter(make_dataset(cfg, **kw))

@@ -1,0 +1,381 @@
+"""Document sources with random access (`len`, `[i] -> str`): built-in corpus, JSONL, Parquet, ArrayRecord, text files; `make_source(cfg)`."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import glob
+import importlib
+import inspect
+import json
+import os
+import threading
+import warnings
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from dsv32_jax.optional import require
+
+from dsv32_jax.train.data.config import DataConfig
+
+
+def resolve_paths(patterns: Sequence[str], *, suffixes: tuple[str, ...], what: str) -> list[str]:
+    """Expands files / directories / glob patterns (each sorted) into a de-duplicated list of files."""
+    out: list[str] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(pattern)
+        if glob.has_magic(pattern):
+            found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not found:
+                raise FileNotFoundError(f"{what}: no files match the pattern {pattern!r}")
+        elif os.path.isdir(pattern):
+            found = sorted(os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
+                           if any(s in name for s in suffixes))
+            if not found:
+                raise FileNotFoundError(f"{what}: directory {pattern!r} holds no {'/'.join(suffixes)} files")
+        elif os.path.isfile(pattern):
+            found = [pattern]
+        else:
+            raise FileNotFoundError(f"{what}: file {pattern!r} does not exist")
+        out.extend(p for p in found if p not in out)
+    return out
+
+
+class _FileReader:
+    """pread-based reads (thread safe, no shared file position); descriptors reopened after pickling."""
+
+    def __init__(self, files: Sequence[str]):
+        self.files = list(files)
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"files": self.files}
+
+    def __setstate__(self, state):
+        self.__init__(state["files"])
+
+    def read(self, file_index: int, start: int, end: int) -> bytes:
+        fd = self._fds.get(file_index)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(file_index)
+                if fd is None:
+                    fd = self._fds[file_index] = os.open(self.files[file_index], os.O_RDONLY)
+        return os.pread(fd, end - start, start)
+
+    def __del__(self):
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class ListSource:
+    def __init__(self, documents: Sequence[str]):
+        self.documents = list(documents)
+
+    def __len__(self):
+        return len(self.documents)
+
+    def __getitem__(self, index):
+        return self.documents[index]
+
+
+def _line_spans(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+    """Byte [start, end) of every non-empty line (without the newline) of a file, in one pass."""
+    newlines = []
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + size)
+            size += len(block)
+    ends = np.concatenate(newlines + [np.array([size], np.int64)]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    keep = ends > starts
+    return starts[keep], ends[keep]
+
+
+class JsonlSource:
+    def __init__(self, files: Sequence[str], field: str):
+        self.field = field
+        self._reader = _FileReader(files)
+        starts, ends, counts = [], [], []
+        for path in files:
+            s, e = _line_spans(path)
+            starts.append(s)
+            ends.append(e)
+            counts.append(len(s))
+        self._starts = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        self._ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        self._file_offsets = np.cumsum([0] + counts)
+        for i, count in enumerate(counts):  # fail fast on a wrong field name
+            if count:
+                self[int(self._file_offsets[i])]
+
+    def __len__(self):
+        return len(self._starts)
+
+    def _where(self, index: int) -> str:
+        f = int(np.searchsorted(self._file_offsets, index, side="right")) - 1
+        path = self._reader.files[f]
+        with open(path, "rb") as fh:
+            line = fh.read(int(self._starts[index])).count(b"\n") + 1
+        return f"{path}, line {line}"
+
+    def __getitem__(self, index):
+        index = int(index)
+        f = int(np.searchsorted(self._file_offsets, index, side="right")) - 1
+        raw = self._reader.read(f, int(self._starts[index]), int(self._ends[index]))
+        if not raw.strip():
+            return ""
+        try:
+            record = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"{self._where(index)}: invalid JSON ({e})") from None
+        return _text_of(record, self.field, lambda: self._where(index))
+
+
+def _text_of(record, field: str, where) -> str:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where()}: expected a JSON object with the text field {field!r}, "
+                         f"got {type(record).__name__}")
+    if field not in record:
+        raise KeyError(f"{where()}: text field {field!r} missing (keys: {sorted(record)[:20]})")
+    value = record[field]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{where()}: text field {field!r} holds {type(value).__name__}, expected a string")
+    return value
+
+
+class TextSource:
+    PIECE_BYTES = 1 << 20
+
+    def __init__(self, files: Sequence[str], piece_bytes: int | None = None):
+        self.piece_bytes = piece_bytes or self.PIECE_BYTES
+        self._reader = _FileReader(files)
+        self._pieces: list[tuple[int, int, int]] = []
+        for i, path in enumerate(files):
+            size = os.path.getsize(path)
+            start = 0
+            with open(path, "rb") as f:
+                while start < size:
+                    end = min(start + self.piece_bytes, size)
+                    if end < size:
+                        end = self._cut(f, end, size)
+                    self._pieces.append((i, start, end))
+                    start = end
+
+    @staticmethod
+    def _cut(f, pos: int, size: int, look: int = 1 << 16) -> int:
+        """First position after a newline at or after pos (else a UTF-8 character boundary)."""
+        f.seek(pos)
+        block = f.read(look)
+        nl = block.find(b"\n")
+        if nl >= 0:
+            return pos + nl + 1
+        i = 0
+        while i < len(block) and (block[i] & 0xC0) == 0x80:  # continuation byte
+            i += 1
+        return min(pos + i, size)
+
+    def __len__(self):
+        return len(self._pieces)
+
+    def __getitem__(self, index):
+        f, start, end = self._pieces[int(index)]
+        return self._reader.read(f, start, end).decode("utf-8", errors="replace")
+
+
+class ParquetSource:
+    """Rows of one string column; decodes a whole row group at a time (small LRU cache)."""
+
+    CACHED_ROW_GROUPS = 4
+
+    def __init__(self, files: Sequence[str], field: str):
+        self.files = list(files)
+        self.field = field
+        rg_rows, rg_where = [], []
+        for i, path in enumerate(self.files):
+            pf = self._open(path)
+            names = pf.schema_arrow.names
+            if field not in names:
+                raise KeyError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
+            typ = pf.schema_arrow.field(field).type
+            pa = require("pyarrow", "parquet", "data.source='parquet'")
+
+            is_view = getattr(pa.types, "is_string_view", lambda t: False)
+            if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_view(typ)):
+                raise ValueError(f"{path}: Parquet column {field!r} has type {typ}, expected a string column")
+            for g in range(pf.metadata.num_row_groups):
+                rg_rows.append(pf.metadata.row_group(g).num_rows)
+                rg_where.append((i, g))
+        self._rg_where = rg_where
+        self._rg_starts = np.cumsum([0] + rg_rows).astype(np.int64)
+        self._init_cache()
+
+    def _init_cache(self):
+        self._files_open: dict[int, Any] = {}
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for k in ("_files_open", "_cache", "_lock"):
+            state.pop(k)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_cache()
+
+    @staticmethod
+    def _open(path: str):
+        pq = require("pyarrow.parquet", "parquet", "data.source='parquet'")
+
+        try:
+            return pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001  (ArrowInvalid, OSError, ...)
+            raise ValueError(f"cannot read Parquet file {path}: {e}") from e
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """Row-group boundaries [num_row_groups + 1] (the unit of locality for shuffling)."""
+        return self._rg_starts
+
+    def __len__(self):
+        return int(self._rg_starts[-1])
+
+    def _row_group(self, rg: int) -> list:
+        with self._lock:
+            rows = self._cache.get(rg)
+            if rows is not None:
+                self._cache.move_to_end(rg)
+                return rows
+            f, g = self._rg_where[rg]
+            pf = self._files_open.get(f)
+            if pf is None:
+                pf = self._files_open[f] = self._open(self.files[f])
+            try:
+                rows = pf.read_row_group(g, columns=[self.field]).column(0).to_pylist()
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"cannot read row group {g} of Parquet file {self.files[f]}: {e}") from e
+            self._cache[rg] = rows
+            while len(self._cache) > self.CACHED_ROW_GROUPS:
+                self._cache.popitem(last=False)
+            return rows
+
+    def __getitem__(self, index):
+        index = int(index)
+        rg = int(np.searchsorted(self._rg_starts, index, side="right")) - 1
+        value = self._row_group(rg)[index - int(self._rg_starts[rg])]
+        return value or ""
+
+
+class ArrayRecordSource:
+    def __init__(self, files: Sequence[str], field: str):
+        require("array_record", "arrayrecord", "data.source='arrayrecord'")
+        self.files = list(files)
+        self.field = field
+        self._sources = []
+        for path in self.files:
+            try:
+                self._sources.append(grain.sources.ArrayRecordDataSource([path]))
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"cannot open ArrayRecord file {path}: {e}") from e
+        self._offsets = np.cumsum([0] + [len(s) for s in self._sources]).astype(np.int64)
+        for i in range(len(self.files)):  # fail fast on a wrong field name
+            if self._offsets[i + 1] > self._offsets[i]:
+                self[int(self._offsets[i])]
+
+    def __len__(self):
+        return int(self._offsets[-1])
+
+    def __getitem__(self, index):
+        index = int(index)
+        f = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        raw = self._sources[f][index - int(self._offsets[f])]
+        if raw.lstrip()[:1] == b"{":
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                where = lambda: f"{self.files[f]}, record {index - int(self._offsets[f])}"  # noqa: E731
+                return _text_of(record, self.field, where)
+        return raw.decode("utf-8", errors="replace")
+
+
+# Stdlib modules whose docstrings form part of the built-in corpus (fixed order; import-safe everywhere).
+_DOC_MODULES = (
+    "abc argparse ast base64 bisect calendar collections configparser contextlib copy csv dataclasses "
+    "datetime decimal difflib enum fractions functools gettext heapq hmac html.parser inspect io ipaddress "
+    "itertools json logging math operator os pathlib pickle pprint queue random re sched secrets shlex "
+    "shutil socket statistics string struct subprocess tarfile tempfile textwrap threading time timeit "
+    "tokenize typing unittest urllib.parse uuid warnings weakref zipfile zlib"
+).split()
+
+
+def _module_document(name: str) -> str:
+    try:
+        mod = importlib.import_module(name)
+    except Exception:  # noqa: BLE001
+        return ""
+    parts = [f"Module {name}\n\n{inspect.cleandoc(mod.__doc__)}" if mod.__doc__ else f"Module {name}"]
+    for attr, obj in sorted(vars(mod).items()):
+        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            continue
+        if isinstance(obj.__doc__, str):
+            parts.append(f"{name}.{attr}\n{inspect.cleandoc(obj.__doc__)}")
+        if inspect.isclass(obj):
+            for member, value in sorted(vars(obj).items()):
+                if member.startswith("_"):
+                    continue
+                if inspect.isroutine(value) or isinstance(value, (property, classmethod, staticmethod)):
+                    doc = getattr(value, "__doc__", None)
+                    if isinstance(doc, str):
+                        parts.append(f"{name}.{attr}.{member}\n{inspect.cleandoc(doc)}")
+    return "\n\n".join(parts) + "\n" if len(parts) > 1 or mod.__doc__ else ""
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_documents() -> tuple[str, ...]:
+    """The built-in demo corpus: pydoc help topics (sorted by topic) then stdlib module docstrings."""
+    docs: list[str] = []
+    try:
+        from pydoc_data.topics import topics  # noqa: PLC0415
+    except ImportError:
+        topics = {}
+    docs.extend(topics[key] for key in sorted(topics) if topics[key].strip())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        docs.extend(doc for doc in map(_module_document, _DOC_MODULES) if doc.strip())
+    if sum(map(len, docs)) < 100_000:
+        raise RuntimeError("the built-in corpus needs pydoc_data or docstrings (is Python running with -OO?); "
+                           "use data.source=jsonl/parquet/arrayrecord/text instead")
+    return tuple(docs)
+
+
+def make_source(cfg: DataConfig):
+    """The random-access document source for cfg, and its locality blocks (None = any order is cheap)."""
+    if cfg.source == "builtin":
+        return ListSource(builtin_documents()), None
+    what = f"data source {cfg.source!r}"
+    if cfg.source == "jsonl":
+        return JsonlSource(resolve_paths(cfg.paths, suffixes=(".jsonl", ".json"), what=what), cfg.text_field), None
+    if cfg.source == "text":
+        return TextSource(resolve_paths(cfg.paths, suffixes=(".txt",), what=what)), None
+    if cfg.source == "parquet":
+        src = ParquetSource(resolve_paths(cfg.paths, suffixes=(".parquet",), what=what), cfg.text_field)
+        return src, src.blocks
+    if cfg.source == "arrayrecord":
+        files = resolve_paths(cfg.paths, suffixes=("array_record", "arrayrecord"), what=what)
+        return ArrayRecordSource(files, cfg.text_field), None
+    raise ValueError(f"unknown data source {cfg.source!r}")

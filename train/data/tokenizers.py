@@ -1,0 +1,130 @@
+"""Tokenizers: raw bytes, or an HF `tokenizers` tokenizer.json; `make_tokenizer(spec)`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; no special tokens (eos_id None)."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+_EOS_CANDIDATES = ("<｜end▁of▁sentence｜>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    """A HF `tokenizers` tokenizer.json. EOS / BOS come from the files next to it, first found wins:
+    tokenizer_config.json (``eos_token``, ``bos_token`` + ``add_bos_token``), then config.json /
+    generation_config.json (``eos_token_id``), then well-known EOS token names. ``encode`` applies the
+    tokenizer's own post-processor and prepends BOS when tokenizer_config.json asks for it."""
+
+    def __init__(self, path: str):
+        import tokenizers  # noqa: PLC0415  (optional at import time of this module)
+
+        self.path = path
+        self.name = path
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001  (the Rust error types are not exported)
+            raise ValueError(f"cannot load tokenizer {path}: {e}") from e
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        folder = os.path.dirname(os.path.abspath(path))
+        tcfg = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        self.eos_id = None
+        eos = _token_content(tcfg.get("eos_token"))
+        if eos is not None:
+            self.eos_id = self._tok.token_to_id(eos)
+        for name in ("config.json", "generation_config.json"):
+            if self.eos_id is None:
+                value = _read_json(os.path.join(folder, name)).get("eos_token_id")
+                value = value[0] if isinstance(value, list) and value else value
+                if isinstance(value, int) and 0 <= value < self.vocab_size:
+                    self.eos_id = value
+        for candidate in _EOS_CANDIDATES:
+            if self.eos_id is None:
+                self.eos_id = self._tok.token_to_id(candidate)
+        self.bos_id = None
+        bos = _token_content(tcfg.get("bos_token"))
+        if tcfg.get("add_bos_token") and bos is not None:
+            self.bos_id = self._tok.token_to_id(bos)
+
+    def __getstate__(self):  # reload from the file in grain worker processes
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def make_tokenizer(spec: str, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
+    """"byte", a tokenizer.json path, or a (checkpoint) directory containing tokenizer.json. With
+    ``vocab_size`` (the model's), raises if the tokenizer can produce ids >= vocab_size."""
+    if spec == "byte":
+        tok = ByteTokenizer()
+    else:
+        path = os.path.expanduser(os.fspath(spec))
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer {spec!r}: {path} not found (give \"byte\", a tokenizer.json, "
+                                    "or a checkpoint directory that contains tokenizer.json)")
+        tok = HFTokenizer(path)
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{vocab_size}: token ids would fall outside the embedding table. Use a model config "
+                         f"with vocab_size >= {tok.vocab_size} or a smaller tokenizer")
+    return tok
