@@ -11,7 +11,8 @@ from flax import nnx
 from tests.learning import perturb_params, run_seed
 from tests.test_train import load_config
 from dsv32_jax.train import rl_tasks
-from dsv32_jax.train.grpo import GRPOLearner, _forward_logprobs
+from dsv32_jax.train.grpo import GRPOLearner
+from dsv32_jax.train.steps import forward_logprobs
 
 
 def learner(workdir, steps, **overrides):
@@ -91,15 +92,15 @@ def test_learns_sum_of_two_digits_from_chance(tmp_path):
 def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
     lrn = learner(tmp_path, 0)
     batch, _ = lrn.rollout(0)
-    diag = jax.device_get(lrn._diagnose(lrn.state[0], batch))
+    diag = jax.device_get(lrn.steps.diagnostics(lrn.state[0], batch))
     assert diag["logprob_mismatch_max"] < 1e-5 and diag["routing_agreement"] == 1.0
     # perturb the parameters until the live router flips some expert choices
     model = nnx.merge(lrn.graphdef, lrn.state)[0]
     for layer in (1, 2):
         router = model.layers[layer].ffn.router
         router[...] = router[...] + jax.random.normal(jax.random.key(layer), router.shape) * 0.5
-    _, _, _, native = _forward_logprobs(model, batch, 1.0, replay=False)
-    _, _, _, replayed = _forward_logprobs(model, batch, 1.0, replay=True)
+    _, _, _, native = forward_logprobs(model, batch, 1.0, replay=False)
+    _, _, _, replayed = forward_logprobs(model, batch, 1.0, replay=True)
     flipped = 0
     for k, ids in batch["routing"].items():
         valid = np.asarray(batch["segments"]) > 0

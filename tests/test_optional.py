@@ -7,7 +7,6 @@ import pytest
 
 from dsv32_jax.optional import require
 from dsv32_jax.train import data as data_lib
-from dsv32_jax.train.metrics import MetricsWriter, read_jsonl
 from dsv32_jax.train.plot import plot
 
 
@@ -33,15 +32,6 @@ def test_data_sources_name_their_extra(monkeypatch, tmp_path, source, module, ex
     cfg = data_lib.DataConfig(source=source, paths=(str(path),), seq_len=16, batch_size=2)
     with pytest.raises(ImportError, match=rf"pip install 'dsv32-jax\[{extra}\]'"):
         data_lib.make_iterator(cfg, vocab_size=300)
-
-
-def test_metrics_without_tensorboardx_write_jsonl_only(monkeypatch, tmp_path):
-    hide(monkeypatch, "tensorboardX")
-    writer = MetricsWriter(str(tmp_path), total_steps=2)
-    writer.write(1, {"loss": 2.5})
-    writer.close()
-    assert read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "loss": 2.5}]
-    assert not (tmp_path / "tb").exists()
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path):

@@ -159,7 +159,8 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted(tmp_path):
     assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
     stopped_at = max(losses_by_step(run))
     assert os.path.isdir(os.path.join(run, "checkpoints", str(stopped_at)))
-    subprocess.run(CLI + [f"--workdir={run}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    res = subprocess.run(CLI + [f"--workdir={run}"], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    assert f"resumed from {os.path.join(run, 'checkpoints')} step {stopped_at}" in res.stdout + res.stderr
     expected, got = losses_by_step(ref), losses_by_step(run)
     assert sorted(got) == list(range(1, 11))
     for step in range(1, 11):

@@ -71,3 +71,48 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3, use_async=True))
     c.log_every = 10
     return c
+
+
+# The stage whose workdir each stage usually starts from (configs/<previous>_<size>.py).
+PREVIOUS_STAGE = {"sparse": "warmup", "warmup": "dense"}
+STAGE_NAMES = {"dense": "dense pre-training", "warmup": "dense warm-up", "sparse": "sparse training", "grpo": "GRPO"}
+
+
+class InitFromError(FileNotFoundError):
+    """config.init_from names a path that does not exist (the message says what to run first)."""
+
+
+def _previous_config(config, config_name: str | None) -> str | None:
+    """configs/<previous stage>_<suffix>.py for this experiment (suffix from the config's name, else its model)."""
+    prev = PREVIOUS_STAGE.get(config.stage)
+    if prev is None:
+        return None
+    suffixes = []
+    if config_name and config_name.startswith(f"{config.stage}_"):
+        suffixes.append(config_name[len(config.stage) + 1:])
+    suffixes.append(str(config.model))
+    for suffix in suffixes:
+        if os.path.isfile(os.path.join(CONFIGS_DIR, f"{prev}_{suffix}.py")):
+            return f"configs/{prev}_{suffix}.py"
+    return None
+
+
+def check_init_from(config, config_name: str | None = None) -> None:
+    """Raises InitFromError when config.init_from is set but missing, naming the path and what to run first."""
+    init = config.init_from
+    if not init or os.path.exists(init):
+        return
+    stage = config.stage
+    msg = (f"config.init_from={init!r}: no such file or directory ({os.path.abspath(init)}). "
+           f"The {STAGE_NAMES.get(stage, stage)} stage (config.stage={stage!r}) starts from ")
+    prev = PREVIOUS_STAGE.get(stage)
+    if prev is not None:
+        previous = _previous_config(config, config_name)
+        msg += f"the {STAGE_NAMES[prev]} stage's workdir: run that stage first, e.g.\n    " + (
+            f"python -m dsv32_jax.train.main --config={previous} --workdir={init}" if previous else
+            f"python -m dsv32_jax.train.main --config=<a config with stage={prev!r}> --workdir={init}")
+    else:
+        msg += ("an HF checkpoint directory, a converted orbax checkpoint (python -m dsv32_jax.convert hf-to-orbax) "
+                "or a training workdir: create it first or fix the path")
+    msg += "\nor pass --config.init_from='' to start from random initialization (config.seed)."
+    raise InitFromError(msg)

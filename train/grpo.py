@@ -17,27 +17,22 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 import dsv32_jax
 from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import sharding as shd
 from dsv32_jax.sampler import SamplingConfig, generate, sequence_layout
-from dsv32_jax.train import rl_tasks
-from dsv32_jax.train.grpo_loss import check_groups, group_advantages, grpo_loss, processed_logprobs
-from dsv32_jax.train.metrics import MetricsWriter
+from dsv32_jax.train import checkpointing, rl_tasks, steps
+from dsv32_jax.train.config import check_init_from
+from dsv32_jax.train.grpo_loss import check_groups, group_advantages
+from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx
 from dsv32_jax.train.trainer import model_config
 
-
-def _forward_logprobs(model, batch, temperature, replay: bool):
-    p = batch["prompts"].shape[1]
-    logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segments"],
-                        routing=batch["routing"] if replay else None, return_aux=True)
-    logp, entropy, mass = processed_logprobs(logits[:, p - 1:-1], batch["gen"], batch["kept_ids"],
-                                             batch["kept_mask"], temperature)
-    return logp, entropy, mass, aux
+CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
+                "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
+                "grad_norm")
 
 
 class GRPOLearner:
@@ -58,7 +53,15 @@ class GRPOLearner:
                                                 g.language_weight, g.grm_weight) for k in self.tasks}
         self.beta = {k: float(g.kl_weights.get(k, g.kl_weight)) for k in self.tasks}
         self.prompt_width = max(len(rl_tasks.make_prompt(k, np.random.default_rng(0))[0]) for k in self.tasks)
+        check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
+        rows = g.prompts_per_step * g.group_size
+        split = steps.batch_devices(self.mesh)
+        if rows % g.minibatches or (rows // g.minibatches) % split:
+            raise ValueError(f"config.grpo: prompts_per_step x group_size = {rows} rows must split into "
+                             f"minibatches={g.minibatches} minibatches whose size the mesh's batch axes "
+                             f"({split} ways, config.mesh={config.mesh!r}) divide")
+        self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk)
         if config.init_from:
@@ -70,11 +73,12 @@ class GRPOLearner:
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)
         self.state = jax.device_put(state, self.shardings)
-        self.ref = jax.tree.map(jnp.copy, self.state[0])  # pi_ref: frozen copy of the initial policy
+        # pi_ref: frozen copy of the initial policy
+        self.ref = jax.device_put(jax.tree.map(jnp.copy, self.state[0]), self.shardings[0])
         self.step = 0
-        self._train_step = jax.jit(self._make_train_step(), donate_argnums=0)
-        self._reference = jax.jit(self._make_reference())
-        self._diagnose = jax.jit(self._make_diagnostics())
+        self.steps = steps.compile_grpo_steps(
+            graphdef=self.graphdef, model_graphdef=self.model_graphdef, state_shardings=self.shardings,
+            batch_sharding=self.batch_sharding, temperature=self.sampling.temperature, eps=g.eps, delta=g.delta)
 
     # ------------------------------------------------------------------ batches
     def _prompt_batch(self, prompts_and_answers):
@@ -122,58 +126,12 @@ class GRPOLearner:
                  "zero_variance_groups": np.mean([np.ptp(rewards[group_ids == gi]) == 0 for gi in np.unique(group_ids)])}
         return batch, stats
 
-    # -------------------------------------------------------------- compiled
-    def _make_reference(self):
-        graphdef, temperature = self.model_graphdef, self.sampling.temperature
-
-        def reference(ref_state, batch):
-            return _forward_logprobs(nnx.merge(graphdef, ref_state), batch, temperature, replay=False)[0]
-        return reference
-
-    def _make_diagnostics(self):
-        """At pi_old (before any update): sampler-vs-trainer log-prob mismatch and routing agreement."""
-        graphdef, temperature = self.model_graphdef, self.sampling.temperature
-
-        def diagnostics(model_state, batch):
-            model = nnx.merge(graphdef, model_state)
-            logp, _, _, _ = _forward_logprobs(model, batch, temperature, replay=True)
-            _, _, _, native = _forward_logprobs(model, batch, temperature, replay=False)
-            m = batch["mask"]
-            diff = jnp.abs(logp - batch["logp_old"]) * m
-            valid = batch["segments"] > 0
-            agree = [jnp.sum(jnp.all(jnp.sort(native["routing"][k], -1) == jnp.sort(ids, -1), -1) * valid)
-                     / jnp.maximum(jnp.sum(valid), 1) for k, ids in batch["routing"].items()]
-            return {"logprob_mismatch_mean": jnp.sum(diff) / jnp.maximum(jnp.sum(m), 1.0),
-                    "logprob_mismatch_max": jnp.max(diff),
-                    "routing_agreement": jnp.mean(jnp.stack(agree)) if agree else jnp.ones(())}
-        return diagnostics
-
-    def _make_train_step(self):
-        graphdef, g, temperature = self.graphdef, self.g, self.sampling.temperature
-
-        def step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
-
-            def loss_fn(model):
-                logp, entropy, mass, _ = _forward_logprobs(model, batch, temperature, replay=True)
-                loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], batch["mask"],
-                                          batch["beta"], eps=g.eps, delta=g.delta)
-                m = batch["mask"]
-                metrics.update(loss=loss, entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
-                               kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
-                return loss, metrics
-
-            grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
-            optimizer.update(model, grads)
-            metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(grads)))
-            return nnx.state((model, optimizer)), metrics
-        return step
-
     # ------------------------------------------------------------------ update
     def update(self, batch) -> dict:
         with shd.use_mesh(self.mesh):
-            batch["logp_ref"] = self._reference(self.ref, batch)
-            diag = self._diagnose(self.state[0], batch)
+            batch = jax.device_put(batch, self.batch_sharding)
+            batch["logp_ref"] = self.steps.reference(self.ref, batch)
+            diag = self.steps.diagnostics(self.state[0], batch)
             n = batch["adv"].shape[0]
             mb = n // self.g.minibatches
             rng = np.random.default_rng([self.config.seed, self.step, 1])
@@ -182,8 +140,8 @@ class GRPOLearner:
                 order = rng.permutation(n)
                 for j in range(self.g.minibatches):
                     idx = jnp.asarray(order[j * mb:(j + 1) * mb])
-                    sub = jax.tree.map(lambda x: x[idx], batch)
-                    self.state, metrics = self._train_step(self.state, sub)
+                    sub = jax.device_put(jax.tree.map(lambda x: x[idx], batch), self.batch_sharding)
+                    self.state, metrics = self.steps.train(self.state, sub)
                     history.append(metrics)
         out = {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
         out.update({k: float(v) for k, v in jax.device_get(diag).items()})
@@ -205,61 +163,33 @@ class GRPOLearner:
         return out
 
     # -------------------------------------------------------------- checkpoints
-    def _manager(self):
-        c = self.config.checkpoint
-        return ocp.CheckpointManager(os.path.abspath(os.path.join(self.workdir, "checkpoints")),
-                                     options=ocp.CheckpointManagerOptions(save_interval_steps=c.every,
-                                                                          max_to_keep=c.keep,
-                                                                          enable_async_checkpointing=c.use_async))
+    def save_checkpoint(self, mngr, step: int, force: bool = False) -> bool:
+        return checkpointing.save(mngr, step, arrays={"params": self.state[0], "opt": self.state[1], "ref": self.ref},
+                                  json={"meta": {"step": step, "model_config": self.cfg.to_hf()}}, force=force)
 
-    def _save(self, mngr, force=False):
-        mngr.save(self.step, force=force, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(nnx.to_pure_dict(self.state[0])),
-            opt=ocp.args.StandardSave(nnx.to_pure_dict(self.state[1])),
-            ref=ocp.args.StandardSave(nnx.to_pure_dict(self.ref)),
-            meta=ocp.args.JsonSave({"step": self.step, "model_config": self.cfg.to_hf()})))
-
-    def _restore(self, mngr, step):
-        def target(tree, sh):
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                nnx.to_pure_dict(tree), nnx.to_pure_dict(sh))
-
-        r = mngr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(target(self.state[0], self.shardings[0])),
-            opt=ocp.args.StandardRestore(target(self.state[1], self.shardings[1])),
-            ref=ocp.args.StandardRestore(target(self.ref, self.shardings[0])), meta=ocp.args.JsonRestore()))
-        nnx.replace_by_pure_dict(self.state[0], r["params"])
-        nnx.replace_by_pure_dict(self.state[1], r["opt"])
-        nnx.replace_by_pure_dict(self.ref, r["ref"])
+    def restore_checkpoint(self, mngr, step: int) -> None:
+        r = checkpointing.restore(mngr, step, arrays={"params": (self.state[0], self.shardings[0]),
+                                                      "opt": (self.state[1], self.shardings[1]),
+                                                      "ref": (self.ref, self.shardings[0])}, json=("meta",))
         self.step = int(r["meta"]["step"])
 
     # ------------------------------------------------------------------- loop
+    def run_step(self) -> dict:
+        """Rollout, update, and (every grpo.eval_every steps and at the end) greedy evaluation."""
+        t0 = time.perf_counter()
+        batch, stats = self.rollout(self.step)
+        t1 = time.perf_counter()
+        metrics = self.update(batch)
+        self.step += 1
+        metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
+        if self.step % self.g.eval_every == 0 or self.step == self.config.steps:
+            metrics.update(self.evaluate())
+        return metrics
+
     def fit(self) -> list[dict]:
-        config = self.config
-        writer = MetricsWriter(self.workdir, config.steps, enabled=jax.process_index() == 0)
-        history = []
-        keys = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
-                "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy")
-        with self._manager() as mngr:
-            if mngr.latest_step() is not None:
-                self._restore(mngr, mngr.latest_step())
-            while self.step < config.steps:
-                t0 = time.perf_counter()
-                batch, stats = self.rollout(self.step)
-                t1 = time.perf_counter()
-                metrics = self.update(batch)
-                self.step += 1
-                metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
-                if self.step % self.g.eval_every == 0 or self.step == config.steps:
-                    metrics.update(self.evaluate())
-                writer.write(self.step, metrics)
-                history.append({"step": self.step, **metrics})
-                if self.step % config.log_every == 0 or self.step == 1 or "eval_accuracy" in metrics:
-                    writer.console(self.step, metrics, keys=keys)
-                self._save(mngr, force=self.step == config.steps)
-            mngr.wait_until_finished()
-        writer.close()
-        return history
+        """Runs until config.steps (resuming from the workdir's latest checkpoint); returns the logged metrics."""
+        return run_loop(self, workdir=self.workdir, config=self.config, keys=CONSOLE_KEYS, desc="grpo",
+                        show=lambda metrics: "eval_accuracy" in metrics)
 
 
 def run_grpo(config, workdir: str):

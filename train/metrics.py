@@ -1,23 +1,40 @@
-"""Metrics sinks: JSONL (one object per step), TensorBoard event files, and a console progress line."""
+"""Metrics sinks: JSONL (one object per step), TensorBoard event files (when tensorboardX is installed), and the
+console progress bar (tqdm)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 
 import numpy as np
 from absl import logging
+from tqdm import tqdm
 
-from dsv32_jax.optional import require
+LM_KEYS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
+_TB_MISSING_LOGGED = False
+
+
+def _summary_writer(logdir: str):
+    """A tensorboardX SummaryWriter, or None (said once per process) when tensorboardX is not installed."""
+    global _TB_MISSING_LOGGED
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        if not _TB_MISSING_LOGGED:
+            logging.info("TensorBoard events are off: tensorboardX is missing (pip install 'dsv32-jax[tensorboard]'); "
+                         "metrics go to metrics.jsonl only")
+            _TB_MISSING_LOGGED = True
+        return None
+    return SummaryWriter(logdir)
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, total_steps: int, enabled: bool = True, tensorboard: bool = True):
+    """Appends one JSON object per step to <workdir>/metrics.jsonl and, if tensorboardX is importable, writes the
+    same scalars as TensorBoard events under <workdir>/tb. enabled=False (non-zero processes) writes nothing."""
+
+    def __init__(self, workdir: str, enabled: bool = True, tensorboard: bool = True):
         self.enabled = enabled
-        self.total = total_steps
-        self.start = time.time()
         self._tb = None
         if not enabled:
             return
@@ -25,11 +42,7 @@ class MetricsWriter:
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._jsonl = open(self.path, "a")
         if tensorboard:
-            try:
-                summary_writer = require("tensorboardX", "tensorboard", "TensorBoard event files").SummaryWriter
-                self._tb = summary_writer(os.path.join(workdir, "tb"))
-            except ImportError as e:  # optional: metrics.jsonl is always written
-                logging.info("%s; writing %s only", e, self.path)
+            self._tb = _summary_writer(os.path.join(workdir, "tb"))
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -43,20 +56,49 @@ class MetricsWriter:
                 if k != "step":
                     self._tb.add_scalar(k, v, step)
 
-    def console(self, step: int, metrics: dict, keys=("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm",
-                                                     "lr", "tokens_per_s", "step_time_s", "mfu")) -> None:
-        if not self.enabled:
-            return
-        frac = min(step / max(self.total, 1), 1.0)
-        bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
-        shown = " ".join(f"{k}={float(np.asarray(metrics[k])):.4g}" for k in keys if k in metrics)
-        print(f"[{bar}] {step}/{self.total} {shown}", file=sys.stdout, flush=True)
-
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
             if self._tb is not None:
                 self._tb.close()
+
+
+def format_metrics(metrics: dict, keys) -> dict:
+    """The console subset of `metrics`, in `keys` order, as short strings (tqdm postfix)."""
+    return {k: f"{float(np.asarray(metrics[k])):.4g}" for k in keys if k in metrics}
+
+
+class Progress:
+    """tqdm bar (on stderr) over the run's steps whose postfix shows the latest metrics (`keys`); every `log_every`
+    steps, at the first and the last step (or when forced) the metrics are also written as a permanent line (on
+    stdout), so logs keep a record. enabled=False (non-zero processes) shows nothing."""
+
+    def __init__(self, total: int, initial: int = 0, *, keys=LM_KEYS, log_every: int = 0, enabled: bool = True,
+                 desc: str = "train", file=None, line_file=None):
+        self.keys, self.log_every, self.total = tuple(keys), log_every, total
+        self.line_file = line_file if line_file is not None else sys.stdout
+        self.bar = tqdm(total=total, initial=initial, desc=desc, disable=not enabled,
+                        file=file if file is not None else sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, step: int, metrics: dict, force_line: bool = False) -> None:
+        if self.bar.disable:
+            return
+        shown = format_metrics(metrics, self.keys)
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(step - self.bar.n)
+        if force_line or step == 1 or step == self.total or (self.log_every and step % self.log_every == 0):
+            line = " ".join(f"{k}={v}" for k, v in shown.items())
+            self.bar.write(f"step {step}/{self.total} {line}", file=self.line_file)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -25,17 +25,18 @@ def trainable_filter(stage: str):
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
-    """Linear warm-up to cfg.lr, then constant or cosine decay to cfg.lr * cfg.final_lr_fraction over cfg.steps."""
+    """Linear warm-up from 0 to cfg.lr over cfg.warmup_steps, then constant (schedule='constant') or cosine decay
+    to cfg.lr * cfg.final_lr_fraction at step cfg.decay_steps (schedule='cosine'; constant afterwards)."""
     warmup = max(int(cfg.warmup_steps), 0)
     if cfg.schedule == "constant":
-        decay = optax.constant_schedule(cfg.lr)
-    elif cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(cfg.lr, max(int(cfg.decay_steps) - warmup, 1), alpha=cfg.final_lr_fraction)
-    else:
-        raise ValueError(f"config.optimizer.schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
-    if warmup == 0:
-        return decay
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
+        # linear_schedule holds its end value after the transition: warm-up then constant
+        return optax.linear_schedule(0.0, cfg.lr, warmup) if warmup else optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "cosine":
+        if warmup == 0:
+            return optax.cosine_decay_schedule(cfg.lr, max(int(cfg.decay_steps), 1), alpha=cfg.final_lr_fraction)
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(int(cfg.decay_steps), warmup + 1),
+                                                  end_value=cfg.lr * cfg.final_lr_fraction)
+    raise ValueError(f"config.optimizer.schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
 
 
 def make_tx(cfg) -> optax.GradientTransformation:

@@ -1,8 +1,10 @@
-"""Sharded training loop for the dense warm-up (eq. 3) and sparse continued pre-training (eq. 4) stages.
+"""Sharded training of the LM stages: dense pre-training, the dense warm-up (eq. 3) and sparse continued
+pre-training (eq. 4).
 
-The train step is a pure function of (state, batch) jitted with explicit shardings; state = nnx.State of
-(model, optimizer). Only the stage's trainable parameters get gradients and optimizer state. Checkpoints
-(orbax, async) hold params, optimizer state (with the step), the data iterator position and the RNG.
+The train step is train/steps.py's lm_train_step, a pure function of (state, batch) jitted with explicit shardings;
+state = nnx.State of (model, optimizer). Only the stage's trainable parameters get gradients and optimizer state.
+The loop is train/loop.py's (shared with GRPO). Checkpoints (train/checkpointing.py; orbax, async) hold params,
+optimizer state (with the step), the data iterator position and the RNG.
 """
 
 from __future__ import annotations
@@ -10,29 +12,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding
 
 import dsv32_jax
 from dsv32_jax import orbax_io
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax import sharding as shd
-from dsv32_jax.train import losses
-from dsv32_jax.train.metrics import MetricsWriter
+from dsv32_jax.train import checkpointing, steps
+from dsv32_jax.train.config import check_init_from
+from dsv32_jax.train.loop import run_loop
+from dsv32_jax.train.metrics import LM_KEYS
 from dsv32_jax.train.optimizer import learning_rate_schedule, make_tx, trainable_filter
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5e": 197.0,
                "TPU v6": 918.0}
-BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_KEYS = steps.LM_BATCH_KEYS
 
 
 def run_options(config) -> RunOptions:
@@ -94,11 +95,11 @@ class Trainer:
         self.options = run_options(config)
         self.tx = make_tx(config.optimizer)
         self.rng = jax.random.key_data(jax.random.key(config.seed))
-        self._stop = False
         if not allocate:
             return
+        check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
-        self.batch_sharding = NamedSharding(self.mesh, shd.logical_to_spec(("batch", "seq"), mesh_shape=self.mesh.shape))
+        self.batch_sharding = steps.lm_batch_sharding(self.mesh)
         self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
         self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
@@ -150,59 +151,10 @@ class Trainer:
 
     # ------------------------------------------------------------------- step
     def _compile_step(self):
-        graphdef, config, filt = self.ts.graphdef, self.config, self.filter
-        cfg = self.cfg
-        loss_cfg = config.loss
-        stage = self.stage
-
-        def loss_fn(model, batch):
-            logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                                return_aux=True)
-            token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-            lm = losses.lm_loss(logits, batch)
-            kl, metrics = losses.indexer_kl(aux, token_mask)
-            metrics.update(lm_loss=lm, indexer_kl=kl)
-            if stage == "warmup":
-                loss = kl
-            else:
-                loss = lm
-                if stage == "sparse":
-                    loss = loss + loss_cfg.indexer_weight * kl
-                if loss_cfg.mtp_weight and aux["mtp_logits"]:
-                    mtp = losses.mtp_loss(aux["mtp_logits"], batch)
-                    metrics["mtp_loss"] = mtp
-                    loss = loss + loss_cfg.mtp_weight * mtp
-                if loss_cfg.balance_weight and cfg.has_moe:
-                    bal = losses.balance_loss(aux, token_mask, cfg.n_routed_experts, cfg.num_experts_per_tok)
-                    metrics["balance_loss"] = bal
-                    loss = loss + loss_cfg.balance_weight * bal
-            captured = [v for k, v in metrics.items() if k.startswith("captured_mass/")]
-            if captured:
-                metrics["captured_mass"] = jnp.mean(jnp.stack(captured))
-            metrics["loss"] = loss
-            return loss, (metrics, {k: aux[k] for k in ("routing",) if k in aux}, token_mask)
-
-        def step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
-            grad_fn = nnx.grad(loss_fn, argnums=nnx.DiffState(0, filt), has_aux=True)
-            grads, (metrics, aux, token_mask) = grad_fn(model, batch)
-            optimizer.update(model, grads)
-            if loss_cfg.bias_update_speed and stage != "warmup":
-                for key, ids in aux["routing"].items():
-                    if ids is not None:
-                        n = cfg.num_hidden_layers
-                        ffn = (model.layers[key] if key < n else model.mtp[key - n].block).ffn
-                        ffn.bias[...] = losses.bias_update(ffn.bias[...], ids, token_mask, loss_cfg.bias_update_speed)
-            metrics["grad_norm"] = optax.global_norm(grads)
-            metrics["lr"] = self._lr(optimizer.step[...])
-            return nnx.state((model, optimizer)), metrics
-
-        batch_sh = {k: self.batch_sharding for k in BATCH_KEYS}
-        return jax.jit(step, in_shardings=(self.ts.shardings, batch_sh), out_shardings=(self.ts.shardings, None),
-                       donate_argnums=0)
-
-    def _lr(self, count):
-        return learning_rate_schedule(self.config.optimizer)(jnp.maximum(count - 1, 0))
+        return steps.compile_lm_step(
+            self.ts.shardings, self.batch_sharding, graphdef=self.ts.graphdef, stage=self.stage,
+            trainable=self.filter, weights=steps.LossWeights.from_config(self.config.loss), model_cfg=self.cfg,
+            lr_schedule=learning_rate_schedule(self.config.optimizer))
 
     def device_batch(self, batch: dict) -> dict:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
@@ -223,41 +175,22 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_manager(self) -> ocp.CheckpointManager:
-        c = self.config.checkpoint
-        options = ocp.CheckpointManagerOptions(save_interval_steps=c.every, max_to_keep=c.keep,
-                                               enable_async_checkpointing=c.use_async)
-        return ocp.CheckpointManager(os.path.abspath(os.path.join(self.workdir, "checkpoints")), options=options)
-
-    def _pure(self):
-        return nnx.to_pure_dict(self.ts.state[0]), nnx.to_pure_dict(self.ts.state[1])
+        return checkpointing.manager(self.workdir, self.config.checkpoint)
 
     def save(self, mngr, step: int, data_state, force: bool = False) -> bool:
-        params, opt = self._pure()
         meta = {"step": step, "stage": self.stage, "rng": np.asarray(self.rng).tolist(),
                 "model_config": self.cfg.to_hf()}
-        return mngr.save(step, force=force, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt=ocp.args.StandardSave(opt),
-            data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+        return checkpointing.save(mngr, step, arrays={"params": self.ts.state[0], "opt": self.ts.state[1]},
+                                  json={"data": data_state, "meta": meta}, force=force)
 
     def restore(self, mngr, step: int):
-        def target(tree, shardings):
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-        params_t = target(nnx.to_pure_dict(self.ts.state[0]), nnx.to_pure_dict(self.ts.shardings[0]))
-        opt_t = target(nnx.to_pure_dict(self.ts.state[1]), nnx.to_pure_dict(self.ts.shardings[1]))
-        r = mngr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(params_t), opt=ocp.args.StandardRestore(opt_t),
-            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-        nnx.replace_by_pure_dict(self.ts.state[0], r["params"])
-        nnx.replace_by_pure_dict(self.ts.state[1], r["opt"])
+        r = checkpointing.restore(mngr, step, arrays={"params": (self.ts.state[0], self.ts.shardings[0]),
+                                                      "opt": (self.ts.state[1], self.ts.shardings[1])},
+                                  json=("data", "meta"))
         self.rng = np.asarray(r["meta"]["rng"], np.uint32)
         return r["data"]
 
     # ------------------------------------------------------------------- loop
-    def _request_stop(self, signum, _frame):
-        logging.warning("signal %d: saving a checkpoint and stopping after this step", signum)
-        self._stop = True
-
     def peak_flops(self) -> float | None:
         if self.config.peak_tflops:
             return self.config.peak_tflops * 1e12
@@ -267,38 +200,28 @@ class Trainer:
                 return tf * 1e12
         return None
 
+    def restore_checkpoint(self, mngr, step: int) -> None:
+        self._data_iter.set_state(self.restore(mngr, step))
+
+    def save_checkpoint(self, mngr, step: int, force: bool) -> bool:
+        return self.save(mngr, step, self._data_iter.get_state(), force=force)
+
+    def run_step(self) -> dict:
+        batch = next(self._data_iter)
+        t0 = time.perf_counter()
+        metrics = jax.device_get(self.train_step(batch))
+        dt = time.perf_counter() - t0
+        metrics.update(step_time_s=dt, tokens_per_s=self._tokens_per_step / dt)
+        if self._peak:
+            metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / jax.device_count() / self._peak
+        return metrics
+
     def fit(self, data_iter) -> list[dict]:
         """Runs until config.steps (resuming from the workdir's latest checkpoint); returns the logged metrics."""
-        config = self.config
-        writer = MetricsWriter(self.workdir, config.steps, enabled=jax.process_index() == 0)
-        old_handler = signal.signal(signal.SIGTERM, self._request_stop)
-        history = []
-        with self.checkpoint_manager() as mngr:
-            latest = mngr.latest_step()
-            if latest is not None:
-                data_iter.set_state(self.restore(mngr, latest))
-                logging.info("resumed from %s step %d", mngr.directory, latest)
-            step = self.step
-            tokens_per_step = config.data.batch_size * config.data.seq_len
-            peak = self.peak_flops()
-            while step < config.steps and not self._stop:
-                batch = next(data_iter)
-                t0 = time.perf_counter()
-                metrics = jax.device_get(self.train_step(batch))
-                dt = time.perf_counter() - t0
-                step += 1
-                metrics.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt)
-                if peak:
-                    metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / jax.device_count() / peak
-                writer.write(step, metrics)
-                history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
-                if step % config.log_every == 0 or step == config.steps or step == 1:
-                    writer.console(step, metrics)
-                self.save(mngr, step, data_iter.get_state(), force=self._stop or step == config.steps)
-            mngr.wait_until_finished()
-        signal.signal(signal.SIGTERM, old_handler)
-        writer.close()
-        return history
+        self._data_iter = data_iter
+        self._tokens_per_step = self.config.data.batch_size * self.config.data.seq_len
+        self._peak = self.peak_flops()
+        return run_loop(self, workdir=self.workdir, config=self.config, keys=LM_KEYS, desc=self.stage)
 
 
 def write_summary(workdir: str, history: list[dict]) -> None:

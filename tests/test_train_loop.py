@@ -1,0 +1,196 @@
+"""The shared training skeleton without training: learning-rate schedules vs their closed form, the loop's stop on
+SIGTERM / SIGINT, metrics sinks without tensorboardX, the tqdm console line, and the entry point's newcomer paths
+(no flags; a missing config.init_from)."""
+
+import io
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from dsv32_jax.train import checkpointing, loop, metrics as metrics_lib
+from dsv32_jax.train.config import InitFromError, check_init_from, default_config
+from dsv32_jax.train.optimizer import learning_rate_schedule
+from tests.test_train import ROOT, load_config
+
+
+def reference_lr(step, lr, schedule, warmup, decay, final):
+    """Linear warm-up 0 -> lr over `warmup` steps, then constant or cosine to lr * final at step `decay`."""
+    if step < warmup:
+        return lr * step / warmup
+    if schedule == "constant":
+        return lr
+    t = min(step - warmup, max(decay - warmup, 1)) / max(decay - warmup, 1)
+    return lr * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def previous_schedule(cfg):
+    """The schedule as it was built by hand before optax's warmup_cosine_decay_schedule (linear + cosine pieces)."""
+    import optax
+    warmup = max(int(cfg.warmup_steps), 0)
+    if cfg.schedule == "constant":
+        decay = optax.constant_schedule(cfg.lr)
+    else:
+        decay = optax.cosine_decay_schedule(cfg.lr, max(int(cfg.decay_steps) - warmup, 1), alpha=cfg.final_lr_fraction)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
+
+
+@pytest.mark.parametrize("schedule,lr,warmup,decay,final", [
+    ("cosine", 1e-3, 10, 100, 0.1), ("cosine", 3e-3, 2, 300, 0.1), ("cosine", 1e-3, 0, 50, 0.0),
+    ("cosine", 2e-4, 2000, 10000, 0.05), ("cosine", 1e-3, 5, 3, 0.1), ("constant", 1e-3, 5, 100, 0.1),
+    ("constant", 3e-3, 0, 100, 0.1)])
+def test_schedule_matches_the_closed_form_at_every_step(schedule, lr, warmup, decay, final):
+    """float64: the closed form to 1e-7 relative; float32 (training): the previous hand-built schedule, same bits
+    up to 1e-7 relative."""
+    cfg = ml_collections.ConfigDict(dict(lr=lr, schedule=schedule, warmup_steps=warmup, decay_steps=decay,
+                                         final_lr_fraction=final))
+    steps = np.arange(max(decay, warmup) + 20)
+    with jax.enable_x64(True):
+        got = np.asarray(jax.vmap(learning_rate_schedule(cfg))(jnp.asarray(steps)))
+        assert got.dtype == np.float64
+    want = np.array([reference_lr(int(s), lr, schedule, warmup, decay, final) for s in steps])
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=0)
+    new = np.asarray(jax.vmap(learning_rate_schedule(cfg))(jnp.asarray(steps, jnp.int32)))
+    old = np.asarray(jax.vmap(previous_schedule(cfg))(jnp.asarray(steps, jnp.int32)))
+    assert new.dtype == np.float32
+    np.testing.assert_allclose(new, old, rtol=1e-7, atol=0)
+
+
+def test_unknown_schedule_names_the_field():
+    cfg = default_config().optimizer
+    cfg.schedule = "linear"
+    with pytest.raises(ValueError, match="config.optimizer.schedule"):
+        learning_rate_schedule(cfg)
+
+
+class FakeStage:
+    """A stage whose step sends a signal to this process at step `signal_at`."""
+
+    def __init__(self, signum, signal_at):
+        self.step, self.signum, self.signal_at, self.saved = 0, signum, signal_at, []
+
+    def restore_checkpoint(self, mngr, step):
+        raise AssertionError("fresh workdir: nothing to restore")
+
+    def run_step(self):
+        self.step += 1
+        if self.step == self.signal_at:
+            os.kill(os.getpid(), self.signum)
+        return {"loss": 1.0 / self.step}
+
+    def save_checkpoint(self, mngr, step, force):
+        self.saved.append((step, force))
+        return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_loop_stops_after_a_signal_and_saves_that_step(signum, tmp_path):
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    before = signal.getsignal(signum)
+    stage = FakeStage(signum, signal_at=3)
+    history = loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert stage.saved == [(1, False), (2, False), (3, True)]  # the step after the signal is saved, forced
+    assert signal.getsignal(signum) is before
+    assert len(metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 3
+
+
+def test_second_sigint_interrupts():
+    with checkpointing.StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_metrics_writer_without_tensorboardx(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # `import tensorboardX` raises ImportError
+    monkeypatch.setattr(metrics_lib, "_TB_MISSING_LOGGED", False)
+    with caplog.at_level(logging.INFO):
+        for run in ("a", "b"):
+            writer = metrics_lib.MetricsWriter(str(tmp_path / run))
+            writer.write(1, {"loss": np.float32(2.5)})
+            writer.close()
+    said = [r.getMessage() for r in caplog.records if "tensorboardX is missing" in r.getMessage()]
+    assert len(said) == 1 and "pip install 'dsv32-jax[tensorboard]'" in said[0] and said[0].startswith(
+        "TensorBoard events are off")
+    assert metrics_lib.read_jsonl(str(tmp_path / "a" / "metrics.jsonl")) == [{"step": 1, "loss": 2.5}]
+    assert not os.path.exists(tmp_path / "a" / "tb")
+
+
+def test_progress_shows_the_console_metrics():
+    bar_out, lines = io.StringIO(), io.StringIO()
+    values = {"loss": 2.0, "lm_loss": 1.5, "indexer_kl": 0.25, "captured_mass": 0.75, "grad_norm": 3.0, "lr": 1e-3,
+              "tokens_per_s": 1234.0, "other": 7.0}
+    with metrics_lib.Progress(4, keys=metrics_lib.LM_KEYS, log_every=2, file=bar_out, line_file=lines) as bar:
+        for step in range(1, 5):
+            bar.update(step, values)
+        assert bar.bar.postfix.split(", ") == ["loss=2", "lm_loss=1.5", "indexer_kl=0.25", "captured_mass=0.75",
+                                               "grad_norm=3", "lr=0.001", "tokens_per_s=1234"]
+    assert [line.split()[1] for line in lines.getvalue().splitlines()] == ["1/4", "2/4", "4/4"]
+    assert "loss=2 lm_loss=1.5" in lines.getvalue() and "other" not in lines.getvalue()
+    assert "4/4" in bar_out.getvalue()
+    quiet_bar, quiet_lines = io.StringIO(), io.StringIO()  # non-zero processes
+    with metrics_lib.Progress(4, enabled=False, log_every=1, file=quiet_bar, line_file=quiet_lines) as bar:
+        bar.update(1, values)
+    assert quiet_bar.getvalue() == "" and quiet_lines.getvalue() == ""
+
+
+@pytest.mark.parametrize("name,previous", [("sparse_tiny", "configs/warmup_tiny.py"),
+                                           ("warmup_tiny", "configs/dense_tiny.py"),
+                                           ("sparse_small", "configs/warmup_small.py"),
+                                           ("sparse_671b", "configs/warmup_671b.py")])
+def test_missing_init_from_names_the_stage_to_run_first(name, previous, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    config = load_config(name, init_from=missing)
+    with pytest.raises(InitFromError) as e:
+        check_init_from(config, name)
+    msg = str(e.value)
+    assert f"config.init_from='{missing}'" in msg and "no such file or directory" in msg
+    assert f"--config={previous} --workdir={missing}" in msg
+    assert "--config.init_from=''" in msg
+
+
+@pytest.mark.parametrize("name", ["dense_tiny", "grpo_tiny"])
+def test_missing_init_from_without_an_earlier_stage(name, tmp_path):
+    missing = str(tmp_path / "ckpt")
+    with pytest.raises(InitFromError, match=r"config.init_from='.*ckpt'.*HF checkpoint directory") as e:
+        check_init_from(load_config(name, init_from=missing), name)
+    assert "--config.init_from=''" in str(e.value)
+    check_init_from(load_config(name, init_from=str(tmp_path)), name)  # exists: fine
+    check_init_from(load_config(name, init_from=""), name)
+
+
+def cli(args, cwd, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "dsv32_jax.train.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_missing_init_from_exits_with_a_message_not_a_traceback(tmp_path):
+    res = cli([f"--config={ROOT}/configs/sparse_tiny.py", "--workdir=w"], cwd=tmp_path)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    assert "config.init_from='runs/demo/warmup'" in res.stderr and str(tmp_path / "runs/demo/warmup") in res.stderr
+    assert "--config=configs/warmup_tiny.py --workdir=runs/demo/warmup" in res.stderr
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
+    res = cli([], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics_lib.read_jsonl(str(tmp_path / "runs" / "quickstart" / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    assert "done: 20 steps of stage sparse in runs/quickstart" in res.stdout
+    assert "orbax" not in res.stderr  # orbax's INFO chatter stays off the console

@@ -1,0 +1,92 @@
+"""Checkpointing and stop signals shared by the training loops (train/trainer.py, train/grpo.py).
+
+A workdir's checkpoints live in W/checkpoints, one orbax CheckpointManager; each step holds named items: array
+trees (nnx states, saved as pure dicts) and small JSON items. The trainer writes params, opt, data, meta; GRPO
+writes params, opt, ref, meta (dsv32_jax/orbax_io.py reads 'params' and 'meta' of either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
+    """The CheckpointManager of `workdir` configured by config.checkpoint (every, keep, use_async)."""
+    c = checkpoint_cfg
+    options = ocp.CheckpointManagerOptions(save_interval_steps=c.every, max_to_keep=c.keep,
+                                           enable_async_checkpointing=c.use_async)
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINTS_DIR)), options=options)
+
+
+def latest_step(mngr: ocp.CheckpointManager) -> int | None:
+    """The last finished checkpoint's step (None in a fresh workdir)."""
+    return mngr.latest_step()
+
+
+def _pure(tree):
+    return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+
+
+def save(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: dict, force: bool = False) -> bool:
+    """Saves `arrays` (name -> nnx.State or pytree of arrays) and `json` (name -> JSON-able object) as one step.
+    Returns whether a checkpoint was started (the manager skips steps off its save interval unless force)."""
+    items = {name: ocp.args.StandardSave(_pure(tree)) for name, tree in arrays.items()}
+    items.update({name: ocp.args.JsonSave(obj) for name, obj in json.items()})
+    return mngr.save(step, force=force, args=ocp.args.Composite(**items))
+
+
+def restore_target(state, shardings):
+    """Abstract restore target of an array tree: shapes and dtypes of `state`, placed with `shardings` (both
+    nnx.State or matching pytrees), so each array is read straight into its shards."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), _pure(state), _pure(shardings))
+
+
+def restore(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: tuple = ()) -> dict:
+    """Restores step `step`. `arrays`: name -> (nnx.State, its shardings); each of those states is updated in
+    place. `json`: names of JSON items. Returns name -> restored value (pure dicts for the array items)."""
+    items = {name: ocp.args.StandardRestore(restore_target(state, sh)) for name, (state, sh) in arrays.items()}
+    items.update({name: ocp.args.JsonRestore() for name in json})
+    restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    for name, (state, _) in arrays.items():
+        nnx.replace_by_pure_dict(state, restored[name])
+    return {name: restored[name] for name in items}
+
+
+class StopSignal(contextlib.AbstractContextManager):
+    """SIGTERM / SIGINT -> `requested` becomes True; the loop then saves the current step and returns (exit 0).
+    A second SIGINT interrupts at once (KeyboardInterrupt). Outside the main thread no handler is installed."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def _handler(self, signum, _frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        logging.warning("signal %d: saving a checkpoint and stopping after this step", signum)
+        self.requested = True
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._handler)
+            except ValueError:  # not the main thread: signals stay with their current handlers
+                break
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+        return False

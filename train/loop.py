@@ -1,0 +1,57 @@
+"""The loop that every training stage shares: resume from the workdir's latest checkpoint, step until
+config.steps, log metrics (metrics.jsonl, TensorBoard, tqdm), save checkpoints, stop cleanly on SIGTERM / SIGINT.
+
+A stage (train/trainer.py's Trainer, train/grpo.py's GRPOLearner) provides:
+    step                        the number of finished steps (after restore)
+    restore_checkpoint(m, s)    load step s from CheckpointManager m
+    run_step() -> dict          one training step; host-side scalar metrics
+    save_checkpoint(m, s, f)    save step s (forced: f)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+from absl import logging
+
+from dsv32_jax.train import checkpointing
+from dsv32_jax.train.metrics import MetricsWriter, Progress
+
+
+class Stage(Protocol):
+    step: int
+
+    def restore_checkpoint(self, mngr, step: int) -> None: ...
+
+    def run_step(self) -> dict: ...
+
+    def save_checkpoint(self, mngr, step: int, force: bool) -> bool: ...
+
+
+def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
+             show: Callable[[dict], bool] = lambda metrics: False) -> list[dict]:
+    """Runs `stage` until config.steps (resuming from its latest checkpoint); returns one dict per step run here
+    ({"step": n, metric: float}). show(metrics) -> True also prints that step's console line."""
+    main = jax.process_index() == 0
+    writer = MetricsWriter(workdir, enabled=main)
+    history = []
+    with checkpointing.manager(workdir, config.checkpoint) as mngr, checkpointing.StopSignal() as stop:
+        latest = checkpointing.latest_step(mngr)
+        if latest is not None:
+            stage.restore_checkpoint(mngr, latest)
+            logging.info("resumed from %s step %d", mngr.directory, latest)
+        step = stage.step
+        with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
+            while step < config.steps and not stop.requested:
+                metrics = stage.run_step()
+                step += 1
+                writer.write(step, metrics)
+                history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+                bar.update(step, metrics, force_line=show(metrics))
+                stage.save_checkpoint(mngr, step, force=stop.requested or step == config.steps)
+        mngr.wait_until_finished()
+        if stop.requested:
+            logging.info("stopped by a signal at step %d (checkpoint saved in %s)", step, mngr.directory)
+    writer.close()
+    return history

@@ -1,0 +1,197 @@
+"""The compiled steps of every training stage, as module-level pure functions.
+
+Each step is a function of (state, batch) plus keyword-only static configuration (graphdef, stage, loss weights,
+schedule, ...) bound with functools.partial before jax.jit; nothing closes over a trainer object. `compile_*`
+jit them with explicit in/out shardings: the (model, optimizer) state sharded by the rule table of
+dsv32_jax.sharding, batch arrays split on their leading (batch) dimension over the batch mesh axes.
+
+    lm_train_step            dense LM pre-training, dense warm-up (eq. 3), sparse training (eq. 4)
+    grpo_train_step          one GRPO minibatch update (train/grpo_loss.py)
+    grpo_reference_logprobs  log-probs of pi_ref on the sampled tokens' kept sets
+    grpo_diagnostics         sampler-vs-trainer log-prob mismatch and routing agreement at pi_old
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from dsv32_jax import sharding as shd
+from dsv32_jax.train import losses
+from dsv32_jax.train.grpo_loss import grpo_loss, processed_logprobs
+
+LM_BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+# ------------------------------------------------------------------------------------------------- shardings
+def lm_batch_sharding(mesh) -> NamedSharding:
+    """[batch, seq] arrays: batch over the batch mesh axes, sequence replicated."""
+    return NamedSharding(mesh, shd.logical_to_spec(("batch", "seq"), mesh_shape=mesh.shape))
+
+
+def leading_batch_sharding(mesh) -> NamedSharding:
+    """Arrays of any rank split on their leading (batch) dimension only (a prefix for a whole batch tree)."""
+    return NamedSharding(mesh, shd.logical_to_spec(("batch",), mesh_shape=mesh.shape))
+
+
+def batch_devices(mesh) -> int:
+    """How many ways the batch dimension is split on `mesh`."""
+    spec = shd.logical_to_spec(("batch",), mesh_shape=mesh.shape)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    return n
+
+
+# --------------------------------------------------------------------------------------- dense / warmup / sparse
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    """config.loss as static step configuration."""
+    indexer_weight: float = 1.0
+    mtp_weight: float = 0.0
+    balance_weight: float = 0.0
+    bias_update_speed: float = 0.0
+
+    @classmethod
+    def from_config(cls, loss_cfg) -> "LossWeights":
+        return cls(**{f.name: loss_cfg[f.name] for f in dataclasses.fields(cls)})
+
+
+def lm_objective(model, batch, *, stage: str, weights: LossWeights, model_cfg):
+    """The stage's loss: warm-up = indexer KL (eq. 3); dense / sparse = LM loss (+ the indexer KL of eq. 4 in the
+    sparse stage) + optional MTP and balance losses. Returns (loss, (metrics, routing aux, token mask))."""
+    logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                        return_aux=True)
+    token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
+    lm = losses.lm_loss(logits, batch)
+    kl, metrics = losses.indexer_kl(aux, token_mask)
+    metrics.update(lm_loss=lm, indexer_kl=kl)
+    if stage == "warmup":
+        loss = kl
+    else:
+        loss = lm
+        if stage == "sparse":
+            loss = loss + weights.indexer_weight * kl
+        if weights.mtp_weight and aux["mtp_logits"]:
+            mtp = losses.mtp_loss(aux["mtp_logits"], batch)
+            metrics["mtp_loss"] = mtp
+            loss = loss + weights.mtp_weight * mtp
+        if weights.balance_weight and model_cfg.has_moe:
+            bal = losses.balance_loss(aux, token_mask, model_cfg.n_routed_experts, model_cfg.num_experts_per_tok)
+            metrics["balance_loss"] = bal
+            loss = loss + weights.balance_weight * bal
+    captured = [v for k, v in metrics.items() if k.startswith("captured_mass/")]
+    if captured:
+        metrics["captured_mass"] = jnp.mean(jnp.stack(captured))
+    metrics["loss"] = loss
+    return loss, (metrics, {k: aux[k] for k in ("routing",) if k in aux}, token_mask)
+
+
+def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, trainable, weights: LossWeights,
+                  model_cfg, lr_schedule) -> tuple[nnx.State, dict]:
+    """One optimizer step on `batch`; state = nnx state of (model, optimizer). Only `trainable` (the stage's
+    filter) gets gradients. Returns the new state and scalar metrics (grad_norm: global L2 norm before clipping,
+    lr: the learning rate this update used)."""
+    model, optimizer = nnx.merge(graphdef, state)
+    grad_fn = nnx.grad(functools.partial(lm_objective, stage=stage, weights=weights, model_cfg=model_cfg),
+                       argnums=nnx.DiffState(0, trainable), has_aux=True)
+    grads, (metrics, aux, token_mask) = grad_fn(model, batch)
+    optimizer.update(model, grads)
+    if weights.bias_update_speed and stage != "warmup":
+        for key, ids in aux["routing"].items():
+            if ids is not None:
+                n = model_cfg.num_hidden_layers
+                ffn = (model.layers[key] if key < n else model.mtp[key - n].block).ffn
+                ffn.bias[...] = losses.bias_update(ffn.bias[...], ids, token_mask, weights.bias_update_speed)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = lr_schedule(jnp.maximum(optimizer.step[...] - 1, 0))
+    return nnx.state((model, optimizer)), metrics
+
+
+def compile_lm_step(state_shardings, batch_sharding: NamedSharding, **static):
+    """jit(lm_train_step) for one stage: `static` = lm_train_step's keyword arguments; the state is donated."""
+    batch_sh = {k: batch_sharding for k in LM_BATCH_KEYS}
+    return jax.jit(functools.partial(lm_train_step, **static), in_shardings=(state_shardings, batch_sh),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO
+def forward_logprobs(model, batch, temperature: float, replay: bool):
+    """Processed log-probs of the sampled tokens (restricted to the sampler's kept sets), entropy, kept mass and
+    the model's aux; replay=True forces the routing that the sampler recorded (keep routing)."""
+    p = batch["prompts"].shape[1]
+    logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segments"],
+                        routing=batch["routing"] if replay else None, return_aux=True)
+    logp, entropy, mass = processed_logprobs(logits[:, p - 1:-1], batch["gen"], batch["kept_ids"],
+                                             batch["kept_mask"], temperature)
+    return logp, entropy, mass, aux
+
+
+def grpo_reference_logprobs(ref_state: nnx.State, batch: dict, *, graphdef, temperature: float) -> jax.Array:
+    """log pi_ref of the sampled tokens: the frozen reference with its own routing, on the same kept sets."""
+    return forward_logprobs(nnx.merge(graphdef, ref_state), batch, temperature, replay=False)[0]
+
+
+def grpo_diagnostics(model_state: nnx.State, batch: dict, *, graphdef, temperature: float) -> dict:
+    """At pi_old (before any update): sampler-vs-trainer log-prob mismatch and routing agreement."""
+    model = nnx.merge(graphdef, model_state)
+    logp, _, _, _ = forward_logprobs(model, batch, temperature, replay=True)
+    _, _, _, native = forward_logprobs(model, batch, temperature, replay=False)
+    m = batch["mask"]
+    diff = jnp.abs(logp - batch["logp_old"]) * m
+    valid = batch["segments"] > 0
+    agree = [jnp.sum(jnp.all(jnp.sort(native["routing"][k], -1) == jnp.sort(ids, -1), -1) * valid)
+             / jnp.maximum(jnp.sum(valid), 1) for k, ids in batch["routing"].items()]
+    return {"logprob_mismatch_mean": jnp.sum(diff) / jnp.maximum(jnp.sum(m), 1.0),
+            "logprob_mismatch_max": jnp.max(diff),
+            "routing_agreement": jnp.mean(jnp.stack(agree)) if agree else jnp.ones(())}
+
+
+def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: float, eps: float,
+                    delta: float) -> tuple[nnx.State, dict]:
+    """One GRPO minibatch update of (model, optimizer) with keep routing and the keep sampling mask."""
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+        logp, entropy, mass, _ = forward_logprobs(model, batch, temperature, replay=True)
+        loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], batch["mask"],
+                                  batch["beta"], eps=eps, delta=delta)
+        m = batch["mask"]
+        metrics.update(loss=loss, entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
+                       kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
+        return loss, metrics
+
+    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return nnx.state((model, optimizer)), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSteps:
+    train: object  # (state, batch) -> (state, metrics); the state is donated
+    reference: object  # (ref model state, batch) -> log pi_ref
+    diagnostics: object  # (model state, batch) -> metrics
+
+
+def compile_grpo_steps(*, graphdef, model_graphdef, state_shardings, batch_sharding: NamedSharding,
+                       temperature: float, eps: float, delta: float) -> GRPOSteps:
+    """The three jitted GRPO functions; `batch_sharding` applies to every batch array (leading dimension)."""
+    model_sh = state_shardings[0]
+    return GRPOSteps(
+        train=jax.jit(functools.partial(grpo_train_step, graphdef=graphdef, temperature=temperature, eps=eps,
+                                        delta=delta),
+                      in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
+                      donate_argnums=0),
+        reference=jax.jit(functools.partial(grpo_reference_logprobs, graphdef=model_graphdef,
+                                            temperature=temperature),
+                          in_shardings=(model_sh, batch_sharding), out_shardings=batch_sharding),
+        diagnostics=jax.jit(functools.partial(grpo_diagnostics, graphdef=model_graphdef, temperature=temperature),
+                            in_shardings=(model_sh, batch_sharding), out_shardings=None))
