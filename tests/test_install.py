@@ -59,6 +59,9 @@ def test_wheel_install_runs_the_readme_and_the_console_scripts(installed):
     out = run(venv, tmp, py, "-c", "import dsv32_jax, dsv32_jax.train, dsv32_jax.kernels, dsv32_jax.configs; "
               "print(dsv32_jax.__file__)")
     assert "site-packages" in out and ROOT not in out
+    for top_level in ("train", "pallas_kernels", "configs"):  # everything lives under the dsv32_jax namespace
+        res = subprocess.run([py, "-c", f"import {top_level}"], cwd=tmp, capture_output=True, text=True)
+        assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr, top_level
     for i, snippet in enumerate(readme_snippets()):
         path = tmp / f"readme_{i}.py"
         path.write_text(snippet)

@@ -88,6 +88,7 @@ def main(argv):
 
 def cli() -> None:
     """Console script `dsv32-train` (same flags as `python -m dsv32_jax.train.main`)."""
+    sys.modules["__main__"].__doc__ = __doc__  # what absl's --help prints (the console-script wrapper has none)
     app.run(main)
 
 
