@@ -143,9 +143,10 @@ def wait_for_checkpoint(workdir, step, proc, timeout=240):
 
 
 def test_resume_after_sigkill_and_sigterm_matches_uninterrupted(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")  # a crash prints its Python stack
     ref = str(tmp_path / "ref")
-    subprocess.run(CLI + [f"--workdir={ref}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    res = subprocess.run(CLI + [f"--workdir={ref}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
     run = str(tmp_path / "run")
     proc = subprocess.Popen(CLI + [f"--workdir={run}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -161,7 +162,8 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted(tmp_path):
     assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
     stopped_at = max(losses_by_step(run))
     assert os.path.isdir(os.path.join(run, "checkpoints", str(stopped_at)))
-    res = subprocess.run(CLI + [f"--workdir={run}"], cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+    res = subprocess.run(CLI + [f"--workdir={run}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
     assert f"resumed from {os.path.join(run, 'checkpoints')} step {stopped_at}" in res.stdout + res.stderr
     expected, got = losses_by_step(ref), losses_by_step(run)
     assert sorted(got) == list(range(1, 11))

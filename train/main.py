@@ -6,6 +6,7 @@ environment that `jax.distributed.initialize()` understands, with --distributed)
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -63,6 +64,7 @@ def configure_logging() -> None:
 
 def main(argv):
     del argv
+    faulthandler.enable()  # a native crash (XLA, grain threads) prints the Python stacks instead of a bare exit code
     import jax
 
     configure_logging()

@@ -19,7 +19,10 @@ def run(config, workdir: str):
     data_cfg = data_lib.DataConfig(**config.data.to_dict())
     it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=jax.process_index(),
                                 process_count=jax.process_count())
-    history = trainer.fit(it)
+    try:
+        history = trainer.fit(it)
+    finally:  # stop grain's prefetch threads before the interpreter exits
+        it.close()
     write_summary(workdir, history)
     print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
     return history
