@@ -1,5 +1,7 @@
-"""train/data/ (dsv32_jax.train.data): sources, tokenizers, packing invariants, determinism, exact resume, host sharding."""
+"""train/data/ (dsv32_jax.train.data): sources, tokenizers, packing (invariants and the training signal against a
+numpy reference), determinism, exact resume, host sharding."""
 
+import collections
 import json
 import os
 
@@ -247,6 +249,73 @@ def test_packing_invariants(tmp_path):
             else:
                 assert tgt[last] == 0
     assert sorted(texts(batches)) == sorted(d for d in docs if d)
+
+
+def _id_tokenizer(folder, n):
+    """A tokenizer.json whose word "t<k>" is id k (1 <= k <= n; "[UNK]" is 0): any id sequence can be a document."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"t{k}": k for k in range(1, n + 1)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    return os.path.join(folder, "tokenizer.json")
+
+
+@pytest.mark.parametrize("shuffle_window", [0, 4])
+def test_training_pairs_match_a_numpy_reference(tmp_path, rng, shuffle_window):
+    """The packed rows carry exactly the documents' next-token training signal: the multiset of (document, position
+    in document, token, target, loss_mask) over all real tokens equals a reference computed from the documents alone,
+    whatever the splits at row ends (documents shorter, equal to, longer than seq_len, empty), document shuffle and
+    row-window shuffle. Every token id is used once in the corpus, so a token names its document and position."""
+    seq, epochs = 16, 2
+    lengths = np.concatenate([[0, 1, 2, seq - 1, seq, seq + 1, 3 * seq + 5, 0],
+                              rng.integers(0, 3 * seq, size=24)])
+    rng.shuffle(lengths)
+    ids = rng.permutation(int(lengths.sum())) + 1
+    docs = np.split(ids, np.cumsum(lengths)[:-1])
+    where = {int(t): (d, i) for d, doc in enumerate(docs) for i, t in enumerate(doc)}
+    texts = [" ".join(f"t{t}" for t in doc) if len(doc) else " " * (d % 2) for d, doc in enumerate(docs)]
+
+    ref = collections.Counter()  # the reference: next token of the same document, loss on all but the last token
+    for d, doc in enumerate(docs):
+        for i in range(len(doc)):
+            last = i == len(doc) - 1
+            ref[(d, i, int(doc[i]), 0 if last else int(doc[i + 1]), 0.0 if last else 1.0)] += epochs
+
+    cfg = finite("jsonl", [write_jsonl(tmp_path / "d.jsonl", texts)], seq_len=seq, shuffle=True,
+                 seed=int(rng.integers(1 << 31)), shuffle_window=shuffle_window, num_epochs=epochs, add_eos=False,
+                 tokenizer=_id_tokenizer(tmp_path / "tok", len(ids)))
+    got = collections.Counter()
+    for r in rows(take(make_iterator(cfg, vocab_size=len(ids) + 1))):
+        seg, tok, tgt, mask, pos = r["segment_ids"], r["tokens"], r["targets"], r["loss_mask"], r["positions"]
+        assert np.all(tok[seg == 0] == 0) and np.all(tgt[seg == 0] == 0) and np.all(mask[seg == 0] == 0)
+        for t in np.flatnonzero(seg):
+            d, i = where[int(tok[t])]
+            got[(d, i, int(tok[t]), int(tgt[t]), float(mask[t]))] += 1
+        for s in range(1, int(seg.max()) + 1):  # a segment is one contiguous piece of one document
+            idx = np.flatnonzero(seg == s)
+            (d0, i0), (d1, i1) = where[int(tok[idx[0]])], where[int(tok[idx[-1]])]
+            assert d0 == d1 and [where[int(x)] for x in tok[idx]] == [(d0, i0 + k) for k in range(len(idx))]
+            np.testing.assert_array_equal(pos[idx], np.arange(len(idx)))
+            assert i0 == 0 or (s == 1 and idx[0] == 0), "a piece starts its document or a row"
+            assert i1 == len(docs[d0]) - 1 or idx[-1] == seq - 1, "a piece ends its document or a row"
+    assert got == ref
+
+
+def test_resume_from_every_row_after_a_json_round_trip(tmp_path, rng):
+    """Resuming from the state after any number of rows (a JSON round trip, as in checkpoints) gives the rest of the
+    stream: states with and without a document split across the row boundary."""
+    docs = [" ".join(["w"] * int(n)) for n in rng.integers(0, 12, size=12)]  # 2 bytes per word: splits and exact fits
+    cfg = finite("jsonl", [write_jsonl(tmp_path / "d.jsonl", docs)], seq_len=8, shuffle_window=0)
+    ref = take(make_iterator(cfg, vocab_size=256))
+    for k in range(len(ref) + 1):
+        it = make_iterator(cfg, vocab_size=256)
+        for _ in range(k):
+            next(it)
+        resumed = make_iterator(cfg, vocab_size=256)
+        resumed.set_state(json.loads(json.dumps(it.get_state())))
+        same(take(resumed), ref[k:])
 
 
 def test_finite_epochs_drop_only_the_final_partial_batch(tmp_path):

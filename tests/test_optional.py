@@ -30,7 +30,7 @@ def test_data_sources_name_their_extra(monkeypatch, tmp_path, source, module, ex
     hide(monkeypatch, module, module + ".parquet", module + ".python", module + ".python.array_record_module",
          module + ".python.array_record_data_source")
     cfg = data_lib.DataConfig(source=source, paths=(str(path),), seq_len=16, batch_size=2)
-    with pytest.raises(ImportError, match=rf"pip install 'dsv32-jax\[{extra}\]'"):
+    with pytest.raises(ImportError, match=rf"data.source='{source}' needs .*pip install 'dsv32-jax\[{extra}\]'"):
         data_lib.make_iterator(cfg, vocab_size=300)
 
 

@@ -6,8 +6,10 @@ Pipeline (``make_dataset``)::
       -> per-epoch shuffle (global; per row group for Parquet) -> repeat(num_epochs)
       -> this host's shard  [process_index::process_count] of the document stream
       -> tokenize (+ EOS)  (in ReadOptions threads, or in `worker_count` processes via mp_prefetch)
-      -> pack into rows of seq_len (concatenate, then split)
-      -> shuffle rows in windows of `shuffle_window` (with shuffle)  -> batch(batch_size // process_count)
+      -> drop empty documents, add next-token targets + loss mask per document
+      -> pack into rows of seq_len (concatenate, then split: grain.experimental.ConcatThenSplitIterDataset)
+      -> shuffle rows in windows of `shuffle_window` (with shuffle: grain.experimental.WindowShuffleIterDataset)
+      -> batch(batch_size // process_count)
 
 Each element is a dict of numpy arrays, ``b = batch_size // process_count`` rows of ``seq_len``:
 
@@ -40,21 +42,7 @@ host depends on ``process_count``; the rows do not depend on ``worker_count`` (w
 tokenize; packing runs in the host process), but the iterator state format does, so keep
 ``worker_count`` fixed across a resume.
 
-Sources (``DataConfig.source``; ``paths`` are files, directories or glob patterns, sorted per entry):
-
-* ``builtin``: Python's own documentation, present on every CPython install: the pydoc help topics
-  (``pydoc_data.topics``, ~80 documents, ~0.5 MB) and the docstrings of a fixed list of stdlib modules
-  (one document per module, ~0.4 MB). Fixed order; contents depend on the Python version.
-* ``jsonl``: one JSON object per line, text under ``text_field``; blank lines are ignored. Files are
-  indexed by line offsets once (one pass) and read line by line on demand.
-* ``parquet``: string column ``text_field``; read one row group at a time. Shuffling permutes the row
-  groups and the rows within each row group (a full shuffle would decode a row group per document).
-* ``arrayrecord``: one document per record; a record that is a JSON object must hold ``text_field``,
-  any other record is taken as raw UTF-8 text.
-* ``text``: ``.txt`` files (a directory means the ``*.txt`` files under it); each file is one document.
-  Files larger than 1 MiB are read as consecutive pieces of about 1 MiB cut at line ends, each piece its
-  own document (bounded memory; documents are split into seq_len pieces anyway). Invalid UTF-8 bytes in
-  text files and raw ArrayRecord records decode to U+FFFD.
+The sources (``DataConfig.source``) are described in sources.py.
 """
 
 from __future__ import annotations
@@ -150,90 +138,66 @@ class _Tokenize:
         return ids.astype(np.int32, copy=False)
 
 
-class PackIterDataset(grain.IterDataset):
-    """Concatenate-then-split packing of token arrays into rows of seq_len (see the module docstring).
+def _nonempty(ids: np.ndarray) -> bool:
+    return len(ids) > 0
 
-    Ours rather than grain.experimental.ConcatThenSplitIterDataset: a document split at a row end keeps its true next
-    token as the target of the piece's last position (taken from the next row), which grain's packer, splitting
-    feature arrays independently, does not provide; positions restart at each piece as the contract above says."""
 
-    def __init__(self, parent: grain.IterDataset, seq_len: int):
-        super().__init__(parent)
-        self._seq_len = seq_len
+def _with_next_tokens(ids: np.ndarray) -> dict:
+    """A document's tokens with its next-token targets and loss mask, all of the document's length.
+
+    Computed per document, before packing: the packer splits the three features at the same offsets (equal
+    lengths), so the last target of a piece cut at a row end is still the document's true next token (the first
+    token of the piece in the next row), and only the document's last token has loss_mask 0."""
+    targets = np.zeros_like(ids)
+    targets[:-1] = ids[1:]
+    loss_mask = np.ones(len(ids), np.float32)
+    loss_mask[-1] = 0.0
+    return {"tokens": ids, "targets": targets, "loss_mask": loss_mask}
+
+
+def pack_documents(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
+    """Concatenate-then-split packing of token arrays into rows of seq_len (fields: see the module docstring).
+
+    grain's ConcatThenSplitIterDataset does the packing (split pieces restart at segment 1 / position 0 of the next
+    row, padding zeros at the end of a finite stream); `_with_next_tokens` supplies the cross-row targets. Empty
+    documents are dropped first: grain would give them a segment id of their own with no tokens."""
+    features = documents.filter(_nonempty).map(_with_next_tokens)
+    packed = grain.experimental.ConcatThenSplitIterDataset(  # split_full_length_features=False would emit a document
+        features, length_struct={"tokens": seq_len, "targets": seq_len, "loss_mask": seq_len},  # of exactly seq_len
+        split_full_length_features=True)  # ahead of the row being filled: keep stream order
+    return _PackedRows(packed)
+
+
+class _PackedRows(grain.IterDataset):
+    """Our field names on grain's packed rows, and a packer state that survives a JSON round trip.
+
+    grain 0.2.18 keeps `remainder_slices` as tuples and tests `slice != (-1, -1)` for "no remainder"; after JSON (how
+    checkpoints store the data state) they are lists, so a state saved with no remainder would resume by dropping
+    the next document. set_state turns them back into tuples."""
 
     def __iter__(self):
-        return _PackIterator(self._parent.__iter__(), self._seq_len)
+        return _PackedRowsIterator(self._parent.__iter__())
 
     def __str__(self):
-        return f"PackIterDataset(seq_len={self._seq_len})"
+        return "PackedRows"
 
 
-class _PackIterator(grain.DatasetIterator):
-    def __init__(self, parent, seq_len: int):
-        super().__init__(parent)
-        self._seq_len = seq_len
-        self._doc: np.ndarray | None = None  # the document being laid out
-        self._doc_state = None  # parent state from before the document was fetched
-        self._offset = 0  # tokens of _doc already emitted
-        self._exhausted = False
-
-    def _next_document(self) -> bool:
-        while True:
-            state = self._parent.get_state()
-            try:
-                doc = next(self._parent)
-            except StopIteration:
-                self._exhausted = True
-                return False
-            if len(doc):
-                self._doc, self._doc_state, self._offset = np.asarray(doc, np.int32), state, 0
-                return True
-
+class _PackedRowsIterator(grain.DatasetIterator):
     def __next__(self):
-        n = self._seq_len
-        tokens = np.zeros(n, np.int32)
-        targets = np.zeros(n, np.int32)
-        segment_ids = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        loss_mask = np.zeros(n, np.float32)
-        p, segment = 0, 0
-        while p < n:
-            if self._doc is None and (self._exhausted or not self._next_document()):
-                break
-            doc, o = self._doc, self._offset
-            k = min(n - p, len(doc) - o)
-            segment += 1
-            tokens[p:p + k] = doc[o:o + k]
-            nxt = doc[o + 1:o + k + 1]  # the document's next tokens (one short at its end)
-            targets[p:p + len(nxt)] = nxt
-            loss_mask[p:p + len(nxt)] = 1.0
-            segment_ids[p:p + k] = segment
-            positions[p:p + k] = np.arange(k, dtype=np.int32)
-            p += k
-            self._offset = o + k
-            if self._offset == len(doc):
-                self._doc, self._doc_state, self._offset = None, None, 0
-        if p == 0:
-            raise StopIteration
-        return {"tokens": tokens, "targets": targets, "segment_ids": segment_ids, "positions": positions,
-                "loss_mask": loss_mask}
+        row = next(self._parent)
+        return {"tokens": row["tokens"], "targets": row["targets"], "segment_ids": row["tokens_segment_ids"],
+                "positions": row["tokens_positions"], "loss_mask": row["loss_mask"]}
 
     def get_state(self) -> dict:
-        if self._doc is not None:
-            return {"parent": self._doc_state, "offset": self._offset}
-        return {"parent": self._parent.get_state(), "offset": 0}
+        return self._parent.get_state()
 
     def set_state(self, state: dict) -> None:
-        self._parent.set_state(state["parent"])
-        self._doc, self._doc_state, self._offset, self._exhausted = None, None, 0, False
-        offset = int(state["offset"])
-        if offset:
-            if not self._next_document():
-                raise ValueError("iterator state points past the end of the data")
-            self._offset = offset
+        state = dict(state)
+        state["remainder_slices"] = {k: tuple(v) for k, v in state["remainder_slices"].items()}
+        self._parent.set_state(state)
 
     def __str__(self):
-        return f"_PackIterator(seq_len={self._seq_len})"
+        return "PackedRowsIterator"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -265,7 +229,7 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
         if not flags.FLAGS.is_parsed():  # grain's worker processes read its absl flags (defaults suffice)
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-    it = PackIterDataset(it, cfg.seq_len)
+    it = pack_documents(it, cfg.seq_len)
     if cfg.shuffle and cfg.shuffle_window > 1:  # spreads the rows of one long document over many batches
         it = grain.experimental.WindowShuffleIterDataset(it, window_size=cfg.shuffle_window, seed=cfg.seed)
     return it.batch(cfg.batch_size // process_count, drop_remainder=True)

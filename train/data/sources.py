@@ -1,23 +1,39 @@
-"""Document sources with random access (`len`, `[i] -> str`): built-in corpus, JSONL, Parquet, ArrayRecord, text files; `make_source(cfg)`."""
+"""Document sources with random access (``len``, ``[i] -> str``) and ``make_source(cfg)``.
+
+Sources (``DataConfig.source``; ``paths`` are files, directories or glob patterns, sorted per entry):
+
+* ``builtin``: Python's own documentation, present on every CPython install: the pydoc help topics
+  (``pydoc_data.topics``, ~80 documents, ~0.5 MB) and the docstrings of a fixed list of stdlib modules
+  (one document per module, ~0.4 MB). Fixed order; contents depend on the Python version.
+* ``jsonl``: one JSON object per line, text under ``text_field``; blank lines are ignored. Files are
+  indexed by line offsets once (one pass) and read line by line on demand.
+* ``parquet``: string column ``text_field``; read one row group at a time. Shuffling permutes the row
+  groups and the rows within each row group (a full shuffle would decode a row group per document).
+* ``arrayrecord``: one document per record; a record that is a JSON object must hold ``text_field``,
+  any other record is taken as raw UTF-8 text.
+* ``text``: ``.txt`` files (a directory means the ``*.txt`` files under it); each file is one document.
+  Files larger than 1 MiB are read as consecutive pieces of about 1 MiB cut at line ends, each piece its
+  own document (bounded memory; documents are split into seq_len pieces anyway). Invalid UTF-8 bytes in
+  text files and raw ArrayRecord records decode to U+FFFD.
+
+pyarrow (parquet) and array_record (arrayrecord) are optional: imported only when their source is used; a
+missing one raises an ImportError naming ``data.source`` and the pip extra.
+"""
 
 from __future__ import annotations
 
 import collections
-import functools
 import glob
-import importlib
-import inspect
 import json
 import os
 import threading
-import warnings
 from typing import Any, Sequence
 
 import grain
 import numpy as np
 
 from dsv32_jax.optional import require
-
+from dsv32_jax.train.data.builtin import builtin_documents
 from dsv32_jax.train.data.config import DataConfig
 
 
@@ -200,6 +216,7 @@ class ParquetSource:
     def __init__(self, files: Sequence[str], field: str):
         self.files = list(files)
         self.field = field
+        pa = require("pyarrow", "parquet", "data.source='parquet'")
         rg_rows, rg_where = [], []
         for i, path in enumerate(self.files):
             pf = self._open(path)
@@ -207,8 +224,6 @@ class ParquetSource:
             if field not in names:
                 raise KeyError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
             typ = pf.schema_arrow.field(field).type
-            pa = require("pyarrow", "parquet", "data.source='parquet'")
-
             is_view = getattr(pa.types, "is_string_view", lambda t: False)
             if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_view(typ)):
                 raise ValueError(f"{path}: Parquet column {field!r} has type {typ}, expected a string column")
@@ -237,7 +252,6 @@ class ParquetSource:
     @staticmethod
     def _open(path: str):
         pq = require("pyarrow.parquet", "parquet", "data.source='parquet'")
-
         try:
             return pq.ParquetFile(path)
         except Exception as e:  # noqa: BLE001  (ArrowInvalid, OSError, ...)
@@ -309,58 +323,6 @@ class ArrayRecordSource:
                 where = lambda: f"{self.files[f]}, record {index - int(self._offsets[f])}"  # noqa: E731
                 return _text_of(record, self.field, where)
         return raw.decode("utf-8", errors="replace")
-
-
-# Stdlib modules whose docstrings form part of the built-in corpus (fixed order; import-safe everywhere).
-_DOC_MODULES = (
-    "abc argparse ast base64 bisect calendar collections configparser contextlib copy csv dataclasses "
-    "datetime decimal difflib enum fractions functools gettext heapq hmac html.parser inspect io ipaddress "
-    "itertools json logging math operator os pathlib pickle pprint queue random re sched secrets shlex "
-    "shutil socket statistics string struct subprocess tarfile tempfile textwrap threading time timeit "
-    "tokenize typing unittest urllib.parse uuid warnings weakref zipfile zlib"
-).split()
-
-
-def _module_document(name: str) -> str:
-    try:
-        mod = importlib.import_module(name)
-    except Exception:  # noqa: BLE001
-        return ""
-    parts = [f"Module {name}\n\n{inspect.cleandoc(mod.__doc__)}" if mod.__doc__ else f"Module {name}"]
-    for attr, obj in sorted(vars(mod).items()):
-        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-            continue
-        if isinstance(obj.__doc__, str):
-            parts.append(f"{name}.{attr}\n{inspect.cleandoc(obj.__doc__)}")
-        if inspect.isclass(obj):
-            for member, value in sorted(vars(obj).items()):
-                if member.startswith("_"):
-                    continue
-                if inspect.isroutine(value) or isinstance(value, (property, classmethod, staticmethod)):
-                    doc = getattr(value, "__doc__", None)
-                    if isinstance(doc, str):
-                        parts.append(f"{name}.{attr}.{member}\n{inspect.cleandoc(doc)}")
-    return "\n\n".join(parts) + "\n" if len(parts) > 1 or mod.__doc__ else ""
-
-
-@functools.lru_cache(maxsize=1)
-def builtin_documents() -> tuple[str, ...]:
-    """The built-in demo corpus: pydoc help topics (sorted by topic) then stdlib module docstrings."""
-    docs: list[str] = []
-    try:
-        from pydoc_data.topics import topics  # noqa: PLC0415
-    except ImportError:
-        topics = {}
-    docs.extend(topics[key] for key in sorted(topics) if topics[key].strip())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        docs.extend(doc for doc in map(_module_document, _DOC_MODULES) if doc.strip())
-    if sum(map(len, docs)) < 100_000:
-        raise RuntimeError("the built-in corpus needs pydoc_data or docstrings (is Python running with -OO?); "
-                           "use data.source=jsonl/parquet/arrayrecord/text instead")
-    return tuple(docs)
 
 
 def make_source(cfg: DataConfig):
