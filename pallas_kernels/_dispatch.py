@@ -2,7 +2,10 @@
 
 impl values:
   "reference"   plain JAX (the dsv32_jax semantics; always available),
-  "pallas_gpu"  the Pallas kernel compiled for GPU (Triton backend of Pallas),
+  "pallas_gpu"  the Pallas kernel compiled for GPU: the Mosaic GPU kernel where an op has one (Hopper: wgmma),
+                else the Triton-backend kernel,
+  "mosaic_gpu"  the op's Mosaic GPU kernel (`jax.experimental.pallas.mosaic_gpu`), ops that have one,
+  "interpret_mosaic_gpu" that kernel run in Mosaic GPU's interpret mode on any platform,
   "pallas_tpu"  a Pallas Mosaic-TPU kernel where the op has one,
   "interpret"   the GPU kernel body run with `interpret=True` on any platform (what the CPU tests exercise),
   "interpret_tpu" the TPU kernel body run in Pallas' TPU interpret mode (`pltpu.InterpretParams`: DMAs,
@@ -18,7 +21,7 @@ import os
 
 import jax
 
-IMPLS = ("reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu")
+IMPLS = ("reference", "pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu", "mosaic_gpu", "interpret_mosaic_gpu")
 ENV_VAR = "DSV32_KERNEL_IMPL"
 _default_impl: str | None = None
 
