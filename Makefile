@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv test test-slow test-all train golden clean
+VENV_CUDA := .venv-cuda
+PY_CUDA := $(VENV_CUDA)/bin/python
+STAMP_CUDA := $(VENV_CUDA)/.installed
+
+.PHONY: all venv venv-cuda test test-slow test-all test-gpu-compile gpu-compile-table train golden clean
 
 all: test
 
@@ -18,6 +22,29 @@ $(STAMP): pyproject.toml
 	  touch $(STAMP)
 
 venv: $(STAMP)
+
+# Compile-only CUDA venv for the deviceless H100 compile (no GPU needed): jax[cuda13] at the same jax version as
+# .venv, nvdisasm for SASS, and tools/gpu_compile/ptxas_wrapper.sh in front of ptxas (it logs `ptxas -v`).
+$(STAMP_CUDA): pyproject.toml $(STAMP) tools/gpu_compile/ptxas_wrapper.sh
+	@set -e; interp=$$(tools/find_python.sh); jaxv=$$($(PY) -c 'import jax; print(jax.__version__)'); \
+	  if [ ! -x $(PY_CUDA) ]; then "$$interp" -m venv $(VENV_CUDA); fi; \
+	  $(PY_CUDA) -m pip install -q --upgrade pip; \
+	  $(PY_CUDA) -m pip install -q -e . "jax[cuda13]==$$jaxv" nvidia-cuda-nvdisasm; \
+	  bin=$$($(PY_CUDA) -c 'import nvidia, os; print(next(os.path.join(p, "cu13", "bin") for p in nvidia.__path__ if os.path.exists(os.path.join(p, "cu13", "bin", "ptxas"))))'); \
+	  if [ ! -f "$$bin/ptxas.real" ]; then mv "$$bin/ptxas" "$$bin/ptxas.real"; fi; \
+	  cp tools/gpu_compile/ptxas_wrapper.sh "$$bin/ptxas"; chmod +x "$$bin/ptxas"; \
+	  touch $(STAMP_CUDA)
+
+venv-cuda: $(STAMP_CUDA)
+
+# Every Pallas GPU kernel (forward and backward) compiled for an H100 at production and tiny shapes, no GPU:
+# fails on a lowering/compile error, shared memory over 90%, register spills, or a missing FP8 wgmma.
+test-gpu-compile: $(STAMP_CUDA)
+	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json $(GPU_COMPILE_ARGS)
+
+# The same, and the per-kernel table written into BENCHMARKS.md.
+gpu-compile-table: $(STAMP_CUDA)
+	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json --benchmarks BENCHMARKS.md
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
@@ -41,4 +68,4 @@ golden:
 	$${HF_PYTHON:-$(PY)} tools/make_hf_golden.py --out tests/fixtures
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV_CUDA) .pytest_cache

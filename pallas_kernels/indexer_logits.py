@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import index_scores_fp8
+from dsv32_jax.kernels import indexer_logits_mgpu as mgpu_kernel
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 
@@ -181,6 +182,30 @@ def _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dty
     return out[:, :t, :s]
 
 
+MOSAIC_BACKENDS = ("mosaic_gpu", "interpret_mosaic_gpu")
+
+
+def _gpu_compute_capability() -> float | None:
+    """Compute capability of the device this trace targets (jax.default_device first: deviceless AOT sets it)."""
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        try:
+            dev = jax.devices()[0]
+        except RuntimeError:
+            return None
+    cc = getattr(dev, "compute_capability", None)
+    return float(cc) if cc is not None else None
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "interpret"))
+def _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dtype, block_q, block_k, interpret):
+    b, t, _, _ = q_fp8.shape
+    starts, ends = _ranges(starts, ends, b, t, k_fp8.shape[1])
+    out = mgpu_kernel.indexer_logits_mgpu(q_fp8, k_fp8, k_scale, weights, starts, ends, block_q=block_q,
+                                          block_k=block_k, interpret=interpret)
+    return out.astype(out_dtype)
+
+
 def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, out_dtype=jnp.float32,
                    impl: str | None = None, block_q: int | None = None, block_k: int | None = None,
                    num_warps: int = 4,
@@ -189,15 +214,29 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     k_scale [B, S] f32 and folded weights w' [B, T, H] f32; key s is scored for query t iff starts[b, t] <= s <
     ends[b, t] (defaults: all keys; causal = starts 0, ends q_index + 1), -inf elsewhere.
 
-    Backends: pallas_gpu and interpret (Triton kernel; block_q query rows x block_k keys, default 2 x 128),
+    Backends: mosaic_gpu and interpret_mosaic_gpu (`indexer_logits_mgpu`: FP8 wgmma on Hopper; block_q query rows
+    x block_k keys, default 8 x 128, block_k a multiple of 64; an explicit request it cannot serve raises);
+    pallas_gpu picks that kernel on compute capability >= 9.0 when the shapes allow, else the Triton kernel;
+    pallas_gpu and interpret (Triton kernel; block_q query rows x block_k keys, default 2 x 128),
     pallas_tpu and interpret_tpu (Mosaic kernel; block_q rows x block_k keys with block_q a multiple of 8, default
     8 x 512, block_k a multiple of 128); CPU runs the reference (`dsv32_jax.indexer.index_scores_fp8`).
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MOSAIC_BACKENDS))
     if impl == "reference":
         return indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype)
+    if impl == "pallas_gpu" and (_gpu_compute_capability() or 0) >= 9.0 and mgpu_kernel.check_shapes(
+            q_fp8, k_fp8, block_q or 8, block_k or 128) is None:
+        impl = "mosaic_gpu"
+    if impl in MOSAIC_BACKENDS:
+        block_q, block_k = block_q or 8, block_k or 128
+        why = mgpu_kernel.check_shapes(q_fp8, k_fp8, block_q, block_k)
+        if why is not None:
+            raise ValueError(f"indexer_logits: impl={impl!r} cannot serve q {q_fp8.shape} {q_fp8.dtype}, k "
+                             f"{k_fp8.shape}: {why}")
+        return _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
+                                      block_q=block_q, block_k=block_k, interpret=impl == "interpret_mosaic_gpu")
     if impl in ("pallas_tpu", "interpret_tpu"):
         block_q, block_k = block_q or 8, block_k or 512
         if block_q % 8 or block_k % 128:

@@ -19,9 +19,9 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
       dkv  -- one program per (token, block of BI slots) that loops over ALL head blocks of the token, so the
               head sum happens in registers: partial[t, slot] = scale dS^T q + P^T dO (one fp32 accumulator
               [BI, 576]). Each partial row is written exactly once (no atomics), then reduced into [B*S, Dqk]
-              by a segment sum over the (sorted) transposed index map.
+              by a sort-free segment sum (XLA scatter-add) over the transposed index map.
     The backward tiles (bwd_block_h heads per dq program, bwd_block_i slots per dkv program, default 32) are
-    smaller than the forward's 64 x 64 because each holds a [tile, 576] fp32 accumulator.
+    no larger than the forward's 64 x 32 because each holds a [tile, 576] fp32 accumulator.
     Trade-off: S and dP are recomputed in both kernels (3264 instead of 2752 MMA FLOP per pair-head, +19%) and
     the partials cost T*K*Dqk*4 bytes; the backward therefore walks the tokens in chunks that keep the partial
     buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
@@ -283,13 +283,14 @@ def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg, part_dtype):
 
 
 def _reduce_dkv(parts, idxf, cfg: _Cfg):
-    """Segment sum of the per-(token, slot) rows into the cache rows: sort the transposed index map, then a sorted
-    segment sum (no atomics in the attention kernels; XLA reduces contiguous runs). Invalid slots are dropped."""
+    """Segment sum of the per-(token, slot) rows into the cache rows, sort-free: a scatter-add of the fp32 rows
+    into [B*S (+1 dump row), Dqk] (no atomics in the attention kernels; XLA's scatter does the accumulation).
+    Invalid slots go to the dump row, which is dropped. No sort: `jnp.argsort` lowers to CUB's radix sort on GPU,
+    which XLA can only compile with a live GPU (and it cost a full pass over the T*K index map)."""
     ids = idxf.reshape(-1)
     ids = jnp.where((ids >= 0) & (ids < cfg.num_keys), ids, cfg.num_keys)
-    order = jnp.argsort(ids)
-    rows = parts.reshape(ids.shape[0], -1)[order].astype(jnp.float32)
-    return jax.ops.segment_sum(rows, ids[order], num_segments=cfg.num_keys, indices_are_sorted=True)
+    rows = parts.reshape(ids.shape[0], -1).astype(jnp.float32)
+    return jax.ops.segment_sum(rows, ids, num_segments=cfg.num_keys + 1)[:cfg.num_keys]
 
 
 def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
@@ -299,7 +300,7 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
     if not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
-        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i)
+        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
     # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))
@@ -397,7 +398,7 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
         return _Cfg(dv_p=round_up(d_v, 128), dt_p=round_up(max(d_tail, 1), 128), block_h=hp, block_i=block_i,
                     bwd_block_h=hp, bwd_block_i=block_i, **common)
     block_h = min(block_h, next_pow2(h, 16))
-    block_i = min(64 if block_i is None else block_i, next_pow2(topk_idx.shape[-1], 16))
+    block_i = min(32 if block_i is None else block_i, next_pow2(topk_idx.shape[-1], 16))
     for name, size in (("block_h", block_h), ("block_i", block_i), ("bwd_block_h", bwd_block_h),
                        ("bwd_block_i", bwd_block_i)):
         if size < 16 or size & (size - 1):
@@ -416,7 +417,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
     pallas_tpu and interpret_tpu (Mosaic TPU kernels, `sparse_mla_tpu`); CPU runs the reference
     `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
-    Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 64); backward dq programs hold bwd_block_h
+    Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 32: 64 x 64 needs 221,440 B of shared memory (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq programs hold bwd_block_h
     heads, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers
     of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
     block_h / bwd_* / num_* are GPU-only.

@@ -26,6 +26,7 @@ from dsv32_jax.kernels.topk import topk_reference
 
 IMPL = "interpret"
 TPU = "interpret_tpu"
+MGPU = "interpret_mosaic_gpu"  # Mosaic GPU kernels (FP8 wgmma indexer) in Mosaic GPU's interpret mode
 F8 = jnp.float8_e4m3fn
 
 
@@ -74,7 +75,7 @@ def _indexer_inputs(rng, b, t, s, h, d):
     return ref_indexer.quantize_indexer(q, k, w)
 
 
-@pytest.mark.parametrize("impl,block_q,block_k", [(IMPL, 2, 64), (TPU, 8, 128)])
+@pytest.mark.parametrize("impl,block_q,block_k", [(IMPL, 2, 64), (TPU, 8, 128), (MGPU, 4, 64), (MGPU, 8, 128)])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, block_k):
     b, t, s = 2, 13, 301  # odd lengths; several key blocks, most rows skip some
@@ -94,11 +95,41 @@ def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, blo
     assert rel_err(out[finite], ref[finite]) <= bound
 
 
-@pytest.mark.parametrize("impl", [IMPL, TPU])
+@pytest.mark.parametrize("impl", [IMPL, TPU, MGPU])
 def test_indexer_logits_full_range_production_head_layout(rng, impl):
     qf, kf, ks, wf = _indexer_inputs(rng, 1, 3, 70, 16, 128)
-    out = kernels.indexer_logits(qf, kf, ks, wf, impl=impl, block_q=1 if impl == IMPL else 8)
+    out = kernels.indexer_logits(qf, kf, ks, wf, impl=impl, block_q={IMPL: 1, TPU: 8, MGPU: 4}[impl])
     assert rel_err(out, indexer_logits_reference(qf, kf, ks, wf)) <= 1e-6
+
+
+def test_indexer_logits_mosaic_gpu_production_heads_and_batches(rng):
+    """64 heads x 128 dims (the production indexer: no padding, N = 64 wgmma), two batches with ragged causal
+    ranges, keys not a multiple of the block; fp32 reference, relative error <= 1e-6."""
+    b, t, s = 2, 9, 200
+    qf, kf, ks, wf = _indexer_inputs(rng, b, t, s, 64, 128)
+    ends = jnp.asarray(rng.integers(1, s + 1, (b, t)), jnp.int32)
+    starts = jnp.asarray(np.asarray(ends) // 3, jnp.int32)
+    out = kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, impl=MGPU)
+    ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(out)), np.isneginf(np.asarray(ref)))
+    finite = np.isfinite(np.asarray(ref))
+    assert rel_err(np.asarray(out)[finite], np.asarray(ref)[finite]) <= 1e-6
+
+
+@pytest.mark.parametrize("what", ["dtype", "block_k", "heads"])
+def test_indexer_logits_mosaic_gpu_explicit_impl_errors(rng, what):
+    """An explicit Mosaic request that the kernel cannot serve raises and names the op, the shapes and why."""
+    qf, kf, ks, wf = _indexer_inputs(rng, 1, 4, 64, 8, 128)
+    kw = {}
+    if what == "dtype":
+        qf = qf.astype(jnp.bfloat16)
+    elif what == "block_k":
+        kw["block_k"] = 96
+    else:
+        qf = jnp.zeros((1, 4, 260, 128), jnp.float8_e4m3fn)
+        wf = jnp.zeros((1, 4, 260), jnp.float32)
+    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot serve q \(1, 4"):
+        kernels.indexer_logits(qf, kf, ks, wf, impl=MGPU, **kw)
 
 
 # -------------------------------------------------------------------------------------------------- top-k

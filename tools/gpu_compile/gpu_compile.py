@@ -1,0 +1,464 @@
+"""Deviceless compile of every Pallas GPU kernel for an H100 (sm_90a), on a machine with no GPU.
+
+    make test-gpu-compile                     # builds .venv-cuda (jax[cuda13]) and runs --check on every case
+    .venv-cuda/bin/python tools/gpu_compile/gpu_compile.py --check [--cases REGEX] [--jobs 2]
+        [--json runs/gpu_compile.json] [--benchmarks BENCHMARKS.md]
+
+How: `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=<XLA's H100 target config>)`
+gives an abstract H100; each case is traced and lowered with it as the default device (the Triton lowering reads
+the compute capability from it) and compiled by XLA to sm_90a cubins. Each case runs in its own process with
+  * XLA_FLAGS --xla_dump_to: the thunk sequence gives every kernel's grid, threads and shared memory;
+  * XLA calling the ptxas binary (libnvptxcompiler / libnvjitlink off) through `ptxas_wrapper.sh`, which logs
+    `ptxas -v` (registers, spills) and keeps the PTX (the MMA instructions actually emitted);
+  * MOSAIC_GPU_DUMP_TO: Mosaic GPU kernels (compiled by jaxlib at lowering time) leave their PTX, ptxas report,
+    SASS (when nvdisasm is on PATH), launch configuration and shared-memory scratch there.
+
+Checks (--check; exit 1 when one fails): the case lowers and compiles; every kernel of it uses at most
+SMEM_BUDGET bytes of shared memory (90% of the H100's 232,448 B per block) and spills at most SPILL_BUDGET bytes;
+cases that claim an instruction (the FP8 indexer: e4m3 wgmma) show it in the PTX. A case marked expect_fail
+(a deliberately oversized tile) must FAIL one of those checks, which proves the checks can fail.
+
+A compile proves the kernels are valid for the chip and fit its limits; it says nothing about speed or results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import glob
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TARGET_CONFIG = os.path.join(HERE, "h100_target_config.txtpb")  # XLA's GpuTargetConfigProto, "NVIDIA H100 80GB HBM3"
+SMEM_PER_BLOCK = 232_448  # H100 opt-in maximum per block
+SMEM_BUDGET = int(0.90 * SMEM_PER_BLOCK)
+SPILL_BUDGET = 0  # bytes of spill stores + loads allowed per kernel at the default tiles
+BEGIN, END = "<!-- gpu-compile:begin -->", "<!-- gpu-compile:end -->"
+
+
+# ------------------------------------------------------------------------------------------------- the cases
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    name: str
+    queries: int
+    heads: int
+    d_qk: int
+    d_v: int
+    topk: int
+    index_heads: int
+    index_dim: int
+    keys: tuple[int, ...]
+    q_chunk: int
+
+
+PROD = Shapes("prod", queries=4096, heads=128, d_qk=576, d_v=512, topk=2048, index_heads=64, index_dim=128,
+              keys=(8192, 131072), q_chunk=256)
+TINY = Shapes("tiny", queries=16, heads=4, d_qk=40, d_v=32, topk=8, index_heads=4, index_dim=32, keys=(64,),
+              q_chunk=8)  # the tiny test model: 4 heads, kv_lora_rank 32 + rope 8, indexer 4 x 32, top-8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    op: str
+    shapes: str
+    keys: int
+    options: tuple = ()  # (key, value) pairs passed to the builder
+    requires: tuple = ()  # regexes that must match the PTX of the case
+    expect_fail: bool = False
+
+    def opts(self):
+        return dict(self.options)
+
+
+def all_cases() -> list[Case]:
+    cases = []
+    for sh in (PROD, TINY):
+        big = sh.keys[-1]
+        for l in sh.keys:
+            cases.append(Case(f"indexer_logits[{sh.name},L={l}]", "indexer_logits", sh.name, l,
+                              requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
+        cases += [
+            Case(f"hadamard_quant[{sh.name},L={big}]", "hadamard_quant", sh.name, big),
+            Case(f"indexer_logits_triton[{sh.name},L={sh.keys[0]}]", "indexer_logits_triton", sh.name, sh.keys[0]),
+            Case(f"topk[{sh.name},L={big}]", "topk", sh.name, big),
+            Case(f"indexer_topk[{sh.name},L={sh.keys[0]}]", "indexer_topk", sh.name, sh.keys[0],
+                 requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)),
+            Case(f"sparse_mla_fwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_fwd", sh.name, sh.keys[0]),
+            Case(f"sparse_mla_probs[{sh.name},L={sh.keys[0]}]", "sparse_mla_probs", sh.name, sh.keys[0]),
+            Case(f"sparse_mla_bwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0]),
+        ]
+    # The checks must be able to fail: a 128 x 128 forward tile does not fit the H100's shared memory (the compile
+    # fails); 64 x 64 (the former default) compiles but needs 95% of it and spills; 4 warps spill.
+    cases += [
+        Case("sparse_mla_fwd[prod,L=8192,block 128x128: oversized]", "sparse_mla_fwd", "prod", 8192,
+             options=(("block_h", 128), ("block_i", 128)), expect_fail=True),
+        Case("sparse_mla_fwd[prod,L=8192,block 64x64: over budget]", "sparse_mla_fwd", "prod", 8192,
+             options=(("block_h", 64), ("block_i", 64)), expect_fail=True),
+        Case("sparse_mla_bwd[prod,L=8192,num_warps 4: spills]", "sparse_mla_bwd", "prod", 8192,
+             options=(("num_warps", 4),), expect_fail=True),
+    ]
+    return cases
+
+
+def build(case: Case):
+    """(fn, arg specs) of a case, for the abstract H100."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv32_jax import kernels as pk
+    il = importlib.import_module("dsv32_jax.kernels.indexer_logits")
+
+    dev = h100()
+    sh = {"prod": PROD, "tiny": TINY}[case.shapes]
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(dev))
+
+    t, l, o = sh.queries, case.keys, case.opts()
+    f8 = jnp.float8_e4m3fn
+    if case.op == "hadamard_quant":  # the kernel rotates 128-dim rows (the production indexer head dim)
+        return (lambda x: pk.hadamard_quant(x, impl="pallas_gpu")), [spec((1, l, 128), jnp.bfloat16)]
+    if case.op in ("indexer_logits", "indexer_logits_triton"):
+        args = [spec((1, t, sh.index_heads, sh.index_dim), f8), spec((1, l, sh.index_dim), f8),
+                spec((1, l), jnp.float32), spec((1, t, sh.index_heads), jnp.float32), spec((1, t), jnp.int32),
+                spec((1, t), jnp.int32)]
+        if case.op == "indexer_logits":
+            return (lambda q, k, ks, w, st, en: pk.indexer_logits(q, k, ks, w, starts=st, ends=en,
+                                                                   impl="pallas_gpu", **o)), args
+        return (lambda q, k, ks, w, st, en: il._indexer_logits_pallas(
+            q, k, ks, w, st, en, out_dtype=jnp.float32, block_q=2, block_k=128, backend="pallas_gpu", num_warps=4,
+            num_stages=3)), args
+    if case.op == "topk":
+        return (lambda x: pk.topk(x, min(sh.topk, l), impl="pallas_gpu")), [spec((t, l), jnp.float32)]
+    if case.op == "indexer_topk":
+        def fn(q, k, w, qi, seg):
+            return pk.indexer_topk(q, k, w, qi, seg[:, :t], seg, sh.topk, fp8=True, q_chunk=sh.q_chunk,
+                                   impl="pallas_gpu")
+        return fn, [spec((1, t, sh.index_heads, sh.index_dim), jnp.bfloat16),
+                    spec((1, l, sh.index_dim), jnp.bfloat16), spec((1, t, sh.index_heads), jnp.float32),
+                    spec((1, t), jnp.int32), spec((1, l), jnp.int32)]
+    args = [spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
+            spec((1, t, sh.topk), jnp.int32)]
+    scale = sh.d_qk ** -0.5
+    if case.op == "sparse_mla_fwd":
+        return (lambda q, kv, i: pk.sparse_mla(q, kv, i, scale, sh.d_v, impl="pallas_gpu", **o)), args
+    if case.op == "sparse_mla_probs":
+        return (lambda q, kv, i: pk.sparse_mla(q, kv, i, scale, sh.d_v, return_probs=True, impl="pallas_gpu",
+                                               **o)), args
+    if case.op == "sparse_mla_bwd":
+        def loss(q, kv, i):
+            return pk.sparse_mla(q, kv, i, scale, sh.d_v, impl="pallas_gpu", **o)[0].astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1)), args
+    raise SystemExit(f"unknown op {case.op!r}")
+
+
+_H100 = None
+
+
+def h100():
+    global _H100
+    if _H100 is None:
+        from jax.experimental import topologies
+        with open(TARGET_CONFIG) as f:
+            topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=f.read())
+        _H100 = topo.devices[0]
+    return _H100
+
+
+def compile_one(case: Case) -> dict:
+    """Child process: trace, lower, compile; the facts that the dumps do not hold."""
+    import jax
+    rec = {"case": case.name}
+    t0 = time.perf_counter()
+    try:
+        fn, args = build(case)
+        with jax.default_device(h100()):
+            lowered = jax.jit(fn).trace(*args).lower()
+        rec["lower_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        rec["compile_s"] = time.perf_counter() - t1
+        ma = compiled.memory_analysis()
+        rec["temp_bytes"] = int(ma.temp_size_in_bytes)
+        rec["arg_bytes"] = int(ma.argument_size_in_bytes)
+        rec["out_bytes"] = int(ma.output_size_in_bytes)
+    except Exception as e:  # reported, and a failed check in the parent
+        rec["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------ the dumps
+@dataclasses.dataclass
+class Kernel:
+    name: str
+    backend: str  # "triton" (Pallas Triton), "mosaic" (Pallas Mosaic GPU), "xla" (XLA's own fusions)
+    grid: tuple = ()
+    threads: tuple = ()
+    smem: int | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None  # stores + loads
+    mma: dict = dataclasses.field(default_factory=dict)  # tensor-core instruction -> count in the PTX
+
+
+THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+"
+                   r"shared_memory:\s*(\d+)")
+XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|gemm|cutlass|cublas|triton_softmax|sort|scatter|reduce)_|"
+                      r"^(copy|transpose|bitcast|sort|scatter)")
+MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)")
+
+
+def parse_thunks(text: str) -> dict[str, dict]:
+    """XLA's thunk sequence -> {kernel name: grid, threads, shared memory}."""
+    out = {}
+    for m in THUNK.finditer(text):
+        out[m.group(2)] = dict(grid=tuple(int(x) for x in m.group(3).split(",")),
+                               threads=tuple(int(x) for x in m.group(4).split(",")), smem=int(m.group(5)))
+    return out
+
+
+def parse_ptxas(text: str) -> dict[str, dict]:
+    """`ptxas -v` output -> {entry function: registers, spill bytes (stores + loads)}."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if "Registers are spilled" in line:  # a warning that names the function; the properties line follows
+            continue
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            name = m.group(1)
+            out[name] = {}
+        elif name and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            out[name]["spill_bytes"] = int(m.group(1)) + int(m.group(2))
+        elif name and (m := re.search(r"Used (\d+) registers", line)):
+            out[name]["registers"] = int(m.group(1))
+    return out
+
+
+def parse_ptx(text: str) -> dict[str, dict[str, int]]:
+    """PTX -> {entry: {tensor-core instruction: count}}."""
+    out = {}
+    for chunk in re.split(r"(?=\.(?:visible\s+)?\.?entry\s)", text):
+        if m := re.match(r"\.(?:visible\s+)?\.?entry\s+(\w+)", chunk):
+            counts = {}
+            for ins in MMA.findall(chunk):
+                counts[ins] = counts.get(ins, 0) + 1
+            out[m.group(1)] = counts
+    return out
+
+
+def parse_mosaic_resources(text: str) -> int:
+    """Mosaic GPU's Resources(...) dump -> shared memory bytes (scratch + 8 per mbarrier)."""
+    scratch = int(re.search(r"smem_scratch_bytes=(\d+)", text).group(1))
+    barriers = sum(int(n) * int(c) for n, c in re.findall(r"num_barriers=(\d+)[^)]*\):\s*(\d+)", text))
+    return scratch + 8 * barriers
+
+
+def parse_mosaic_launch(text: str) -> tuple[tuple, tuple]:
+    m = re.search(r"gpu\.launch.*?blocks\([^)]*\) in \(([^)]*)\) threads\([^)]*\) in \(([^)]*)\)", text)
+    if not m:
+        return (), ()
+    dims = [tuple(int(v) for v in re.findall(r"%c(\d+)", g)) for g in m.groups()]
+    return dims[0], dims[1]
+
+
+def collect(workdir: str) -> list[Kernel]:
+    kernels: dict[str, Kernel] = {}
+    thunks = {}
+    for path in glob.glob(os.path.join(workdir, "xla", "*thunk_sequence.txt")):
+        thunks.update(parse_thunks(open(path).read()))
+    ptxas = {}
+    for path in glob.glob(os.path.join(workdir, "ptxas.log.*")):
+        ptxas.update(parse_ptxas(open(path).read()))
+    ptx = {}
+    for path in glob.glob(os.path.join(workdir, "ptx_*.ptx")):
+        ptx.update(parse_ptx(open(path).read()))
+    for name, facts in thunks.items():
+        backend = "xla" if XLA_NAME.search(name) else "triton"
+        k = Kernel(name, backend, facts["grid"], facts["threads"], facts["smem"])
+        k.registers = ptxas.get(name, {}).get("registers")
+        k.spill_bytes = ptxas.get(name, {}).get("spill_bytes")
+        k.mma = ptx.get(name, {})
+        kernels[name] = k
+    mdir = os.path.join(workdir, "mosaic")
+    for i, res in enumerate(sorted(glob.glob(os.path.join(mdir, "*.resources.txt")))):
+        base = res[: -len(".resources.txt")]
+        k = Kernel(f"mosaic:{os.path.basename(base)}", "mosaic", smem=parse_mosaic_resources(open(res).read()))
+        if os.path.exists(base + ".after_layout_inference.txt"):
+            k.grid, k.threads = parse_mosaic_launch(open(base + ".after_layout_inference.txt").read())
+        if os.path.exists(base + ".ptxas"):
+            facts = next(iter(parse_ptxas(open(base + ".ptxas").read()).values()), {})
+            k.registers, k.spill_bytes = facts.get("registers"), facts.get("spill_bytes")
+        if os.path.exists(base + ".ptx"):
+            k.mma = {}
+            for counts in parse_ptx(open(base + ".ptx").read()).values():
+                for ins, n in counts.items():
+                    k.mma[ins] = k.mma.get(ins, 0) + n
+        for sass in glob.glob(base + ".sass*"):
+            for ins in set(re.findall(r"\b([QH]GMMA\.[\w.]+)", open(sass).read())):
+                k.mma["sass:" + ins] = len(re.findall(re.escape(ins), open(sass).read()))
+        kernels[k.name] = k
+    return list(kernels.values())
+
+
+def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
+    """The reasons the case fails (empty: it passes)."""
+    if "error" in rec:
+        return [rec["error"].splitlines()[0][:300]]
+    bad = []
+    for k in kernels:
+        if k.smem is not None and k.smem > SMEM_BUDGET:
+            bad.append(f"{k.name}: {k.smem} B shared memory > budget {SMEM_BUDGET} B (90% of {SMEM_PER_BLOCK})")
+        if k.spill_bytes:
+            if k.spill_bytes > SPILL_BUDGET:
+                bad.append(f"{k.name}: spills {k.spill_bytes} B > budget {SPILL_BUDGET} B")
+        if k.backend != "xla" and k.registers is None:
+            bad.append(f"{k.name}: no ptxas report (is tools/gpu_compile/ptxas_wrapper.sh installed?)")
+    ptx_ins = " ".join(ins for k in kernels for ins in k.mma)
+    for pattern in case.requires:
+        if not re.search(pattern, ptx_ins):
+            bad.append(f"no instruction matching {pattern!r} in the PTX (found: {sorted(set(ptx_ins.split()))})")
+    if not any(k.backend != "xla" for k in kernels):
+        bad.append("no Pallas kernel in the compiled program")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------ the runner
+def cuda_bin() -> str:
+    import nvidia
+    for base in nvidia.__path__:
+        path = os.path.join(base, "cu13", "bin")
+        if os.path.exists(os.path.join(path, "ptxas")):
+            return path
+    raise SystemExit("tools/gpu_compile: ptxas not found in the nvidia/cu13 wheels: install jax[cuda13] "
+                     "(make venv-cuda)")
+
+
+def run_case(case: Case, keep: str | None) -> dict:
+    workdir = tempfile.mkdtemp(prefix="gpu_compile_")
+    os.makedirs(os.path.join(workdir, "mosaic"))
+    bin_dir = cuda_bin()
+    if not os.path.exists(os.path.join(bin_dir, "ptxas.real")):
+        raise SystemExit(f"tools/gpu_compile: {bin_dir}/ptxas is not the logging wrapper; run `make venv-cuda` "
+                         "(it installs tools/gpu_compile/ptxas_wrapper.sh)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PTXAS_LOG=os.path.join(workdir, "ptxas.log"),
+               MOSAIC_GPU_DUMP_TO=os.path.join(workdir, "mosaic"), PATH=bin_dir + os.pathsep + os.environ["PATH"],
+               XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), "--xla_gpu_enable_libnvptxcompiler=false",
+                                   "--xla_gpu_enable_libnvjitlink=false",
+                                   f"--xla_dump_to={os.path.join(workdir, 'xla')}"]).strip())
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(dataclasses.asdict(case))],
+                          env=env, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    rec = json.loads(lines[-1]) if lines else {"case": case.name, "error": f"child exited {proc.returncode}: "
+                                                                          f"{proc.stderr[-1500:]}"}
+    rec["wall_s"] = wall
+    kernels = collect(workdir)
+    reasons = check(case, rec, kernels)
+    rec.update(kernels=[dataclasses.asdict(k) for k in kernels], failures=reasons, expect_fail=case.expect_fail,
+               ok=bool(reasons) == case.expect_fail)
+    if keep:
+        dst = os.path.join(keep, re.sub(r"[^\w.=-]+", "_", case.name))
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(workdir, dst, ignore=shutil.ignore_patterns("*.mlir-passes.log"))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return rec
+
+
+def fmt_dims(d) -> str:
+    return "x".join(str(v) for v in d) if d else "-"
+
+
+def table(records: list[dict]) -> str:
+    head = ("| case | kernel | grid | threads | smem (B, % of 232,448) | registers | spills (B) | tensor-core "
+            "instructions (PTX / SASS) | compile (s) | status |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = [head]
+    for rec in records:
+        status = ("expected failure: " + "; ".join(rec["failures"])[:160]) if rec["expect_fail"] else (
+            "ok" if rec["ok"] else "FAIL: " + "; ".join(rec["failures"])[:200])
+        if rec["expect_fail"] and not rec["ok"]:
+            status = "FAIL: the oversized tile passed the checks"
+        ks = [k for k in rec["kernels"] if k["backend"] != "xla"] or [None]
+        for i, k in enumerate(ks):
+            if k is None:
+                rows.append(f"| {rec['case']} | - | | | | | | | {rec.get('compile_s', 0):.1f} | {status} |")
+                continue
+            mma = ", ".join(f"{ins} x{n}" for ins, n in sorted(k["mma"].items())) or "-"
+            smem = f"{k['smem']:,} ({100 * k['smem'] / SMEM_PER_BLOCK:.0f}%)" if k["smem"] is not None else "-"
+            rows.append(f"| {rec['case'] if i == 0 else ''} | {k['name']} ({k['backend']}) | {fmt_dims(k['grid'])} "
+                        f"| {fmt_dims(k['threads'])} | {smem} | {k['registers']} | {k['spill_bytes']} | {mma} | "
+                        f"{rec.get('compile_s', 0):.1f} | {status if i == 0 else ''} |")
+    return "\n".join(rows)
+
+
+def update_benchmarks(path: str, records: list[dict]) -> None:
+    import jax
+    text = open(path).read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} section to replace")
+    stamp = (f"Generated by `make test-gpu-compile` on {datetime.date.today()} (jax {jax.__version__}, "
+             f"jax-cuda13-plugin, ptxas from nvidia-cuda-nvcc; no GPU: XLA's H100 target config). Budgets: shared "
+             f"memory <= {SMEM_BUDGET:,} B (90%), spills <= {SPILL_BUDGET} B.")
+    block = f"{BEGIN}\n{stamp}\n\n{table(records)}\n{END}"
+    new = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(new)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when a case fails its checks")
+    p.add_argument("--cases", default="", help="regex: run the cases whose name matches")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", default="", help="write the records here")
+    p.add_argument("--benchmarks", default="", help="replace the gpu-compile section of this file (BENCHMARKS.md)")
+    p.add_argument("--keep", default="", help="keep each case's dumps under this directory")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(compile_one(Case(**{k: tuple(map(tuple, v)) if k == "options" else
+                                             tuple(v) if isinstance(v, list) else v
+                                             for k, v in json.loads(a.one).items()}))))
+        return 0
+    cases = [c for c in all_cases() if re.search(a.cases, c.name)]
+    if a.list:
+        print("\n".join(c.name for c in cases))
+        return 0
+    if not cases:
+        raise SystemExit(f"--cases={a.cases!r} matches no case (see --list)")
+    records = []
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
+        for rec in pool.map(lambda c: run_case(c, a.keep or None), cases):
+            records.append(rec)
+            ks = [k for k in rec["kernels"] if k["backend"] != "xla"]
+            facts = "; ".join(f"{k['name']} smem={k['smem']} regs={k['registers']} spills={k['spill_bytes']} "
+                              f"mma={sorted(k['mma'])}" for k in ks)
+            print(f"[{'ok' if rec['ok'] else 'FAIL'}] {rec['case']}  compile {rec.get('compile_s', 0):.1f}s  {facts}"
+                  + (f"\n    failures: {rec['failures']}" if rec["failures"] else ""), flush=True)
+    print("\n" + table(records))
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if a.benchmarks:
+        update_benchmarks(a.benchmarks, records)
+    failed = [r["case"] for r in records if not r["ok"]]
+    print(f"\n{len(records) - len(failed)}/{len(records)} cases ok" + (f"; failed: {failed}" if failed else ""))
+    return 1 if (a.check and failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
