@@ -1,0 +1,114 @@
+"""The deviceless H100 compile check (tools/gpu_compile/gpu_compile.py, `make test-gpu-compile`): its parsers of
+XLA's thunk sequence, `ptxas -v`, PTX and Mosaic GPU dumps, and its budget checks. The compile itself needs
+jax[cuda13] and runs in its own make target / CI step; these tests pin what it reads and how it judges."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gpu_compile"))
+import gpu_compile as gc  # noqa: E402
+
+THUNKS = """\
+001: kCustomKernel [source       | next=002 (1)] loop_select_fusion grid: [16384, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+002: kCustomKernel [prev=001 (1) | sink        ] _fwd_kernel grid: [4096, 2, 1] threads: [256, 1, 1]  shared_memory: 221440 bytes
+012: kWhile        [prev=011 (1) | sink         ]
+    023: kCustomKernel [prev=022 (1) | next=024 (1)] _bracket_kernel grid: [8, 1, 1] threads: [256, 1, 1]  shared_memory: 1024 bytes
+"""
+
+PTXAS = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'loop_select_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_select_fusion
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 14 registers, used 0 barriers
+ptxas warning : Registers are spilled to local memory in function '_fwd_kernel', 120 bytes spill stores, 120 bytes spill loads
+ptxas info    : Compiling entry function '_fwd_kernel' for 'sm_90a'
+ptxas info    : Function properties for _fwd_kernel
+    120 bytes stack frame, 120 bytes spill stores, 120 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 120 bytes cumulative stack size
+"""
+
+PTX = """\
+.target sm_90a
+.visible .entry anonymous_mosaic_gpu_kernel(
+\twgmma.fence.sync.aligned;
+\t{ .reg .pred p; wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%r1}, %rd22, %rd23, p, 1, 1; }
+\t{ .reg .pred p; wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%r1}, %rd24, %rd25, p, 1, 1; }
+}
+.visible .entry _kernel(
+\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};
+}
+"""
+
+
+def test_parse_thunks():
+    t = gc.parse_thunks(THUNKS)
+    assert t["_fwd_kernel"] == {"grid": (4096, 2, 1), "threads": (256, 1, 1), "smem": 221440}
+    assert t["_bracket_kernel"]["smem"] == 1024 and t["loop_select_fusion"]["grid"] == (16384, 1, 1)
+
+
+def test_parse_ptxas_attributes_the_spill_warning_to_its_own_function():
+    r = gc.parse_ptxas(PTXAS)
+    assert r["loop_select_fusion"] == {"spill_bytes": 0, "registers": 14}
+    assert r["_fwd_kernel"] == {"spill_bytes": 240, "registers": 255}
+
+
+def test_parse_ptx_counts_tensor_core_instructions_per_entry():
+    r = gc.parse_ptx(PTX)
+    assert r["anonymous_mosaic_gpu_kernel"] == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3": 2}
+    assert r["_kernel"] == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1}
+
+
+def test_parse_mosaic_dumps():
+    res = ("Resources(smem_scratch_bytes=93184, tmem_scratch_cols=0, tmem_collective_scratch_cols=0, "
+           "barrier_counts=Counter({Barrier(arrival_count=1, num_barriers=6, orders_tensor_core=False): 1}), "
+           "scoped_gmem_semaphores={})")
+    assert gc.parse_mosaic_resources(res) == 93184 + 6 * 8
+    launch = ("%73 = gpu.launch async [%3] blocks(%arg2, %arg3, %arg4) in (%arg8 = %c8, %arg9 = %c32, %arg10 = %c1) "
+              "threads(%arg5, %arg6, %arg7) in (%arg11 = %c128, %arg12 = %c1, %arg13 = %c1) "
+              "dynamic_shared_memory_size %c93232_i32 {")
+    assert gc.parse_mosaic_launch(launch) == ((8, 32, 1), (128, 1, 1))
+
+
+def _kernel(**kw):
+    base = dict(name="_fwd_kernel", backend="triton", grid=(1, 1, 1), threads=(128, 1, 1), smem=1024, registers=64,
+                spill_bytes=0, mma={"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": 4})
+    return gc.Kernel(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kernel,needle", [
+    (dict(smem=gc.SMEM_BUDGET + 1), "shared memory > budget"),
+    (dict(spill_bytes=8), "spills 8 B > budget"),
+    (dict(registers=None), "no ptxas report"),
+])
+def test_check_fails_over_budget(kernel, needle):
+    case = gc.Case("c", "sparse_mla_fwd", "prod", 8192)
+    assert gc.check(case, {}, [_kernel()]) == []
+    reasons = gc.check(case, {}, [_kernel(**kernel)])
+    assert len(reasons) == 1 and needle in reasons[0]
+
+
+def test_check_requires_the_claimed_instruction_and_a_pallas_kernel():
+    fp8 = gc.Case("c", "indexer_logits", "prod", 8192, requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",))
+    reasons = gc.check(fp8, {}, [_kernel(mma={"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 8})])
+    assert len(reasons) == 1 and "e4m3" in reasons[0]
+    ok = _kernel(backend="mosaic", mma={"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3": 64})
+    assert gc.check(fp8, {}, [ok]) == []
+    only_xla = gc.check(gc.Case("c", "topk", "prod", 8192), {}, [_kernel(backend="xla")])
+    assert only_xla == ["no Pallas kernel in the compiled program"]
+    assert gc.check(fp8, {"error": "JaxRuntimeError: RESOURCE_EXHAUSTED: Shared memory\nmore"}, [ok]) == [
+        "JaxRuntimeError: RESOURCE_EXHAUSTED: Shared memory"]
+
+
+def test_cases_cover_every_op_forward_and_backward_at_both_shapes_and_include_bad_tiles():
+    cases = gc.all_cases()
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names))
+    for shapes in ("prod", "tiny"):
+        ops = {c.op for c in cases if c.shapes == shapes and not c.expect_fail}
+        assert ops >= {"hadamard_quant", "indexer_logits", "topk", "indexer_topk", "sparse_mla_fwd",
+                       "sparse_mla_probs", "sparse_mla_bwd"}
+    assert sum(c.expect_fail for c in cases) >= 2
+    assert all(c.requires for c in cases if c.op == "indexer_logits")
