@@ -22,7 +22,8 @@ def get_config():
     c.loss.balance_weight = 1e-4
     c.data.seq_len = 131072
     c.data.batch_size = 480
-    c.attn_chunk = 512
-    c.index_chunk = 512
+    c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
+    c.index_chunk = 128
+    c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)
     c.checkpoint.every = 250
     return c

@@ -18,7 +18,8 @@ def get_config():
     c.optimizer.warmup_steps = 10
     c.data.seq_len = 131072
     c.data.batch_size = 16
-    c.attn_chunk = 512
-    c.index_chunk = 512
+    c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
+    c.index_chunk = 128
+    c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)
     c.checkpoint.every = 100
     return c

@@ -34,10 +34,14 @@ def topk_to_mask(topk_idx: jnp.ndarray, num_keys: int) -> jnp.ndarray:
     return jnp.zeros((b, c, num_keys), bool).at[bi, ci, idx].set(True, mode="drop")
 
 
-def map_query_chunks(fn: Callable, chunk: int | None, per_query: tuple, shared: tuple = ()):
+def map_query_chunks(fn: Callable, chunk: int | None, per_query: tuple, shared: tuple = (), *, remat: bool = True):
     """Applies fn(*per_query_chunk, *shared) over chunks of the query axis (axis 1) with lax.map.
 
-    Bounds memory to one chunk's intermediates; padded query rows are computed and cropped.
+    Bounds memory to one chunk's intermediates, in training too: with remat (default) each chunk is a
+    `jax.checkpoint`, so the backward pass saves only the chunk's inputs and recomputes its intermediates (the
+    [chunk, H, S] logits of dense attention and eq. 3, the [chunk, k, 576] gathered rows of sparse attention)
+    instead of keeping them for every chunk, i.e. O(T * S) or O(T * k * 576) memory. Costs one extra forward of
+    fn in the backward. Padded query rows are computed and cropped.
     """
     t = per_query[0].shape[1]
     if chunk is None or t <= chunk:
@@ -53,7 +57,8 @@ def map_query_chunks(fn: Callable, chunk: int | None, per_query: tuple, shared: 
         o = o.swapaxes(0, 1)
         return o.reshape(o.shape[0], n * chunk, *o.shape[3:])[:, :t]
 
-    outs = jax.lax.map(lambda xs: fn(*xs, *shared), tuple(split(a) for a in per_query))
+    body = jax.checkpoint(lambda xs, sh: fn(*xs, *sh)) if remat else (lambda xs, sh: fn(*xs, *sh))
+    outs = jax.lax.map(lambda xs: body(xs, shared), tuple(split(a) for a in per_query))
     return jax.tree.map(merge, outs)
 
 

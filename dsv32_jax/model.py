@@ -116,12 +116,16 @@ class Transformer(nnx.Module):
         return logits, aux
 
     def backbone(self, h, pos: Positions, routing=None, cache=None):
-        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing, ...} per layer."""
+        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing, ...} per layer.
+
+        With options.remat != "none" (and no decode cache) every block is a `jax.checkpoint` with that policy."""
         routing = routing or {}
         aux = {}
         h = constrain(h, ACTIVATION_AXES)
+        call = _block_call(self.options.remat) if cache is None else _call_layer
         for i, layer in enumerate(self.layers):
-            h, layer_aux = layer(h, pos, self.options, routing.get(i), None if cache is None else cache["layers"][i])
+            layer_cache = None if cache is None else cache["layers"][i]
+            h, layer_aux = call(layer, h, pos, self.options, routing.get(i), layer_cache)
             h = constrain(h, ACTIVATION_AXES)
             _collect(aux, i, layer_aux)
         return self.norm(h), aux
@@ -154,10 +158,39 @@ class Transformer(nnx.Module):
             next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
             x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
             key = self.config.num_hidden_layers + j  # the MTP layer's index in the checkpoint
-            h, layer_aux = mtp.block(mtp.eh_proj(x), pos, self.options, routing.get(key))
+            h, layer_aux = _block_call(self.options.remat)(mtp.block, mtp.eh_proj(x), pos, self.options,
+                                                           routing.get(key), None)
             _collect(aux, key, layer_aux)
             out.append(self.logits(mtp.norm(h)))
         return out
+
+
+def _call_layer(layer, h, pos, opts, replay_ids, cache):
+    return layer(h, pos, opts, replay_ids, cache)
+
+
+REMAT_POLICY_FNS = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_call(policy: str):
+    """layer(h, pos, opts, replay_ids, cache) -> (h, aux), rematerialized with the named policy ("none": as is)."""
+    if policy == "none":
+        return _call_layer
+
+    def call(layer, h, pos, opts, replay_ids, cache):
+        del cache  # training forward only (decode passes its cache to _call_layer)
+        graphdef, state = nnx.split(layer)  # a pure function of the block's state: the block mutates nothing
+
+        def pure(state, h, pos, replay_ids):
+            return nnx.merge(graphdef, state)(h, pos, opts, replay_ids, None)
+
+        return jax.checkpoint(pure, policy=REMAT_POLICY_FNS[policy])(state, h, pos, replay_ids)
+
+    return call
 
 
 def _collect(aux: dict, key, layer_aux: dict) -> None:

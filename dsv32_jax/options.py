@@ -6,6 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 ATTENTION_IMPLS = ("sparse", "dense", "kernel")
+# Rematerialization of each decoder block (jax.checkpoint policies): what the backward pass may keep from the
+# forward. "none": everything (fastest, most memory); "full": only the block's inputs (recompute the block);
+# "dots": matmul outputs; "dots_no_batch": matmul outputs without batch dimensions (weights-like products).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
 
 
@@ -25,9 +29,11 @@ class RunOptions:
     # Indexer training objective computed per layer (returned in aux["indexer_kl"]): None, "dense" (eq. 3, KL to
     # the head-summed dense attention, plus the captured-mass metric) or "sparse" (eq. 4, on the selected set).
     indexer_loss: str | None = None
-    # Query-chunk sizes that bound the references' memory.
+    # Query-chunk sizes that bound the references' memory (each chunk is rematerialized in the backward pass).
     attn_chunk: int = 64
     index_chunk: int = 128
+    # Per-block rematerialization policy (REMAT_POLICIES).
+    remat: str = "none"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -36,6 +42,8 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
         if self.mla_mode == "mha" and self.attention != "dense":
             raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"RunOptions.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"RunOptions.indexer_loss must be None, 'dense' or 'sparse', got {self.indexer_loss!r}")
         if self.indexer_loss == "sparse" and not self.dsa:

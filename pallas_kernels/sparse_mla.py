@@ -417,8 +417,9 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
     pallas_tpu and interpret_tpu (Mosaic TPU kernels, `sparse_mla_tpu`); CPU runs the reference
     `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
-    Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 32: 64 x 64 needs 221,440 B of shared memory (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq programs hold bwd_block_h
-    heads, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers
+    Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 32: 64 x 64 needs 221,440 B of shared memory
+    (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq and dkv programs hold bwd_block_h
+    heads per step, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers
     of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
     block_h / bwd_* / num_* are GPU-only.
     """

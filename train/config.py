@@ -40,6 +40,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.attention = "sparse"  # "sparse" | "kernel" | "dense" (DSA attention implementation)
     c.attn_chunk = 64
     c.index_chunk = 128
+    # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of
+    # the attention / indexer references are always rematerialized (bench/memory.py measures both).
+    c.remat = "none"
     c.mesh = ""  # e.g. "fsdp:2,tensor:2,expert:2"; "" = all devices on fsdp
     c.peak_tflops = 0.0  # per device, for the MFU estimate (0 = look up the device kind)
 

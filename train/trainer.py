@@ -38,7 +38,7 @@ BATCH_KEYS = steps.LM_BATCH_KEYS
 
 def run_options(config) -> RunOptions:
     stage = config.stage
-    common = dict(attn_chunk=config.attn_chunk, index_chunk=config.index_chunk)
+    common = dict(attn_chunk=config.attn_chunk, index_chunk=config.index_chunk, remat=config.get("remat", "none"))
     if stage == "dense":
         return RunOptions(dsa=False, attention="dense", **common)
     if stage == "warmup":
