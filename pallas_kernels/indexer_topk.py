@@ -100,4 +100,7 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
 
     if not fp8:
         return run(False)
-    return jax.lax.cond(_ranges_exact(q_segment, kv_segment, starts, ends), lambda: run(False), lambda: run(True))
+    exact = _ranges_exact(q_segment, kv_segment, starts, ends)
+    if not isinstance(exact, jax.core.Tracer):  # eager: trace only the branch that runs
+        return run(not bool(exact))
+    return jax.lax.cond(exact, lambda: run(False), lambda: run(True))
