@@ -177,7 +177,7 @@ def test_indexer_logits_mosaic_gpu_explicit_impl_errors(rng, what):
     else:
         qf = jnp.zeros((1, 4, 260, 128), jnp.float8_e4m3fn)
         wf = jnp.zeros((1, 4, 260), jnp.float32)
-    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot serve q \(1, 4"):
+    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot run on q_fp8 \(1, 4"):
         kernels.indexer_logits(qf, kf, ks, wf, impl=MGPU, **kw)
 
 
