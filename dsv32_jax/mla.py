@@ -127,7 +127,13 @@ class MLA(nnx.Module):
         opts.indexer_loss, "indexer_kl" [B, T] (and "indexer_captured" [B, T] for the dense objective).
 
         With a decode `cache` (from `init_cache`), the new tokens are written at slot pos.q_index[0, 0] onward and
-        attend over the whole cache (pos.kv_segment describes its slots); aux["cache"] is the updated cache."""
+        attend over the whole cache (pos.kv_segment describes its slots); aux["cache"] is the updated cache.
+
+        opts.attention="kernel" runs both halves of DSA on `dsv32_jax.kernels` (impl=None: the platform's kernels
+        or the DSV32_KERNEL_IMPL / set_default_impl preference): the selection with `kernels.indexer_topk`
+        (Hadamard FP8 quant -> indexer logits -> radix-select top-k with opts.indexer_fp8, exact JAX scores ->
+        top-k kernel without), in training/prefill and in decode (cached keys go in as e4m3 codes + k_scale), and
+        attention with `kernels.sparse_mla`. The selection is not differentiated (the indexer learns from its KL)."""
         cfg = self.cfg
         b, t, _ = x.shape
         c_q, q_nope, q_pe, c_kv, k_pe = self.latents(x, pos, opts, quantize_kv=cache is None)
@@ -139,8 +145,11 @@ class MLA(nnx.Module):
         if cache is not None:
             aux["cache"], c_kv, k_pe, k_i, k_scale = self._write_cache(cache, pos.q_index[0, 0], c_kv, k_pe, k_i, opts)
         if opts.dsa:
-            aux["topk"] = indexer_topk(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
-                                       q_chunk=opts.index_chunk, k_scale=k_scale)
+            select = indexer_topk
+            if opts.attention == "kernel":
+                from dsv32_jax.kernels import indexer_topk as select
+            aux["topk"] = jax.lax.stop_gradient(select(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
+                                                       q_chunk=opts.index_chunk, k_scale=k_scale))
         w_uk, w_uv = self.kv_up()
         scale = cfg.softmax_scale
         q_lat = kv_lat = None

@@ -16,7 +16,8 @@ MLA_MODES = ("mqa", "mha")
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     # "sparse": gathered top-k rows in plain JAX (eq. 2, O(T*k)); "dense": masked dense reference;
-    # "kernel": the Pallas sparse MLA kernel from `dsv32_jax.kernels` (pallas_kernels/).
+    # "kernel": the Pallas kernels from `dsv32_jax.kernels` (pallas_kernels/) for the indexer selection
+    # (`indexer_topk`: FP8 quant, logits, top-k) and the sparse MLA.
     attention: str = "sparse"
     # Execution mode of the dense reference: absorbed MQA ("mqa") or decompressed per-head MHA ("mha").
     mla_mode: str = "mqa"

@@ -11,8 +11,11 @@ impl values:
   "interpret_tpu" the TPU kernel body run in Pallas' TPU interpret mode (`pltpu.InterpretParams`: DMAs,
                 semaphores and SMEM/VMEM simulated on CPU), for ops that have a TPU kernel.
 impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform:
-gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". An op without a kernel for the resolved
-backend (or a shape that backend cannot serve) runs its reference instead; each op's docstring says when.
+gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". Those are process-wide preferences: an op
+without a kernel for the preferred backend, or inputs (shapes, dtypes) that backend cannot serve, runs its
+reference instead. An impl passed explicitly as `impl=` is a demand: an op without that kernel, or inputs it cannot
+serve, raise a ValueError naming the op, the input shapes and the reason (never a silent reference run); each
+op's docstring lists its backends and constraints.
 """
 
 from __future__ import annotations
@@ -38,16 +41,50 @@ def set_default_impl(impl: str | None) -> None:
     _default_impl = None if impl is None else _check(impl, "set_default_impl")
 
 
-def resolve_impl(impl: str | None, available: tuple[str, ...]) -> str:
-    """The implementation to run: the requested/default one when the op has it, else "reference"."""
+def _describe(shapes) -> str:
+    """'q (2, 3, 4, 128) float32, k ...' for an error message; values may be arrays, shape tuples or strings."""
+    parts = []
+    for name, value in (shapes or {}).items():
+        if hasattr(value, "shape"):
+            dtype = getattr(value, "dtype", None)
+            parts.append(f"{name} {tuple(value.shape)}" + (f" {jax.numpy.dtype(dtype).name}" if dtype is not None
+                                                              else ""))
+        else:
+            parts.append(f"{name} {value}")
+    return ", ".join(parts) or "(no shapes given)"
+
+
+def resolve_impl(impl: str | None, available: tuple[str, ...], *, op: str | None = None, shapes=None,
+                 unsupported=None) -> str:
+    """The implementation to run.
+
+    available: the op's kernel backends ("reference" is always available). shapes: {name: array or shape}, used in
+    error messages. unsupported: why the op's kernels cannot serve these inputs -- a string, or a callable
+    impl -> reason (None when that backend can serve them) for constraints that differ per backend; None: no
+    constraint. impl=None (and the process-wide defaults it reads) falls back to "reference" when the preferred
+    backend is not in `available` or is unsupported for these inputs; an explicit impl raises ValueError instead.
+    """
+    explicit = impl is not None
     if impl is None:
         impl = _default_impl or os.environ.get(ENV_VAR) or None
         if impl is not None:
             _check(impl, f"{ENV_VAR} / set_default_impl")
     if impl is None:
         impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
-    _check(impl, "impl")
-    return impl if impl in available else "reference"
+    _check(impl, "impl" if op is None else f"{op}: impl")
+    if impl == "reference":
+        return impl
+    reason = None
+    if impl not in available:
+        reason = f"the op has no {impl!r} kernel (its kernels: {', '.join(available) or 'none'})"
+    elif unsupported is not None:
+        reason = unsupported(impl) if callable(unsupported) else unsupported
+    if reason is None:
+        return impl
+    if explicit:
+        raise ValueError(f"{op or 'kernel op'}: impl={impl!r} cannot run on {_describe(shapes)}: {reason}; "
+                         "pass impl=None to fall back to the reference, or impl='reference'")
+    return "reference"
 
 
 # Options of the TPU interpret mode (`pltpu.InterpretParams`): uninitialised memory reads as NaN, so a kernel that

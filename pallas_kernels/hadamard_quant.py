@@ -82,11 +82,14 @@ def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str
     """x [..., 128] (one indexer q head or one k row per vector) -> (e4m3 codes [..., 128], f32 scale [...]).
 
     codes * scale ~= x @ H_128 / sqrt(128). Same result as `act_quant(hadamard_rotate(x), 128)` (scales squeezed).
-    Backends: pallas_gpu, pallas_tpu, interpret, interpret_tpu; other last dims than 128 run the reference.
+    Backends: pallas_gpu, pallas_tpu, interpret, interpret_tpu, for a last dim of 128 only: other last dims run
+    the reference with impl=None and raise ValueError with an explicit kernel impl.
     """
     if scale_fmt not in ("ue8m0", None):
         raise ValueError(f"hadamard_quant: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
-    impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu"))
-    if impl == "reference" or x.shape[-1] != DIM:
+    impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu"), op="hadamard_quant",
+                        shapes={"x": x}, unsupported=None if x.shape[-1] == DIM else f"the kernel rotates rows of "
+                        f"{DIM}, got a last dim of {x.shape[-1]}")
+    if impl == "reference":
         return hadamard_quant_reference(x, scale_fmt)
     return _hadamard_quant_pallas(x, scale_fmt=scale_fmt, block_rows=block_rows, backend=impl)

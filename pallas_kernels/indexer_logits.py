@@ -223,7 +223,11 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MOSAIC_BACKENDS))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MOSAIC_BACKENDS),
+                        op="indexer_logits", shapes={"q_fp8": q_fp8, "k_fp8": k_fp8, "k_scale": k_scale,
+                                                     "weights": weights},
+                        unsupported=lambda i: mgpu_kernel.check_shapes(q_fp8, k_fp8, block_q or 8, block_k or 128)
+                        if i in MOSAIC_BACKENDS else None)
     if impl == "reference":
         return indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype)
     if impl == "pallas_gpu" and (_gpu_compute_capability() or 0) >= 9.0 and mgpu_kernel.check_shapes(

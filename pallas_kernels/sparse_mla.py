@@ -423,7 +423,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
     block_h / bwd_* / num_* are GPU-only.
     """
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="sparse_mla",
+                        shapes={"q": q, "kv": kv, "topk_idx": topk_idx})
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,

@@ -301,7 +301,8 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
     interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs the
     reference (`jax.lax.top_k`, a full sort).
     """
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"))
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="topk",
+                        shapes={"scores": scores, "k": k})
     if impl == "reference":
         return topk_reference(scores, k, lengths)
     if impl in ("pallas_tpu", "interpret_tpu"):

@@ -38,13 +38,62 @@ def test_dispatch_resolution(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, "interpret")
     assert _dispatch.resolve_impl(None, ("interpret",)) == "interpret"
     assert _dispatch.resolve_impl(None, ("pallas_gpu",)) == "reference"  # op without that backend
+    assert _dispatch.resolve_impl(None, ("interpret",), unsupported="too small") == "reference"  # shape it can't serve
+    assert _dispatch.resolve_impl(None, ("interpret",), unsupported=lambda impl: None) == "interpret"
     kernels.set_default_impl("reference")
     try:
         assert _dispatch.resolve_impl(None, ("interpret",)) == "reference"
     finally:
         kernels.set_default_impl(None)
+    kernels.set_default_impl("interpret_tpu")
+    try:
+        assert _dispatch.resolve_impl(None, ("interpret",), op="topk") == "reference"
+    finally:
+        kernels.set_default_impl(None)
     with pytest.raises(ValueError, match="unknown kernel impl"):
         _dispatch.resolve_impl("cuda", ("interpret",))
+
+
+def test_explicit_impl_errors_name_op_shapes_and_reason():
+    with pytest.raises(ValueError, match=r"topk: impl='pallas_tpu' cannot run on scores \(2, 3\).*no 'pallas_tpu'"):
+        _dispatch.resolve_impl("pallas_tpu", ("interpret",), op="topk", shapes={"scores": (2, 3)})
+    with pytest.raises(ValueError, match=r"sparse_mla: .*q \(1, 2, 3, 4\) float32.*block too big"):
+        _dispatch.resolve_impl("interpret", ("interpret",), op="sparse_mla",
+                               shapes={"q": jnp.zeros((1, 2, 3, 4))}, unsupported=lambda impl: "block too big")
+    assert _dispatch.resolve_impl("reference", (), op="topk") == "reference"  # always available
+    x = jnp.ones((3, 40), jnp.float32)
+    with pytest.raises(ValueError, match=r"topk: impl='mosaic_gpu'.*scores \(3, 40\) float32"):
+        kernels.topk(x, 4, impl="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"hadamard_quant: impl='interpret' cannot run on x \(3, 64\).*of 128"):
+        kernels.hadamard_quant(jnp.ones((3, 64)), impl="interpret")
+
+
+def test_default_impl_falls_back_where_explicit_impl_raises(rng, monkeypatch):
+    """The env var / set_default_impl are preferences: a shape the kernel cannot serve runs the reference."""
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)  # hadamard_quant kernel: rows of 128 only
+    b, t, h, d = 1, 9, 2, 32
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    vis = (jnp.arange(t, dtype=jnp.int32)[None], jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
+    ref = ref_indexer.indexer_topk(q, k, w, *vis, 4, fp8=True)
+    for how in ("env", "default"):
+        if how == "env":
+            monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+        else:
+            monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+            kernels.set_default_impl(IMPL)
+        try:
+            codes, scale = kernels.hadamard_quant(x)
+            r_codes, r_scale = hadamard_quant_reference(x)
+            np.testing.assert_array_equal(np.asarray(scale), np.asarray(r_scale))
+            np.testing.assert_array_equal(np.asarray(codes, np.float32), np.asarray(r_codes, np.float32))
+            out = kernels.indexer_topk(q, k, w, *vis, 4, fp8=True)  # D = 32: reference quantization, kernel top-k
+            np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+        finally:
+            kernels.set_default_impl(None)
+    with pytest.raises(ValueError, match=r"indexer_topk: impl='interpret' cannot run on q \(1, 9, 2, 32\).*128"):
+        kernels.indexer_topk(q, k, w, *vis, 4, fp8=True, impl=IMPL)
 
 
 # ------------------------------------------------------------------------------------------ hadamard_quant
@@ -128,7 +177,7 @@ def test_indexer_logits_mosaic_gpu_explicit_impl_errors(rng, what):
     else:
         qf = jnp.zeros((1, 4, 260, 128), jnp.float8_e4m3fn)
         wf = jnp.zeros((1, 4, 260), jnp.float32)
-    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot serve q \(1, 4"):
+    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot run on q_fp8 \(1, 4"):
         kernels.indexer_logits(qf, kf, ks, wf, impl=MGPU, **kw)
 
 
@@ -182,6 +231,47 @@ def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
     out = kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=impl)
     ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16)
     np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+
+
+@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, True)])
+def test_indexer_topk_non_contiguous_segments(rng, impl, fp8):
+    """GRPO layouts reuse segment 0 for left padding and after EOS: the key ranges over-cover, the masked branch
+    must still give the reference selection (and the contiguous rows of the batch too)."""
+    b, t, h, topk = 2, 29, 4, 6
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seg = np.zeros((b, t), np.int32)
+    seg[0, 4:20] = 1  # [0]*4 [1]*16 [0]*9: segment 0 is two runs
+    seg[1, 10:] = 1
+    seg = jnp.asarray(seg)
+    out = kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=8, impl=impl)
+    ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=8)
+    np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_topk_decode_cache_layout(rng, fp8):
+    """Decode: 3 new queries at slots 9..11 of a 16-slot cache (unwritten slots have segment -1, left padding 0);
+    with fp8 the cached keys come in as e4m3 codes + k_scale, as MLA's cache holds them."""
+    b, t, s, h, topk = 2, 3, 16, 4, 5
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.broadcast_to(9 + jnp.arange(t, dtype=jnp.int32), (b, t))
+    kv_seg = np.full((b, s), -1, np.int32)
+    kv_seg[:, :12] = 1
+    kv_seg[1, :7] = 0  # row 1: 7 padding slots
+    kv_seg = jnp.asarray(kv_seg)
+    q_seg = kv_seg[:, 9:12]
+    k_scale = None
+    if fp8:
+        k, k_scale = ref_indexer.quantize_keys(k)
+    out = kernels.indexer_topk(q, k, w, q_index, q_seg, kv_seg, topk, fp8=fp8, k_scale=k_scale, impl=IMPL)
+    ref = ref_indexer.indexer_topk(q, k, w, q_index, q_seg, kv_seg, topk, fp8=fp8, k_scale=k_scale)
+    np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+    np.testing.assert_array_equal(np.sort(np.asarray(out)[1, 0]), [-1, -1, 7, 8, 9])  # after the padding, causal
 
 
 # --------------------------------------------------------------------------------------------- sparse MLA
@@ -287,18 +377,115 @@ def test_sparse_mla_tpu_skips_blocks_without_valid_slots(rng):
 
 
 # ------------------------------------------------------------------------------------------ the model hook
-@pytest.mark.parametrize("impl", [IMPL, TPU])
-def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch, impl):
+def _tiny_model(index_head_dim=None):
     from flax import nnx
 
-    from dsv32_jax import RunOptions, Transformer, load_preset
+    from dsv32_jax import Transformer, load_preset
+    # two layers (dense + MoE) and no MTP keep the interpret-mode kernels fast
+    cfg = load_preset("tiny").replace(initializer_range=0.2, num_hidden_layers=2, num_nextn_predict_layers=0)
+    if index_head_dim:  # the hadamard_quant kernel serves 128-dim rows only (tiny: 32 -> reference quantization)
+        cfg = cfg.replace(index_head_dim=index_head_dim)
+    return Transformer(cfg, rngs=nnx.Rngs(5))
+
+
+def _kernel_vs_sparse(model, toks, fp8):
+    """(logits, aux) with attention='kernel' and with 'sparse' (reference indexer_topk with the same fp8 flag)."""
+    from dsv32_jax import RunOptions
+    out = {}
+    for attention in ("kernel", "sparse"):
+        model.options = RunOptions(attention=attention, indexer_fp8=fp8)
+        out[attention] = model(toks, return_aux=True)
+    model.options = RunOptions()
+    return out["kernel"], out["sparse"]
+
+
+# fp32 logits within 1e-5 (measured ~1e-7: same selections, float noise of the sparse MLA kernel); the kernel path
+# selects the same sets as the reference (fp8: kernel Hadamard codes equal the reference's, ties go to the lowest
+# key in both top-ks), so the selections are compared exactly.
+@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, False)])
+def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch, impl, fp8):
     monkeypatch.setenv(_dispatch.ENV_VAR, impl)
-    model = Transformer(load_preset("tiny").replace(initializer_range=0.2), rngs=nnx.Rngs(5))
-    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 24)), jnp.int32)
-    model.options = RunOptions(attention="kernel")
-    got = model(toks)
-    model.options = RunOptions(attention="sparse")
-    assert rel_err(got, model(toks)) <= 1e-5
+    model = _tiny_model(128 if fp8 else None)
+    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 16)), jnp.int32)
+    (got, got_aux), (want, want_aux) = _kernel_vs_sparse(model, toks, fp8)
+    for layer, sel in want_aux["topk"].items():
+        np.testing.assert_array_equal(np.sort(np.asarray(got_aux["topk"][layer]), -1), np.sort(np.asarray(sel), -1))
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
+    """attention='kernel' selects through the Pallas hadamard_quant / indexer_logits / topk kernels, never through
+    the plain-JAX indexer_topk; the model's gradients through it match the sparse path's."""
+    import importlib
+
+    from flax import nnx
+
+    from dsv32_jax import RunOptions
+    from dsv32_jax import mla as mla_module
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    calls = {}
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(importlib.import_module("dsv32_jax.kernels.hadamard_quant"), "_hadamard_quant_pallas")
+    spy(importlib.import_module("dsv32_jax.kernels.indexer_logits"), "_indexer_logits_pallas")
+    spy(importlib.import_module("dsv32_jax.kernels.topk"), "_topk_pallas")
+    spy(mla_module, "indexer_topk")  # the plain-JAX selection
+    model = _tiny_model(128)
+    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, 9)), jnp.int32)
+
+    def grads(attention):
+        model.options = RunOptions(attention=attention, indexer_fp8=True, indexer_loss="sparse")
+
+        def loss(m):
+            logits, aux = m(toks, return_aux=True)
+            return jnp.mean(logits**2) + sum(jnp.mean(v) for v in aux["indexer_kl"].values())  # both objectives
+        return nnx.grad(loss)(model)
+
+    got = jax.tree.leaves(grads("kernel"))
+    layers = model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    assert calls.pop("indexer_topk", 0) == 0
+    assert calls == {"_hadamard_quant_pallas": 2 * layers, "_indexer_logits_pallas": layers, "_topk_pallas": layers}
+    assert model.config.index_topk < toks.shape[1]  # a real choice in the later rows
+    want = jax.tree.leaves(grads("sparse"))
+    assert calls["indexer_topk"] == layers
+    assert rel_err(jnp.concatenate([g.ravel() for g in got]), jnp.concatenate([g.ravel() for g in want])) <= 1e-5
+    model.options = RunOptions()
+
+
+@pytest.mark.parametrize("fp8", [True])
+def test_decode_with_kernel_attention_matches_sparse(rng, monkeypatch, fp8):
+    """Prefill + decode steps on the cache: the kernel selection reads the cached (fp8: e4m3 + scale) keys."""
+    from dsv32_jax import RunOptions
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    model = _tiny_model(128 if fp8 else None)
+    b, p, t = 2, 9, 1
+    toks = jnp.asarray(rng.integers(2, model.config.vocab_size, (b, p + t)), jnp.int32)
+    seg = jnp.asarray((np.arange(p + t)[None] >= np.array([[0], [4]])).astype(np.int32))  # row 1: 4 padding
+    pos = jnp.asarray(np.clip(np.arange(p + t)[None] - np.array([[0], [4]]), 0, None), jnp.int32)
+    runs = {}
+    for attention in ("kernel", "sparse"):
+        model.options = RunOptions(attention=attention, indexer_fp8=fp8)
+        cache = model.init_cache(b, p + t)
+        logits, cache, aux = model.decode(toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
+        outs, tops = [logits], [aux["topk"]]
+        for i in range(p, p + t):
+            logits, cache, aux = model.decode(toks[:, i:i + 1], cache, i, pos[:, i:i + 1], seg[:, i:i + 1])
+            outs.append(logits), tops.append(aux["topk"])
+        runs[attention] = jnp.concatenate(outs, 1), tops
+    model.options = RunOptions()
+    (got, got_tops), (want, want_tops) = runs["kernel"], runs["sparse"]
+    for g_step, w_step in zip(got_tops, want_tops):
+        for layer in w_step:
+            np.testing.assert_array_equal(np.sort(np.asarray(g_step[layer]), -1),
+                                          np.sort(np.asarray(w_step[layer]), -1))
+    assert rel_err(got, want) <= 1e-5
 
 
 def test_hf_long_golden_logits_with_kernel_attention(monkeypatch):
