@@ -233,12 +233,8 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     if impl == "pallas_gpu" and (_gpu_compute_capability() or 0) >= 9.0 and mgpu_kernel.check_shapes(
             q_fp8, k_fp8, block_q or 8, block_k or 128) is None:
         impl = "mosaic_gpu"
-    if impl in MOSAIC_BACKENDS:
+    if impl in MOSAIC_BACKENDS:  # resolve_impl checked the shapes (mgpu_kernel.check_shapes)
         block_q, block_k = block_q or 8, block_k or 128
-        why = mgpu_kernel.check_shapes(q_fp8, k_fp8, block_q, block_k)
-        if why is not None:
-            raise ValueError(f"indexer_logits: impl={impl!r} cannot serve q {q_fp8.shape} {q_fp8.dtype}, k "
-                             f"{k_fp8.shape}: {why}")
         return _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
                                       block_q=block_q, block_k=block_k, interpret=impl == "interpret_mosaic_gpu")
     if impl in ("pallas_tpu", "interpret_tpu"):

@@ -64,8 +64,9 @@ class Shapes:
 
 PROD = Shapes("prod", queries=4096, heads=128, d_qk=576, d_v=512, topk=2048, index_heads=64, index_dim=128,
               keys=(8192, 131072), q_chunk=256)
-TINY = Shapes("tiny", queries=16, heads=4, d_qk=40, d_v=32, topk=8, index_heads=4, index_dim=32, keys=(64,),
-              q_chunk=8)  # the tiny test model: 4 heads, kv_lora_rank 32 + rope 8, indexer 4 x 32, top-8
+TINY = Shapes("tiny", queries=16, heads=4, d_qk=40, d_v=32, topk=8, index_heads=4, index_dim=128, keys=(64,),
+              q_chunk=8)  # the tiny test model (4 heads, kv_lora_rank 32 + rope 8, top-8) with its fp8 indexer
+#                          test's 4 x 128 indexer (the Hadamard kernel rotates 128-dim rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,9 @@ def all_cases() -> list[Case]:
             Case(f"sparse_mla_probs[{sh.name},L={sh.keys[0]}]", "sparse_mla_probs", sh.name, sh.keys[0]),
             Case(f"sparse_mla_bwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0]),
         ]
+    # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
+    cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
+                      requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
     # The checks must be able to fail: a 128 x 128 forward tile does not fit the H100's shared memory (the compile
     # fails); 64 x 64 (the former default) compiles but needs 95% of it and spills; 4 warps spill.
     cases += [
@@ -127,6 +131,8 @@ def build(case: Case):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(dev))
 
     t, l, o = sh.queries, case.keys, case.opts()
+    if case.op == "model_kernel":
+        return model_kernel_step(l, spec)
     f8 = jnp.float8_e4m3fn
     if case.op == "hadamard_quant":  # the kernel rotates 128-dim rows (the production indexer head dim)
         return (lambda x: pk.hadamard_quant(x, impl="pallas_gpu")), [spec((1, l, 128), jnp.bfloat16)]
@@ -162,6 +168,38 @@ def build(case: Case):
             return pk.sparse_mla(q, kv, i, scale, sh.d_v, impl="pallas_gpu", **o)[0].astype(jnp.float32).sum()
         return jax.grad(loss, argnums=(0, 1)), args
     raise SystemExit(f"unknown op {case.op!r}")
+
+
+def model_kernel_step(length: int, spec):
+    """Loss + gradients of the tiny model (indexer 4 x 128) on one sequence with RunOptions(attention="kernel",
+    indexer_fp8=True, indexer_loss="sparse"): every op dispatched to its GPU kernel (set_default_impl)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv32_jax import kernels as pk
+    from dsv32_jax.config import load_preset
+    from dsv32_jax.model import Transformer
+    from dsv32_jax.options import RunOptions
+    from dsv32_jax.train.steps import LossWeights, lm_objective
+
+    pk.set_default_impl("pallas_gpu")
+    cfg = load_preset("tiny").replace(index_head_dim=128)
+    opts = RunOptions(attention="kernel", indexer_fp8=True, indexer_loss="sparse")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), options=opts, dtype=jnp.bfloat16))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: spec(x.shape, x.dtype), state)
+
+    def step(state, tokens):
+        def loss(state):
+            batch = {"tokens": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(length),
+                                                                                        tokens.shape),
+                     "segment_ids": jnp.ones_like(tokens), "loss_mask": jnp.ones(tokens.shape, jnp.float32)}
+            return lm_objective(nnx.merge(graphdef, state), batch, stage="sparse", weights=LossWeights(),
+                                model_cfg=cfg)[0]
+        return jax.grad(loss)(state)
+
+    return step, [state, spec((1, length), jnp.int32)]
 
 
 _H100 = None
