@@ -1,6 +1,8 @@
 """The paper's sparse training stage: top-k 2048 sparse attention, all parameters trained, the indexer by the
 KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
-(943.7B tokens). Mesh: 2048 devices."""
+(943.7B tokens). Mesh: 1920 devices (240 nodes x 8): the 480 sequences split over data:15 x fsdp:8 x expert:4 (one
+per device group of tensor:4), routed experts over expert:4, parameters over fsdp x tensor (x expert for experts).
+2048 devices cannot split a batch of 480 evenly without sequence parallelism (seq:N splits each sequence)."""
 from dsv32_jax.train.config import default_config
 
 
@@ -12,7 +14,7 @@ def get_config():
     c.dtype = "bfloat16"
     c.param_dtype = "float32"
     c.attention = "kernel"
-    c.mesh = "data:4,fsdp:32,expert:16"
+    c.mesh = "data:15,fsdp:8,expert:4,tensor:4"
     c.steps = 15000
     c.optimizer.lr = 7.3e-6
     c.optimizer.schedule = "constant"

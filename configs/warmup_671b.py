@@ -1,6 +1,8 @@
 """The paper's dense warm-up (section 2.1.1) for DeepSeek-V3.2 from DeepSeek-V3.1-Terminus: dense attention,
 every parameter frozen except the lightning indexer, KL to the head-summed attention (eq. 3); lr 1e-3,
-1000 steps x 16 sequences x 128K tokens (2.1B tokens). Mesh: 2048 devices (256 nodes x 8)."""
+1000 steps x 16 sequences x 128K tokens (2.1B tokens). Mesh: 2048 devices (256 nodes x 8): the 16 sequences split
+over fsdp:16, each 128K sequence over seq:16 (8K tokens per device; MLA all-gathers the keys), heads / hidden
+units over tensor:8 (parameters 128-way: fsdp x tensor)."""
 from dsv32_jax.train.config import default_config
 
 
@@ -11,7 +13,7 @@ def get_config():
     c.init_from = ""  # the converted V3.1-Terminus checkpoint (python -m dsv32_jax.convert hf-to-orbax ...)
     c.dtype = "bfloat16"
     c.param_dtype = "bfloat16"
-    c.mesh = "data:4,fsdp:32,expert:16"
+    c.mesh = "fsdp:16,tensor:8,seq:16"  # batch 16 = fsdp:16 (data:4,fsdp:32,expert:16 would split it 2048 ways)
     c.steps = 1000
     c.optimizer.lr = 1e-3
     c.optimizer.schedule = "constant"

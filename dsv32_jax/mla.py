@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dsv32_jax import attention
 from dsv32_jax.config import ModelConfig
@@ -22,6 +23,7 @@ from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.layers import Dense, RMSNorm
 from dsv32_jax.options import RunOptions
 from dsv32_jax.rope import apply_rope_interleaved
+from dsv32_jax.sharding import SEQ_AXIS, current_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -139,28 +141,33 @@ class MLA(nnx.Module):
         c_q, q_nope, q_pe, c_kv, k_pe = self.latents(x, pos, opts, quantize_kv=cache is None)
         vis = (pos.q_index, pos.q_segment, pos.kv_segment)
         aux = {"topk": None}
-        k_scale = None
+        k_scale = q_i = k_i = w_i = None
         if opts.dsa or opts.indexer_loss or cache is not None:
             q_i, k_i, w_i = self.indexer_inputs(x, c_q, pos)
         if cache is not None:
             aux["cache"], c_kv, k_pe, k_i, k_scale = self._write_cache(cache, pos.q_index[0, 0], c_kv, k_pe, k_i, opts)
-        if opts.dsa:
-            select = indexer_topk
-            if opts.attention == "kernel":
-                from dsv32_jax.kernels import indexer_topk as select
-            aux["topk"] = jax.lax.stop_gradient(select(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
-                                                       q_chunk=opts.index_chunk, k_scale=k_scale))
         w_uk, w_uv = self.kv_up()
         scale = cfg.softmax_scale
-        q_lat = kv_lat = None
-        if opts.mla_mode == "mqa" or opts.indexer_loss == "dense":
-            q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], axis=-1)
-            kv_lat = jnp.concatenate([c_kv, k_pe], axis=-1)
-        if opts.indexer_loss == "dense":
-            aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
-                q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
-
-        if opts.mla_mode == "mha":
+        q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], axis=-1)
+        kv_lat = jnp.concatenate([c_kv, k_pe], axis=-1)
+        if opts.mla_mode == "mqa":
+            attend = functools.partial(mqa_attend, cfg=cfg, opts=opts, k_scale=k_scale)
+            q_side, kv_side = (q_lat, q_i, w_i, pos.q_index, pos.q_segment), (kv_lat, k_i, pos.kv_segment)
+            mesh = current_mesh()
+            if cache is None and mesh is not None and mesh.shape.get(SEQ_AXIS, 1) > 1:
+                o_lat, core_aux = seq_parallel(attend, mesh, q_side, kv_side)
+            else:
+                o_lat, core_aux = attend(*q_side, *kv_side)
+            aux.update(core_aux)
+            o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
+        else:  # decompressed MHA mode: the dense reference (no sequence parallelism, no kernels)
+            if opts.dsa:
+                aux["topk"] = jax.lax.stop_gradient(indexer_topk(q_i, k_i, w_i, *vis, cfg.index_topk,
+                                                                 fp8=opts.indexer_fp8, q_chunk=opts.index_chunk,
+                                                                 k_scale=k_scale))
+            if opts.indexer_loss == "dense":
+                aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
+                    q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
             kv = jnp.einsum("bsc,chd->bshd", c_kv, jnp.concatenate([w_uk, w_uv], axis=-1))
             k = jnp.concatenate(
                 [kv[..., : cfg.qk_nope_head_dim],
@@ -168,21 +175,55 @@ class MLA(nnx.Module):
                 axis=-1)
             o, _ = attention.dense_mha(jnp.concatenate([q_nope, q_pe], -1), k, kv[..., cfg.qk_nope_head_dim:], *vis,
                                        scale, topk_idx=aux["topk"], q_chunk=opts.attn_chunk)
-        else:
-            if not opts.dsa or opts.attention == "dense":
-                o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
-                                               q_chunk=opts.attn_chunk)
-            else:
-                if opts.attention == "sparse":
-                    sparse = functools.partial(attention.sparse_mla, q_chunk=opts.attn_chunk)
-                else:
-                    from dsv32_jax.kernels import sparse_mla as sparse
-                if opts.indexer_loss == "sparse":
-                    o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank,
-                                                  return_probs=True)
-                    aux["indexer_kl"] = sparse_indexer_kl(head_probs, aux["topk"], q_i, k_i, w_i,
-                                                          q_chunk=opts.attn_chunk)
-                else:
-                    o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
-            o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv)
         return self.o_proj(o.reshape(b, t, cfg.num_attention_heads * cfg.v_head_dim)), aux
+
+
+def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, *, cfg: ModelConfig, opts: RunOptions,
+               k_scale=None):
+    """DSA in absorbed MQA mode for queries [B, T] against keys [B, S]: the indexer's top-k selection (eq. 1), the
+    indexer objective (eq. 3 dense / eq. 4 sparse) and attention (dense_mqa, or eq. 2 on the selected rows).
+    q_lat [B, T, H, Dqk], q_i [B, T, H_I, D], w_i [B, T, H_I], q_index / q_segment [B, T]; kv_lat [B, S, Dqk],
+    k_i [B, S, D], kv_segment [B, S]. Returns (o_lat [B, T, H, kv_lora_rank], aux: topk, indexer_kl, ...).
+    Queries only meet keys through q_index / segments, so a slice of the queries against all keys gives that
+    slice of the result: what `seq_parallel` relies on."""
+    vis = (q_index, q_segment, kv_segment)
+    scale = cfg.softmax_scale
+    aux = {"topk": None}
+    if opts.dsa:
+        select = indexer_topk
+        if opts.attention == "kernel":
+            from dsv32_jax.kernels import indexer_topk as select
+        aux["topk"] = jax.lax.stop_gradient(select(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
+                                                   q_chunk=opts.index_chunk, k_scale=k_scale))
+    if opts.indexer_loss == "dense":
+        aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
+            q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
+    if not opts.dsa or opts.attention == "dense":
+        o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
+                                       q_chunk=opts.attn_chunk)
+        return o_lat, aux
+    if opts.attention == "sparse":
+        sparse = functools.partial(attention.sparse_mla, q_chunk=opts.attn_chunk)
+    else:
+        from dsv32_jax.kernels import sparse_mla as sparse
+    if opts.indexer_loss == "sparse":
+        o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
+        aux["indexer_kl"] = sparse_indexer_kl(head_probs, aux["topk"], q_i, k_i, w_i, q_chunk=opts.attn_chunk)
+    else:
+        o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
+    return o_lat, aux
+
+
+def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
+    """Sequence (context) parallelism over the mesh axis "seq": each device keeps its slice of the queries (dim 1
+    of every q_side array) and all-gathers the keys' side (the 576-d latent rows, the indexer keys and their
+    segment ids: O(L) bytes, the only communication; its transpose in the backward is a reduce-scatter), then runs
+    `attend` on local queries against all keys. Other mesh axes (batch, heads) stay automatic."""
+    spec = P(None, SEQ_AXIS)
+
+    def local(q_side, kv_side):
+        kv_side = jax.tree.map(lambda a: jax.lax.all_gather(a, SEQ_AXIS, axis=1, tiled=True), kv_side)
+        return attend(*q_side, *kv_side)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec, axis_names={SEQ_AXIS},
+                         check_vma=False)(q_side, kv_side)

@@ -2,7 +2,8 @@
 
 Parameters carry logical names in their `axes` metadata (optimizer state inherits them); activations name
 theirs through `constrain`. Mesh axes: data (pure data parallel), fsdp (parameters sharded, batch split),
-tensor (heads / hidden units), expert (routed experts split; batch split too).
+tensor (heads / hidden units), expert (routed experts split; batch split too), seq (sequence / context
+parallelism: activations split along the tokens; MLA all-gathers the keys, `dsv32_jax.mla.seq_parallel`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "seq")
+SEQ_AXIS = "seq"  # sequence (context) parallelism: tokens split over it, keys all-gathered in attention
 BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical name -> mesh axis (or tuple of mesh axes, or None = replicated)
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
-    "seq": None,
+    "seq": SEQ_AXIS,
     "vocab": "tensor",
     "embed": "fsdp",
     # FSDP on the LoRA ranks, tensor parallelism on heads: never two mesh axes on one dimension (XLA's SPMD

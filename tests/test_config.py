@@ -1,5 +1,7 @@
 import json
 
+import numpy as np
+
 import pytest
 from flax import nnx
 
@@ -99,3 +101,35 @@ def test_mlp_layer_types_must_agree():
     raw["mlp_layer_types"] = ["dense"] * 4 + ["sparse"] * 57
     with pytest.raises(ConfigError, match="mlp_layer_types"):
         ModelConfig.from_hf(raw)
+
+
+def test_batch_and_mesh_are_validated_at_config_time():
+    from dsv32_jax.train.config import base_config, check_batch_mesh
+
+    for name, devices in (("warmup_671b", 2048), ("sparse_671b", 1920)):
+        c = base_config(name)
+        sizes = check_batch_mesh(c, num_devices=devices)
+        assert np.prod(list(sizes.values())) == devices, (name, sizes)
+    c = base_config("warmup_671b")
+    c.mesh = "data:4,fsdp:32,expert:16"  # the former recipe: 2048 batch shards for 16 sequences
+    with pytest.raises(ValueError, match=r"config.data.batch_size=16 .*config.mesh='data:4,fsdp:32,expert:16' "
+                                         r"\(data:4 x fsdp:32 x expert:16 = 2048 shards\)"):
+        check_batch_mesh(c, num_devices=2048)
+    c.mesh = "fsdp:16,seq:3"
+    with pytest.raises(ValueError, match=r"config.data.seq_len=131072 cannot be split over seq:3"):
+        check_batch_mesh(c, num_devices=48)
+    c.mesh = "fsdp:-1"
+    c.data.batch_size = 6
+    with pytest.raises(ValueError, match=r"batch_size=6 .* fsdp:4 .* = 4 shards"):
+        check_batch_mesh(c, num_devices=4)
+
+
+def test_trainer_checks_batch_and_mesh_before_building_anything(tmp_path):
+    from dsv32_jax.train.config import base_config
+    from dsv32_jax.train.trainer import Trainer
+
+    c = base_config("dense_tiny")
+    c.mesh, c.data.batch_size = "fsdp:2", 3  # checked before the mesh is made (1 CPU device here)
+    with pytest.raises(ValueError, match=r"config.data.batch_size=3 .*config.mesh='fsdp:2'"):
+        Trainer(c, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()

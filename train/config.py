@@ -76,6 +76,41 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
+    """Validates config.data.batch_size / seq_len against config.mesh before anything is built: the global batch is
+    split over the batch mesh axes (data x fsdp x expert) and must divide evenly, the sequence over the seq axis.
+    Returns the mesh sizes. Raises ValueError naming both the batch and the mesh."""
+    import jax
+
+    from dsv32_jax import sharding as shd
+
+    spec = config.mesh or "fsdp:-1"
+    sizes = shd.parse_mesh_spec(spec)
+    n = jax.device_count() if num_devices is None else num_devices
+    auto = [a for a, v in sizes.items() if v == -1]
+    if auto:
+        known = 1
+        for a, v in sizes.items():
+            known *= 1 if v == -1 else v
+        sizes[auto[0]] = max(n // known, 1)
+    batch_axes = shd.DEFAULT_RULES["batch"]
+    shards = 1
+    for a in batch_axes:
+        shards *= sizes[a]
+    batch = config.data.batch_size
+    if batch % shards:
+        split = " x ".join(f"{a}:{sizes[a]}" for a in batch_axes)
+        raise ValueError(
+            f"config.data.batch_size={batch} cannot be split over the batch axes of config.mesh={spec!r} "
+            f"({split} = {shards} shards): use a batch size that is a multiple of {shards}, or a mesh whose batch "
+            f"axes multiply to a divisor of {batch} (put the other devices on tensor or seq)")
+    seq_shards = sizes.get("seq", 1)
+    if config.data.seq_len % seq_shards:
+        raise ValueError(f"config.data.seq_len={config.data.seq_len} cannot be split over seq:{seq_shards} of "
+                         f"config.mesh={spec!r}")
+    return sizes
+
+
 # The stage whose workdir each stage usually starts from (configs/<previous>_<size>.py).
 PREVIOUS_STAGE = {"sparse": "warmup", "warmup": "dense"}
 STAGE_NAMES = {"dense": "dense pre-training", "warmup": "dense warm-up", "sparse": "sparse training", "grpo": "GRPO"}

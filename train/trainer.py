@@ -26,7 +26,7 @@ from dsv32_jax import orbax_io
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax import sharding as shd
 from dsv32_jax.train import checkpointing, steps
-from dsv32_jax.train.config import check_init_from
+from dsv32_jax.train.config import check_batch_mesh, check_init_from
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.metrics import LM_KEYS
 from dsv32_jax.train.optimizer import learning_rate_schedule, make_tx, trainable_filter
@@ -98,6 +98,7 @@ class Trainer:
         if not allocate:
             return
         check_init_from(config)
+        check_batch_mesh(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = steps.lm_batch_sharding(self.mesh)
         self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
