@@ -1,8 +1,9 @@
 """The paper's sparse training stage: top-k 2048 sparse attention, all parameters trained, the indexer by the
 KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
-(943.7B tokens). Mesh: 1920 devices (240 nodes x 8): the 480 sequences split over data:15 x fsdp:8 x expert:4 (one
-per device group of tensor:4), routed experts over expert:4, parameters over fsdp x tensor (x expert for experts).
-2048 devices cannot split a batch of 480 evenly without sequence parallelism (seq:N splits each sequence)."""
+(943.7B tokens). Mesh: 2048 devices (256 nodes x 8): the 480 sequences split over fsdp:32 (15 per shard), each
+sequence over seq:16, heads / hidden units over tensor:4; parameters 128-way (fsdp x tensor): fp32 master weights +
+AdamW take ~60 GiB per device, which leaves too little for 128K-token activations (BENCHMARKS.md "The 671B
+recipes"): this recipe validates and lowers, it does not fit an 80 GB device yet."""
 from dsv32_jax.train.config import default_config
 
 
@@ -14,7 +15,7 @@ def get_config():
     c.dtype = "bfloat16"
     c.param_dtype = "float32"
     c.attention = "kernel"
-    c.mesh = "data:15,fsdp:8,expert:4,tensor:4"
+    c.mesh = "fsdp:32,tensor:4,seq:16"  # batch 480 over fsdp:32 (a 2048-way batch split cannot divide 480)
     c.steps = 15000
     c.optimizer.lr = 7.3e-6
     c.optimizer.schedule = "constant"

@@ -106,7 +106,7 @@ def test_mlp_layer_types_must_agree():
 def test_batch_and_mesh_are_validated_at_config_time():
     from dsv32_jax.train.config import base_config, check_batch_mesh
 
-    for name, devices in (("warmup_671b", 2048), ("sparse_671b", 1920)):
+    for name, devices in (("warmup_671b", 2048), ("sparse_671b", 2048)):
         c = base_config(name)
         sizes = check_batch_mesh(c, num_devices=devices)
         assert np.prod(list(sizes.values())) == devices, (name, sizes)

@@ -1,5 +1,5 @@
 """The 671B recipes: batch and mesh valid at config time, and one full train step traces and lowers against an
-AbstractMesh of the recipe's size (2048 / 1920 devices) without any device (bench/abstract_step.py). The default
+AbstractMesh of the recipe's size (2048 devices) without any device (bench/abstract_step.py). The default
 suite lowers 2-layer variants (seconds); the full 61-layer models are `slow`."""
 
 import os
@@ -16,7 +16,7 @@ def _run(capsys, *args):
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("config,devices", [("warmup_671b", 2048), ("sparse_671b", 1920)])
+@pytest.mark.parametrize("config,devices", [("warmup_671b", 2048), ("sparse_671b", 2048)])
 def test_671b_recipe_step_lowers_for_its_mesh(capsys, config, devices):
     out = _run(capsys, f"--config={config}", "--layers=2")
     assert f"({devices} devices)" in out and "lowered in" in out, out
