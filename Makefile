@@ -66,6 +66,7 @@ train: $(STAMP)
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:
 	$${HF_PYTHON:-$(PY)} tools/make_hf_golden.py --out tests/fixtures
+	$${HF_PYTHON:-$(PY)} tools/make_hf_v3_fixture.py
 
 clean:
 	rm -rf $(VENV) $(VENV_CUDA) .pytest_cache

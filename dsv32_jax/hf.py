@@ -90,8 +90,15 @@ def _block_specs(cfg: ModelConfig, path: tuple, layer: int) -> list[TensorSpec]:
     return specs
 
 
-def tensor_specs(cfg: ModelConfig, include_mtp: bool = True) -> list[TensorSpec]:
-    """Every parameter of `Transformer(cfg)` with its HF tensor(s); MTP layers when include_mtp."""
+def is_indexer_spec(spec: "TensorSpec") -> bool:
+    return "indexer" in spec.path
+
+
+def tensor_specs(cfg: ModelConfig, include_mtp: bool = True, include_indexer: bool = True) -> list[TensorSpec]:
+    """Every parameter of `Transformer(cfg)` with its HF tensor(s); MTP layers when include_mtp; the lightning
+    indexers' unless include_indexer is False (a DeepSeek-V3 checkpoint has none: they start fresh)."""
+    if not include_indexer:
+        return [s for s in tensor_specs(cfg, include_mtp) if not is_indexer_spec(s)]
     d, v = cfg.hidden_size, cfg.vocab_size
     specs = [
         TensorSpec(("embed",), ("model.embed_tokens.weight",), (v, d)),
@@ -163,10 +170,12 @@ def checkpoint_has_mtp(ckpt: HFCheckpoint, cfg: ModelConfig) -> bool:
     return cfg.num_nextn_predict_layers > 0 and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in ckpt
 
 
-def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, include_mtp: bool) -> nnx.State:
-    """Fills an (abstract) parameter state of `Transformer(cfg)` from the checkpoint; strict about the inventory."""
+def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, include_mtp: bool,
+                  include_indexer: bool = True) -> nnx.State:
+    """Fills a parameter state of `Transformer(cfg)` from the checkpoint; strict about the inventory. Without
+    include_indexer the indexer parameters are left as they are in `state` (a fresh initialization)."""
     pure = nnx.to_pure_dict(state)
-    specs = tensor_specs(cfg, include_mtp)
+    specs = tensor_specs(cfg, include_mtp, include_indexer)
     main_names = {s.path: s.hf_names[0] for s in specs if not s.alias}
     consumed = set()
     for spec in specs:
@@ -184,7 +193,8 @@ def load_hf_state(ckpt: HFCheckpoint, cfg: ModelConfig, state: nnx.State, includ
         target = node[spec.path[-1]]
         node[spec.path[-1]] = jnp.asarray(value, dtype=target.dtype)
     unexpected = sorted(n for n in ckpt.names()
-                        if n not in consumed and (include_mtp or not _is_mtp_name(n, cfg.num_hidden_layers)))
+                        if n not in consumed and (include_mtp or not _is_mtp_name(n, cfg.num_hidden_layers))
+                        and (include_indexer or ".self_attn.indexer." not in n))
     if unexpected:
         raise CheckpointError(f"{ckpt.directory}: {len(unexpected)} unexpected tensors for this config, e.g. "
                               f"'{unexpected[0]}' in {ckpt.where(unexpected[0])}; does config.json match the weights?")

@@ -7,6 +7,7 @@ orbax_io -> loading -> convert); imports only downward.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -17,7 +18,7 @@ from flax import nnx
 from dsv32_jax import sharding as shd
 from dsv32_jax.config import ModelConfig
 from dsv32_jax.fp8_weights import dequant_fp8
-from dsv32_jax.hf import checkpoint_has_mtp, load_hf_state
+from dsv32_jax.hf import checkpoint_has_mtp, is_indexer_spec, load_hf_state, tensor_specs
 from dsv32_jax.model import Transformer
 from dsv32_jax.orbax_io import (FP8_DTYPE, check_stored_tree, flatten_pure, group_of, group_sort_key, logical_sharding,
                                 open_params, param_axes, scale_path, str_path)
@@ -40,8 +41,18 @@ def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
                                                         param_dtype=param_dtype or dtype, options=options)))
 
 
+INIT_INDEXER = ("auto", "load", "fresh")
+
+
+def hf_model_type(path: str) -> str:
+    import json
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("model_type", "deepseek_v32")
+
+
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                    include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
+                    include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None,
+                    init_indexer: str = "auto", seed: int = 0, overrides: dict | None = None):
     """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
     shards), a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.convert hf-to-orbax`; detected by its
     `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized), or a training workdir (`python -m
@@ -52,26 +63,70 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
     `jax.sharding.Mesh` or a spec like 'fsdp:2,tensor:4' to shard the parameters by their logical axes
     (`rules`: logical axis -> mesh axes, default `dsv32_jax.sharding.DEFAULT_RULES`).
+    init_indexer (HF checkpoints): "load" the lightning indexers from the checkpoint (missing ones are an error),
+    "fresh" initialize them (`Transformer`'s init from `seed`) and load everything else, "auto" = "fresh" for an HF
+    `deepseek_v3` checkpoint (DeepSeek-V3.1-Terminus, where the paper's warm-up starts: no indexer weights, the
+    indexer geometry from config.json or V3.2's defaults) and "load" otherwise. Training workdirs and orbax
+    checkpoints take "fresh" too (loaded, then the indexers replaced). overrides: ModelConfig fields replacing
+    config.json's (HF checkpoints; e.g. the indexer geometry of fresh indexers).
     """
+    if init_indexer not in INIT_INDEXER:
+        raise ValueError(f"from_pretrained: init_indexer must be one of {INIT_INDEXER}, got {init_indexer!r}")
     path = os.fspath(path)
     if orbax_io.is_orbax_checkpoint(path) or orbax_io.is_training_workdir(path):
-        return load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
-                                include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
+        model = load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
+                                 include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
+        if init_indexer == "fresh":
+            fresh = Transformer(model.config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype or dtype,
+                                options=options)
+            state, new = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(fresh))
+            _copy_indexers(state, new)
+            nnx.update(model, _as_state(model, state))
+            logging.info("%s: lightning indexers initialized fresh (seed %d), not loaded", path, seed)
+        return model
     if step is not None:
         raise ValueError(f"{path}: step={step} applies to training workdirs only (this is an HF checkpoint)")
     config = ModelConfig.from_hf(path)
+    if overrides:
+        config = config.replace(**dict(overrides))
     ckpt = HFCheckpoint(path)
     has_mtp = checkpoint_has_mtp(ckpt, config)
+    if init_indexer == "auto":
+        init_indexer = "fresh" if hf_model_type(path) == "deepseek_v3" else "load"
+    load_indexer = init_indexer == "load"
     # the converter's validator (hf-to-orbax runs the same); values are checked finite as they are read
-    check_hf_checkpoint(ckpt, config, has_mtp if include_mtp is None else include_mtp)
+    check_hf_checkpoint(ckpt, config, has_mtp if include_mtp is None else include_mtp, load_indexer)
     cfg, include_mtp = resolve_mtp(config, has_mtp, include_mtp,
                                    f"{path}: include_mtp=True but the checkpoint has no MTP layer "
                                    f"(model.layers.{config.num_hidden_layers}.eh_proj.weight)")
-    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
-    state = load_hf_state(ckpt, cfg, state, include_mtp)
+    if load_indexer:
+        graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
+    else:  # a real initialization: the indexers keep it, everything else is overwritten by the checkpoint
+        graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                                                param_dtype=param_dtype or dtype, options=options))
+        fresh = sorted({".".join(map(str, s.path[:s.path.index("indexer") + 1]))
+                        for s in tensor_specs(cfg, include_mtp) if is_indexer_spec(s)})
+        logging.info("%s: %d lightning indexers initialized fresh (seed %d), not loaded: %s", path, len(fresh), seed,
+                     ", ".join(fresh[:3]) + (", ..." if len(fresh) > 3 else ""))
+    state = load_hf_state(ckpt, cfg, state, include_mtp, load_indexer)
     if mesh is not None:
         state = orbax_io.shard_state(state, shd.make_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
     return nnx.merge(graphdef, state)
+
+
+def _copy_indexers(dst: dict, src: dict) -> None:
+    """dst[...]['indexer'] = src[...]['indexer'] everywhere in two pure parameter dicts."""
+    for key, value in src.items():
+        if key == "indexer":
+            dst[key] = value
+        elif isinstance(value, dict):
+            _copy_indexers(dst[key], value)
+
+
+def _as_state(model, pure: dict):
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
 
 
 def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,

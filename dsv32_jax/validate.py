@@ -34,7 +34,8 @@ def _mtp_layer(name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
-def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool) -> dict[str, str]:
+def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool,
+                        include_indexer: bool = True) -> dict[str, str]:
     """Validates the inventory against the config from the headers alone; returns {tensor name: dtype}.
 
     Raises CheckpointError naming the file and tensor for: missing / unexpected tensors, wrong shapes, dtypes that
@@ -44,7 +45,7 @@ def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool)
     where_cfg = os.path.join(ckpt.directory, "config.json")
     index = os.path.join(ckpt.directory, INDEX_FILE)
     listing = index if os.path.exists(index) else ckpt.directory
-    specs = tensor_specs(cfg, include_mtp)
+    specs = tensor_specs(cfg, include_mtp, include_indexer)
     dtypes: dict[str, str] = {}
     consumed: set[str] = set()
 
@@ -89,7 +90,7 @@ def check_hf_checkpoint(ckpt: HFCheckpoint, cfg: ModelConfig, include_mtp: bool)
             dtypes.setdefault(name, kind)
     unexpected, skipped_layers = [], set()
     for name in ckpt.names():
-        if name in consumed:
+        if name in consumed or (not include_indexer and ".self_attn.indexer." in name):  # fresh indexers
             continue
         layer = _mtp_layer(name, cfg)
         if not include_mtp and layer is not None:

@@ -33,6 +33,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Start from: "" (random init with `seed`), an HF / converted-orbax checkpoint dir, or a training workdir
     # (its latest checkpoint's parameters).
     c.init_from = ""
+    # Lightning indexers of init_from: "auto" (fresh for an HF deepseek_v3 checkpoint such as DeepSeek-V3.1-Terminus,
+    # which has none; loaded otherwise), "load", or "fresh" (initialized from `seed`, everything else loaded).
+    c.init_indexer = "auto"
     c.dtype = "float32"
     c.param_dtype = "float32"
     c.seed = 0

@@ -134,7 +134,9 @@ class Trainer:
     def _load_model(self, init: str) -> Transformer:
         """Parameters from an HF / converted checkpoint or a training workdir (its latest finished checkpoint, with
         the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`."""
-        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype)
+        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype,
+                                           init_indexer=self.config.get("init_indexer", "auto"), seed=self.config.seed,
+                                           overrides=dict(self.config.model_overrides) or None)
         # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
         cfg = self.cfg.replace(num_nextn_predict_layers=loaded.config.num_nextn_predict_layers)
         graphdef, abstract = nnx.split(nnx.eval_shape(
