@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         mesh = AbstractMesh(tuple(sizes[x] for x in shd.MESH_AXES), shd.MESH_AXES,
                             axis_types=(AxisType.Auto,) * len(shd.MESH_AXES))
     st_sh = shd.state_shardings(state, mesh)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, st_sh)
+    state = shd.abstract_sharded(state, st_sh)
     bsh = steps.lm_batch_sharding(mesh)
     shape = (c.data.batch_size, c.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)

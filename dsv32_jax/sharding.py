@@ -137,11 +137,25 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping = DEFAULT_RULES
                         else NamedSharding(mesh, P()), state, is_leaf=_is_var)
 
 
+def _placeholder(x) -> bool:
+    """optax.MaskedNode (no array: a parameter that another optimizer group owns) without importing optax."""
+    return type(x).__name__ == "MaskedNode"
+
+
+def abstract_sharded(state, shardings):
+    """ShapeDtypeStructs of `state` placed with `shardings` (matching trees: nnx states or pure dicts);
+    optimizer-state placeholders without arrays (optax.MaskedNode) stay as they are."""
+    return jax.tree.map(lambda x, s: x if _placeholder(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings, is_leaf=_placeholder)
+
+
 def per_device_bytes(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> int:
     """Bytes each device holds for `state` (abstract or concrete) under the rule table."""
     total = 0
     for var in jax.tree.leaves(state, is_leaf=_is_var):
         value = var.get_value() if _is_var(var) else var
+        if _placeholder(value):
+            continue
         spec = variable_spec(var, mesh_shape, rules)
         shards = math.prod(math.prod(mesh_shape[a] for a in ((e,) if isinstance(e, str) else e))
                            for e in spec if e is not None)

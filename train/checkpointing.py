@@ -11,10 +11,11 @@ import contextlib
 import os
 import signal
 
-import jax
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
+
+from dsv32_jax import sharding as shd
 
 CHECKPOINTS_DIR = "checkpoints"
 
@@ -46,8 +47,9 @@ def save(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: dict, fo
 
 def restore_target(state, shardings):
     """Abstract restore target of an array tree: shapes and dtypes of `state`, placed with `shardings` (both
-    nnx.State or matching pytrees), so each array is read straight into its shards."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), _pure(state), _pure(shardings))
+    nnx.State or matching pytrees), so each array is read straight into its shards. optax.MaskedNode (the
+    placeholder of a parameter another optimizer group owns) stays as it is."""
+    return shd.abstract_sharded(_pure(state), _pure(shardings))
 
 
 def restore(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: tuple = ()) -> dict:

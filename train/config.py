@@ -54,9 +54,24 @@ def default_config() -> ml_collections.ConfigDict:
         shuffle=True, num_epochs=None, add_eos=True, worker_count=0))
     c.data.num_epochs = ml_collections.config_dict.placeholder(int)
 
+    # master_dtype: parameters stored narrower (param_dtype bf16) are updated through master copies in this dtype
+    # held in the optimizer state ("" = update in param_dtype).
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=1e-3, schedule="cosine", warmup_steps=10, decay_steps=100, final_lr_fraction=0.1, b1=0.9, b2=0.95,
-        eps=1e-8, weight_decay=0.0, grad_clip=1.0))
+        eps=1e-8, weight_decay=0.0, grad_clip=1.0, master_dtype="float32"))
+    # The lightning indexer's own optimizer (train/optimizer.py): a separate AdamW and global-norm clip over the
+    # indexer's parameters; each field left None takes config.optimizer's value.
+    c.optimizer.indexer = ml_collections.ConfigDict({
+        "lr": ml_collections.config_dict.placeholder(float),
+        "schedule": ml_collections.config_dict.placeholder(str),
+        "warmup_steps": ml_collections.config_dict.placeholder(int),
+        "decay_steps": ml_collections.config_dict.placeholder(int),
+        "final_lr_fraction": ml_collections.config_dict.placeholder(float),
+        "b1": ml_collections.config_dict.placeholder(float),
+        "b2": ml_collections.config_dict.placeholder(float),
+        "eps": ml_collections.config_dict.placeholder(float),
+        "weight_decay": ml_collections.config_dict.placeholder(float),
+        "grad_clip": ml_collections.config_dict.placeholder(float)})
 
     c.loss = ml_collections.ConfigDict(dict(
         indexer_weight=1.0,  # sparse stage: weight of the eq. (4) KL (the indexer's only signal)

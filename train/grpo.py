@@ -69,7 +69,7 @@ class GRPOLearner:
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
-        optimizer = nnx.Optimizer(model, make_tx(config.optimizer), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
         self.graphdef, state = nnx.split((model, optimizer))
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)

@@ -1,9 +1,24 @@
-"""Optimizer and the trainable-parameter filter of each stage."""
+"""Optimizers and the trainable-parameter filter of each stage.
+
+The lightning indexer and the main model are optimized separately (the paper trains the indexer with its own
+objective and detached inputs): `make_tx` partitions the trainable parameters into "indexer" and "main", each with
+its own global-norm clip and AdamW (config.optimizer, with config.optimizer.indexer overriding any field for the
+indexer). With config.optimizer.master_dtype = "float32", parameters stored in a narrower dtype (bf16) are updated
+through fp32 master copies held in the optimizer state (`with_master_weights`), and AdamW's moments are fp32 too.
+"""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
+
+GROUPS = ("main", "indexer")
+GROUP_FIELDS = ("lr", "schedule", "warmup_steps", "decay_steps", "final_lr_fraction", "b1", "b2", "eps",
+                "weight_decay", "grad_clip")
 
 STAGES = ("dense", "warmup", "sparse", "grpo")
 
@@ -39,8 +54,86 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
     raise ValueError(f"config.optimizer.schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
 
 
-def make_tx(cfg) -> optax.GradientTransformation:
+def group_config(cfg, group: str):
+    """The optimizer settings of one parameter group: config.optimizer, with the non-None fields of
+    config.optimizer.indexer on top for the indexer."""
+    if group not in GROUPS:
+        raise ValueError(f"optimizer group must be one of {GROUPS}, got {group!r}")
+    out = {f: cfg[f] for f in GROUP_FIELDS}
+    if group == "indexer" and "indexer" in cfg:
+        for key, value in cfg.indexer.items():
+            if key not in GROUP_FIELDS:
+                raise ValueError(f"config.optimizer.indexer.{key}: unknown field (one of {', '.join(GROUP_FIELDS)})")
+            if value is not None:
+                out[key] = value
+    return _Fields(out)
+
+
+class _Fields(dict):
+    __getattr__ = dict.__getitem__
+
+
+def _is_indexer_path(path) -> bool:
+    return any(getattr(k, "key", getattr(k, "name", None)) == "indexer" for k in path)
+
+
+def param_groups(params):
+    """The group label ("indexer" or "main") of every leaf of a parameter tree (an nnx.State or a pure dict)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: "indexer" if _is_indexer_path(path) else "main", params)
+
+
+def group_norms(grads) -> dict[str, jax.Array]:
+    """Global L2 norm of each group's gradients (zero for a group without parameters)."""
+    leaves = jax.tree_util.tree_leaves_with_path(grads)
+    out = {}
+    for group in GROUPS:
+        sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) for path, x in leaves
+              if (group == "indexer") == _is_indexer_path(path)]
+        out[group] = jnp.sqrt(sum(sq)) if sq else jnp.zeros((), jnp.float32)
+    return out
+
+
+def _group_tx(g) -> optax.GradientTransformation:
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity(),
-        optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        optax.clip_by_global_norm(g.grad_clip) if g.grad_clip else optax.identity(),
+        optax.adamw(learning_rate_schedule(g), b1=g.b1, b2=g.b2, eps=g.eps, weight_decay=g.weight_decay),
     )
+
+
+class MasterState(NamedTuple):
+    master: Any  # master copies of the parameters (master dtype)
+    inner: Any  # the wrapped optimizer's state, over the master copies
+
+
+def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) -> optax.GradientTransformation:
+    """Runs `inner` on master copies of the parameters in `dtype`: gradients are cast up, the master copies are
+    updated exactly, and the returned updates move each (narrower) parameter to its master copy rounded to the
+    parameter's dtype. Without it, a bf16 parameter cannot take updates below half its ulp (2^-9 relative): at
+    the paper's learning rates most AdamW steps round away."""
+    dtype = jnp.dtype(dtype)
+
+    def init(params):
+        master = jax.tree.map(lambda p: jnp.asarray(p, dtype), params)
+        return MasterState(master, inner.init(master))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("with_master_weights needs the parameters in update()")
+        grads = jax.tree.map(lambda g: jnp.asarray(g, dtype), updates)
+        step, inner_state = inner.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, step)
+        # p + (master - p) in the master dtype, rounded once to p's dtype by optax.apply_updates
+        deltas = jax.tree.map(lambda m, p: m - jnp.asarray(p, dtype), master, params)
+        return deltas, MasterState(master, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_tx(cfg, param_dtype=None) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping, separately for the indexer and the main model (`group_config`); wrapped
+    in fp32 master weights when cfg.master_dtype is set and wider than param_dtype."""
+    tx = optax.multi_transform({g: _group_tx(group_config(cfg, g)) for g in GROUPS}, param_groups)
+    master = cfg.get("master_dtype", "")
+    if master and param_dtype is not None and jnp.dtype(param_dtype).itemsize < jnp.dtype(master).itemsize:
+        tx = with_master_weights(tx, master)
+    return tx

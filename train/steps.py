@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from dsv32_jax import sharding as shd
 from dsv32_jax.train import losses
 from dsv32_jax.train.grpo_loss import grpo_loss, processed_logprobs
+from dsv32_jax.train.optimizer import group_norms
 
 LM_BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -95,10 +96,11 @@ def lm_objective(model, batch, *, stage: str, weights: LossWeights, model_cfg):
 
 
 def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, trainable, weights: LossWeights,
-                  model_cfg, lr_schedule) -> tuple[nnx.State, dict]:
+                  model_cfg, lr_schedule, indexer_lr_schedule=None) -> tuple[nnx.State, dict]:
     """One optimizer step on `batch`; state = nnx state of (model, optimizer). Only `trainable` (the stage's
-    filter) gets gradients. Returns the new state and scalar metrics (grad_norm: global L2 norm before clipping,
-    lr: the learning rate this update used)."""
+    filter) gets gradients. Returns the new state and scalar metrics (grad_norm: global L2 norm before clipping;
+    grad_norm/main, grad_norm/indexer: each optimizer group's, which its own clip sees; lr, lr_indexer: the
+    learning rates this update used)."""
     model, optimizer = nnx.merge(graphdef, state)
     grad_fn = nnx.grad(functools.partial(lm_objective, stage=stage, weights=weights, model_cfg=model_cfg),
                        argnums=nnx.DiffState(0, trainable), has_aux=True)
@@ -111,7 +113,12 @@ def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, traina
                 ffn = (model.layers[key] if key < n else model.mtp[key - n].block).ffn
                 ffn.bias[...] = losses.bias_update(ffn.bias[...], ids, token_mask, weights.bias_update_speed)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = lr_schedule(jnp.maximum(optimizer.step[...] - 1, 0))
+    for group, norm in group_norms(grads).items():
+        metrics[f"grad_norm/{group}"] = norm
+    step = jnp.maximum(optimizer.step[...] - 1, 0)
+    metrics["lr"] = lr_schedule(step)
+    if indexer_lr_schedule is not None:
+        metrics["lr_indexer"] = indexer_lr_schedule(step)
     return nnx.state((model, optimizer)), metrics
 
 

@@ -29,7 +29,7 @@ from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train.config import check_batch_mesh, check_init_from
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.metrics import LM_KEYS
-from dsv32_jax.train.optimizer import learning_rate_schedule, make_tx, trainable_filter
+from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5e": 197.0,
                "TPU v6": 918.0}
@@ -93,7 +93,7 @@ class Trainer:
         self.dtype = jnp.dtype(config.dtype)
         self.param_dtype = jnp.dtype(config.param_dtype)
         self.options = run_options(config)
-        self.tx = make_tx(config.optimizer)
+        self.tx = make_tx(config.optimizer, self.param_dtype)
         self.rng = jax.random.key_data(jax.random.key(config.seed))
         if not allocate:
             return
@@ -157,7 +157,8 @@ class Trainer:
         return steps.compile_lm_step(
             self.ts.shardings, self.batch_sharding, graphdef=self.ts.graphdef, stage=self.stage,
             trainable=self.filter, weights=steps.LossWeights.from_config(self.config.loss), model_cfg=self.cfg,
-            lr_schedule=learning_rate_schedule(self.config.optimizer))
+            lr_schedule=learning_rate_schedule(self.config.optimizer),
+            indexer_lr_schedule=learning_rate_schedule(group_config(self.config.optimizer, "indexer")))
 
     def device_batch(self, batch: dict) -> dict:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))

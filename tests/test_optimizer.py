@@ -1,0 +1,133 @@
+"""Separate optimizers (and clips) for the lightning indexer and the main model; fp32 master weights."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from dsv32_jax.train.config import default_config
+from dsv32_jax.train.optimizer import group_config, group_norms, make_tx, param_groups, with_master_weights
+
+
+def _cfg(**kw):
+    c = default_config().optimizer
+    c.schedule, c.warmup_steps = "constant", 0
+    for k, v in kw.items():
+        if k.startswith("indexer_"):
+            c.indexer[k[len("indexer_"):]] = v
+        else:
+            c[k] = v
+    return c
+
+
+def _params():
+    return {"layers": {"0": {"attn": {"indexer": {"wk": jnp.ones((4,), jnp.float32)},
+                                      "wq": jnp.ones((3,), jnp.float32)}}},
+            "embed": jnp.ones((2,), jnp.float32)}
+
+
+def test_groups_and_indexer_overrides():
+    assert param_groups(_params()) == {"layers": {"0": {"attn": {"indexer": {"wk": "indexer"}, "wq": "main"}}},
+                                       "embed": "main"}
+    c = _cfg(lr=2e-3, grad_clip=1.0, indexer_lr=1e-4)
+    assert group_config(c, "main").lr == 2e-3 and group_config(c, "indexer").lr == 1e-4
+    assert group_config(c, "indexer").grad_clip == 1.0  # not overridden: inherited
+    with pytest.raises(ValueError, match="optimizer group must be one of"):
+        group_config(c, "router")
+    bad = _cfg()
+    with bad.unlocked():
+        bad.indexer.momentum = 0.9
+    with pytest.raises(ValueError, match=r"config.optimizer.indexer.momentum: unknown field"):
+        group_config(bad, "indexer")
+
+
+def test_each_group_is_clipped_by_its_own_norm(rng):
+    """A huge indexer gradient must not shrink the main model's step (one shared clip would scale it by 1/100).
+    eps = 1 makes AdamW's first step depend on the gradient's size: lr * g / (|g| + 1) per element."""
+    lr, clip = 0.1, 1.0
+    tx = make_tx(_cfg(lr=lr, grad_clip=clip, eps=1.0, b1=0.0, b2=0.0, weight_decay=0.0))
+    params = _params()
+    g_main_wq = rng.normal(size=3) * 0.1
+    g_embed = rng.normal(size=2) * 0.1
+    g_idx = rng.normal(size=4) * 50.0
+    grads = {"layers": {"0": {"attn": {"indexer": {"wk": jnp.asarray(g_idx, jnp.float32)},
+                                       "wq": jnp.asarray(g_main_wq, jnp.float32)}}},
+             "embed": jnp.asarray(g_embed, jnp.float32)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+
+    def adam_first_step(g, norm):  # b1 = b2 = 0 (no bias-correction effect): m = g, v = g^2
+        g = g * min(1.0, clip / norm)
+        return -lr * g / (np.abs(g) + 1.0)
+
+    n_main = float(np.sqrt(np.sum(g_main_wq ** 2) + np.sum(g_embed ** 2)))
+    n_idx = float(np.linalg.norm(g_idx))
+    assert n_main < clip < n_idx
+    np.testing.assert_allclose(updates["layers"]["0"]["attn"]["wq"], adam_first_step(g_main_wq, n_main), rtol=1e-5)
+    np.testing.assert_allclose(updates["embed"], adam_first_step(g_embed, n_main), rtol=1e-5)
+    np.testing.assert_allclose(updates["layers"]["0"]["attn"]["indexer"]["wk"], adam_first_step(g_idx, n_idx),
+                               rtol=1e-5)
+    norms = group_norms(grads)
+    np.testing.assert_allclose([norms["main"], norms["indexer"]], [n_main, n_idx], rtol=1e-6)
+
+
+def test_fp32_master_weights_keep_updates_that_bf16_rounds_away():
+    """AdamW at lr 1e-4 moves a parameter of 1.0 by ~1e-4 a step, below bf16's half-ulp at 1 (2^-8): bf16 updates
+    are lost, the fp32 master accumulates them and the bf16 parameter follows it."""
+    steps, lr = 50, 1e-4
+    p0 = {"w": jnp.ones((8,), jnp.bfloat16)}
+    grads = {"w": jnp.ones((8,), jnp.bfloat16)}
+    results = {}
+    for master in ("float32", ""):
+        tx = make_tx(_cfg(lr=lr, master_dtype=master), param_dtype=jnp.bfloat16)
+        params, state = p0, tx.init(p0)
+        for _ in range(steps):
+            updates, state = tx.update(grads, state, params)
+            params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+        assert params["w"].dtype == jnp.bfloat16
+        results[master] = (params, state)
+    params, state = results["float32"]
+    assert state.master["w"].dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(state.master["w"], np.float64), 1.0 - steps * lr, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(state.master["w"].astype(jnp.bfloat16)))
+    assert float(params["w"][0]) < 1.0
+    np.testing.assert_array_equal(np.asarray(results[""][0]["w"], np.float32), 1.0)  # bf16 alone: stuck
+
+
+def test_master_weights_off_for_fp32_params_and_needs_params():
+    state = make_tx(_cfg(), param_dtype=jnp.float32).init(_params())
+    assert not hasattr(state, "master")
+    tx = with_master_weights(make_tx(_cfg()))
+    with pytest.raises(ValueError, match="needs the parameters"):
+        tx.update(_params(), tx.init(_params()))
+
+
+def test_sparse_trainer_indexer_and_main_have_their_own_rates(tmp_path):
+    """config.optimizer.indexer.lr = 0: one sparse step moves the main model and leaves the indexer untouched;
+    the metrics report both groups' gradient norms and rates."""
+    from flax import nnx
+
+    from dsv32_jax.train.trainer import Trainer
+
+    c = default_config()
+    c.stage, c.mesh, c.steps = "sparse", "", 1
+    c.data.seq_len, c.data.batch_size = 16, 2
+    c.optimizer.schedule, c.optimizer.warmup_steps = "constant", 0
+    c.optimizer.indexer.lr = 0.0
+    c.model_overrides = ml_collections.ConfigDict({"index_topk": 8})
+    trainer = Trainer(c, str(tmp_path / "w"))
+    flat = lambda: nnx.traversals.flatten_mapping(nnx.to_pure_dict(trainer.ts.state[0]))  # noqa: E731
+    before = {k: np.array(v) for k, v in flat().items()}
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, trainer.cfg.vocab_size, (2, 16)).astype(np.int32)
+    batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": np.ones((2, 16), np.int32),
+             "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)), "loss_mask": np.ones((2, 16), np.float32)}
+    metrics = jax.device_get(trainer.train_step(batch))
+    after = flat()
+    moved = {k for k in before if not np.array_equal(before[k], np.asarray(after[k]))}
+    assert moved and not any("indexer" in k for k in moved)
+    assert float(metrics["lr_indexer"]) == 0.0 and float(metrics["lr"]) == pytest.approx(c.optimizer.lr)
+    assert float(metrics["grad_norm/indexer"]) > 0 and float(metrics["grad_norm/main"]) > 0
+    np.testing.assert_allclose(float(metrics["grad_norm"]) ** 2,
+                               float(metrics["grad_norm/indexer"]) ** 2 + float(metrics["grad_norm/main"]) ** 2,
+                               rtol=1e-4)
