@@ -437,11 +437,16 @@ def _skip_ws(text: str, pos: int, end: int) -> int:
 
 def _check_text(field_name: str, text: str, offset: int) -> None:
     """Reasoning and content carry no special tokens and no DSML markup (that belongs in a function_calls block)."""
-    hits = [(text.find(tok), tok) for tok in _FORBIDDEN_IN_TEXT + (PARAM_OPEN, INVOKE_OPEN, DSML) if tok in text]
+    markup = (CALLS_OPEN, CALLS_CLOSE, PARAM_OPEN, INVOKE_OPEN, DSML)
+    hits = [(text.find(tok), tok) for tok in _FORBIDDEN_IN_TEXT + markup if tok in text]
     if not hits:
         return
     at, tok = min(hits, key=lambda h: (h[0], -len(h[1])))
     where = f"in {field_name} at offset {offset + at}"
+    if tok == CALLS_OPEN:
+        raise ChatFormatError(f"tool calls {where} (calls go after {THINK_CLOSE!r})")
+    if tok == CALLS_CLOSE:
+        raise ChatFormatError(f"{CALLS_CLOSE!r} without {CALLS_OPEN!r} {where}")
     if tok == PARAM_OPEN:
         raise ChatFormatError(f"parameter outside invoke: {PARAM_OPEN!r} {where}")
     if tok == INVOKE_OPEN:
@@ -575,8 +580,6 @@ def parse_completion(text: str, thinking: bool = True, tools: Sequence[ToolLike]
     calls: list[dict[str, Any]] = []
     if calls_at < 0:
         content = text[pos:end]
-        if CALLS_CLOSE in content:
-            raise ChatFormatError(f"{CALLS_CLOSE!r} without {CALLS_OPEN!r} at offset {pos + content.find(CALLS_CLOSE)}")
     else:
         content = text[pos:calls_at]
         content = content[:-2] if content.endswith("\n\n") else content

@@ -215,6 +215,8 @@ OPEN, CLOSE = "\n\n<｜DSML｜function_calls>\n", "\n</｜DSML｜function_calls>
     ("r</think>ok<｜User｜>hi", r"unexpected special token '<｜User｜>' in content at offset 11"),
     ("r<think>s</think>ok", r"unexpected special token '<think>' in reasoning at offset 1"),
     ("r</think><function_results>", r"model-generated '<function_results>' in content"),
+    ("think" + OPEN + "</think>ok", r"tool calls in reasoning at offset 7 \(calls go after '</think>'\)"),
+    ("r</think>ok" + CLOSE, r"'</｜DSML｜function_calls>' without '<｜DSML｜function_calls>' in content at offset 12"),
 ])
 def test_malformed_completions_raise(text, match):
     tools = [Tool("calc", "", {"type": "object", "properties": {"expr": {"type": "string"}, "x": {}},
@@ -312,8 +314,8 @@ def test_shipped_tokenizer_dsml_conversation():
     tok = chat.load_tokenizer()
     assert 1000 <= tok.vocab_size <= 2000
     assert tok.pad_id == 0 and tok.bos_id == 1 and tok.eos_id == 2
-    tools = [Tool("get_weather", "Weather for a city.", {"type": "object", "properties": {"city": {"type": "string"},
-                                                                                          "days": {"type": "integer"}}})]
+    props = {"city": {"type": "string"}, "days": {"type": "integer"}}
+    tools = [Tool("get_weather", "Weather for a city.", {"type": "object", "properties": props})]
     msgs = [System("You are helpful."), User("Weather in Paris?"),
             Assistant(reasoning="Call the tool.", tool_calls=[ToolCall("get_weather", {"city": "Paris", "days": 3})]),
             ToolResult('{"temp": 21, "sky": "clear"}'), Assistant("21 degrees and clear.", "Got it.")]
