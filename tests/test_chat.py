@@ -1,0 +1,345 @@
+"""dsv32_jax.chat: the DeepSeek-V3.2 chat encoding. Golden strings are written by hand from the format (module
+docstring of dsv32_jax/chat.py), not copied from the encoder; masks are checked by decoding the masked tokens."""
+
+import json
+
+import pytest
+
+from dsv32_jax import chat
+from dsv32_jax.chat import Assistant, ChatFormatError, System, Tool, ToolCall, ToolResult, User
+
+B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+U, A = "<｜User｜>", "<｜Assistant｜>"
+
+
+def calls_block(*invokes: str) -> str:
+    """Hand-written DSML: invokes are given as (name, [(key, string-flag, raw value), ...]) pre-rendered lines."""
+    return "\n\n<｜DSML｜function_calls>\n" + "\n".join(invokes) + "\n</｜DSML｜function_calls>"
+
+
+def invoke(name: str, *params: tuple[str, str, str]) -> str:
+    body = "\n".join(f'<｜DSML｜parameter name="{k}" string="{s}">{v}</｜DSML｜parameter>' for k, s, v in params)
+    return f'<｜DSML｜invoke name="{name}">\n{body}\n</｜DSML｜invoke>'
+
+
+CALL1 = calls_block(invoke("calc", ("expr", "true", "3*4")))
+CALL2 = calls_block(invoke("calc", ("expr", "true", "2+12"), ("digits", "false", "0")))
+RES12 = "\n\n<function_results>\n<result>12</result>\n</function_results>\n\n"
+RES14 = "\n\n<function_results>\n<result>14</result>\n</function_results>\n\n"
+
+
+def episode() -> list:
+    """user -> reasoning + call -> result -> reasoning + call -> result -> reasoning + answer."""
+    return [
+        User("what is 2+3*4?"),
+        Assistant(reasoning="use calc", tool_calls=[ToolCall("calc", {"expr": "3*4"})]),
+        ToolResult("12"),
+        Assistant(reasoning="now add", tool_calls=[ToolCall("calc", {"expr": "2+12", "digits": 0})]),
+        ToolResult("14"),
+        Assistant("14", reasoning="done"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ golden strings
+
+
+def test_single_user_turn_thinking_on_and_off():
+    msgs = [System("be brief"), User("hi")]
+    assert chat.encode(msgs) == B + "be brief" + U + "hi" + A + "<think>"
+    assert chat.encode(msgs, thinking=False) == B + "be brief" + U + "hi" + A + "</think>"
+    assert chat.encode([User("hi")], add_generation_prompt=False) == B + U + "hi"
+
+
+def test_dict_messages_match_dataclasses():
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "reasoning_content": "r",
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "content": "x"}]
+    assert chat.encode(msgs) == chat.encode([User("hi"), Assistant("ok", "r", [ToolCall("f", {"a": 1})]),
+                                             ToolResult("x")])
+
+
+def test_tool_episode_keeps_all_reasoning():
+    expected = (B + U + "what is 2+3*4?" + A + "<think>" + "use calc</think>" + CALL1 + E + RES12 + "<think>"
+                + "now add</think>" + CALL2 + E + RES14 + "<think>" + "done</think>14" + E)
+    assert chat.encode(episode()) == expected
+    # the open episode (ends with a tool result): the generation prompt continues the thinking
+    assert chat.encode(episode()[:3]) == B + U + "what is 2+3*4?" + A + "<think>use calc</think>" + CALL1 + E + \
+        RES12 + "<think>"
+
+
+def test_new_user_message_drops_earlier_reasoning_keeps_calls_and_results():
+    expected = (B + U + "what is 2+3*4?" + A + "</think>" + CALL1 + E + RES12 + "</think>" + CALL2 + E + RES14
+                + "</think>" + "14" + E + U + "thanks" + A + "<think>")
+    assert chat.encode(episode() + [User("thanks")]) == expected
+    # "never" keeps everything; the new turn still opens with <think>
+    kept = (B + U + "what is 2+3*4?" + A + "<think>use calc</think>" + CALL1 + E + RES12 + "<think>now add</think>"
+            + CALL2 + E + RES14 + "<think>done</think>14" + E + U + "thanks" + A + "<think>")
+    assert chat.encode(episode() + [User("thanks")], drop_thinking="never") == kept
+
+
+def test_every_turn_drops_all_but_the_last_turn():
+    expected = (B + U + "what is 2+3*4?" + A + "</think>" + CALL1 + E + RES12 + "</think>" + CALL2 + E + RES14
+                + "<think>done</think>14" + E)
+    assert chat.encode(episode(), drop_thinking="every_turn") == expected
+    # with a generation prompt after a tool result, the turn to generate is the one that thinks
+    assert chat.encode(episode()[:3], drop_thinking="every_turn") == (B + U + "what is 2+3*4?" + A + "</think>"
+                                                                      + CALL1 + E + RES12 + "<think>")
+
+
+def test_thinking_off_renders_no_reasoning():
+    expected = (B + U + "what is 2+3*4?" + A + "</think>" + CALL1 + E + RES12 + "</think>" + CALL2 + E + RES14
+                + "</think>14" + E)
+    assert chat.encode(episode(), thinking=False) == expected
+
+
+def test_several_calls_in_one_turn_share_one_results_block():
+    msgs = [User("go"), Assistant("two", "r", [ToolCall("a", {}), ToolCall("b", {"s": "x y", "l": [1, True]})]),
+            ToolResult("ra"), ToolResult("rb")]
+    expected = (B + U + "go" + A + "<think>r</think>two\n\n<｜DSML｜function_calls>\n"
+                + '<｜DSML｜invoke name="a">\n\n</｜DSML｜invoke>\n'
+                + '<｜DSML｜invoke name="b">\n<｜DSML｜parameter name="s" string="true">x y</｜DSML｜parameter>\n'
+                + '<｜DSML｜parameter name="l" string="false">[1, true]</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                + "</｜DSML｜function_calls>" + E
+                + "\n\n<function_results>\n<result>ra</result>\n<result>rb</result>\n</function_results>\n\n<think>")
+    assert chat.encode(msgs) == expected
+
+
+def test_tools_are_rendered_into_the_system_prompt():
+    tool = Tool("calc", "evaluate", {"type": "object", "properties": {"expr": {"type": "string"}}})
+    text = chat.encode([System("sys"), User("hi")], tools=[tool])
+    schema = '{"name": "calc", "description": "evaluate", "parameters": {"type": "object", "properties": {"expr": ' \
+             '{"type": "string"}}}}'
+    assert text.startswith(B + "sys\n\n## Tools\n\nYou have access to a set of tools you can use to answer the "
+                           "user's question.\nYou can invoke functions by writing a \"<｜DSML｜function_calls>\" block")
+    assert text.endswith("Here are the functions available in JSONSchema format:\n<functions>\n" + schema
+                         + "\n</functions>\n" + U + "hi" + A + "<think>")
+    assert '<｜DSML｜parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</｜DSML｜parameter>' in text
+    # no system message: an empty one carries the tools; OpenAI-style tool dicts work the same
+    openai = {"type": "function", "function": {"name": "calc", "description": "evaluate",
+                                               "parameters": tool.parameters}}
+    assert chat.encode([User("hi")], tools=[openai]).startswith(B + "\n\n## Tools\n\n")
+
+
+@pytest.mark.parametrize("msgs, match", [
+    ([User("a"), ToolResult("x")], r"messages\[1\]: a tool result must follow an assistant message with tool calls"),
+    ([User("a"), Assistant("b", tool_calls=[ToolCall("f"), ToolCall("g")]), ToolResult("x"), User("c")],
+     r"messages\[1\]: the assistant made 2 tool call\(s\) but 1 tool result\(s\) follow"),
+    ([User("a"), Assistant("b"), Assistant("c")], r"messages\[2\]: an assistant message must follow a user or tool"),
+    ([User("a"), System("s")], r"messages\[1\]: a system message may only be the first"),
+    ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role: unknown role 'robot'"),
+    ([User("a"), {"role": "assistant", "tool_calls": [{"name": "f", "arguments": "{bad"}]}],
+     r"messages\[1\]\.tool_calls\[0\]\.arguments: not valid JSON"),
+    ([User("a"), Assistant(tool_calls=[ToolCall("f", {"s": "a</｜DSML｜parameter>"})])],
+     r"tool call 'f': string parameter 's' contains DSML markup"),
+])
+def test_bad_conversations_are_rejected(msgs, match):
+    with pytest.raises(ChatFormatError, match=match):
+        chat.encode(msgs)
+
+
+def test_bad_drop_mode():
+    with pytest.raises(ChatFormatError, match="drop_thinking='sometimes'"):
+        chat.encode([User("a")], drop_thinking="sometimes")
+
+
+# ------------------------------------------------------------------------------------------------ parse_completion
+
+
+def test_parse_completion_hand_written():
+    text = ("let me look</think>Checking.\n\n<｜DSML｜function_calls>\n"
+            '<｜DSML｜invoke name="search">\n<｜DSML｜parameter name="q" string="true">a "b" {c}</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="k" string="false">{"n": [1, 2.5, null]}</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            "</｜DSML｜function_calls>" + E)
+    assert chat.parse_completion(text) == {"reasoning": "let me look", "content": "Checking.", "tool_calls": [
+        {"name": "search", "arguments": {"q": 'a "b" {c}', "k": {"n": [1, 2.5, None]}}}]}
+    assert chat.parse_completion("hello" + E, thinking=False) == {"reasoning": None, "content": "hello",
+                                                                 "tool_calls": []}
+    assert chat.parse_completion("<think>r</think>done") == {"reasoning": "r", "content": "done", "tool_calls": []}
+
+
+@pytest.mark.parametrize("turn", [
+    Assistant("The answer is 14.", "simple"),
+    Assistant("", "call it", [ToolCall("calc", {"expr": "3*4"})]),
+    Assistant("two calls\nin one turn", "multi\nline", [
+        ToolCall("search", {"q": "x <y> & z", "n": 3, "exact": False, "tags": ["a", "b"], "opt": None, "f": 0.5}),
+        ToolCall("noargs", {}),
+        ToolCall("calc", {"expr": "", "nested": {"a": [1, {"b": "c"}]}}),
+    ]),
+])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_parse_completion_round_trips_an_encoded_turn(turn, thinking):
+    prompt = chat.encode([User("q")], thinking=thinking)
+    full = chat.encode([User("q"), turn], thinking=thinking)
+    assert full.startswith(prompt)
+    parsed = chat.parse_completion(full[len(prompt):], thinking=thinking)
+    want_calls = [{"name": c.name, "arguments": c.arguments} for c in turn.tool_calls]
+    assert parsed == {"reasoning": turn.reasoning if thinking else None, "content": turn.content,
+                      "tool_calls": want_calls}
+    # types survive: string="false" values are JSON, string="true" values stay strings
+    for got, want in zip(parsed["tool_calls"], want_calls):
+        assert json.dumps(got["arguments"]) == json.dumps(want["arguments"])
+
+
+P = '<｜DSML｜parameter name="{}" string="{}">{}</｜DSML｜parameter>'
+OPEN, CLOSE = "\n\n<｜DSML｜function_calls>\n", "\n</｜DSML｜function_calls>"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("no close tag", r"missing '</think>'"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + CLOSE,
+     r"unclosed invoke 'calc' at offset 34: no '</｜DSML｜invoke>' before offset 124"),
+    ("r</think>" + OPEN + P.format("a", "true", "1") + CLOSE, r"parameter outside invoke at offset 34"),
+    ("r</think>x" + P.format("a", "true", "1"), r"parameter outside invoke: .* in content at offset 10"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("x", "false", "{oops") + "\n</｜DSML｜invoke>"
+     + CLOSE, r"bad JSON in parameter 'x' of tool 'calc' at offset"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="rm_rf">\n\n</｜DSML｜invoke>' + CLOSE,
+     r"unknown tool 'rm_rf' in invoke at offset 34 \(tools: calc\)"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n"
+     + P.format("expr", "true", "2") + "\n</｜DSML｜invoke>" + CLOSE, r"duplicate parameter 'expr' of tool 'calc'"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("zz", "true", "1") + "\n</｜DSML｜invoke>"
+     + CLOSE, r"unknown parameter 'zz' of tool 'calc'"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n\n</｜DSML｜invoke>' + CLOSE,
+     r"missing required parameter 'expr' of tool 'calc'"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n<｜DSML｜parameter name="expr">1</｜DSML｜parameter>',
+     r"malformed parameter tag in invoke 'calc' at offset 61"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke nam="calc">', r"malformed invoke tag at offset 34"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n<｜DSML｜parameter name="expr" string="true">1\n'
+     '</｜DSML｜invoke>' + CLOSE, r"unclosed parameter 'expr' of tool 'calc' at offset 61"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n</｜DSML｜invoke>",
+     r"unclosed function_calls block at offset 11"),
+    ("r</think>" + OPEN + "hello" + CLOSE, r"unexpected text 'hello.*' in function_calls block at offset 34"),
+    ("r</think>ok" + E + "more", r"text after '<｜end▁of▁sentence｜>' at offset 30"),
+    ("r</think>ok" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n</｜DSML｜invoke>"
+     + CLOSE + "trailing", r"unexpected text after '</｜DSML｜function_calls>'"),
+    ("r</think>ok<｜User｜>hi", r"unexpected special token '<｜User｜>' in content at offset 11"),
+    ("r<think>s</think>ok", r"unexpected special token '<think>' in reasoning at offset 1"),
+    ("r</think><function_results>", r"model-generated '<function_results>' in content"),
+    ("think" + OPEN + "</think>ok", r"tool calls in reasoning at offset 7 \(calls go after '</think>'\)"),
+    ("r</think>ok" + CLOSE, r"'</｜DSML｜function_calls>' without '<｜DSML｜function_calls>' in content at offset 12"),
+])
+def test_malformed_completions_raise(text, match):
+    tools = [Tool("calc", "", {"type": "object", "properties": {"expr": {"type": "string"}, "x": {}},
+                               "required": ["expr"]})]
+    with pytest.raises(ChatFormatError, match=match):
+        chat.parse_completion(text, tools=tools)
+    assert issubclass(ChatFormatError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------ codecs and masks
+
+
+def masked_runs(codec, ids, mask) -> list[str]:
+    """The decoded contiguous runs of mask == 1."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(codec.decode(cur))
+            cur = []
+    if cur:
+        runs.append(codec.decode(cur))
+    return runs
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-printable", "bpe"])
+def codec(request):
+    if request.param == "tiny":
+        return chat.TinyCodec()
+    if request.param == "tiny-printable":
+        return chat.TinyCodec.printable()
+    return chat.load_tokenizer()
+
+
+def test_codec_round_trip_and_single_id_specials(codec):
+    text = chat.encode(episode() + [User("thanks")])
+    ids = codec.encode(text)
+    assert codec.decode(ids) == text
+    assert max(ids) < codec.vocab_size
+    for tok in chat.SPECIAL_TOKENS:
+        assert codec.encode(tok) == [codec.token_to_id(tok)]
+    assert len({codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}) == len(chat.SPECIAL_TOKENS)
+    assert codec.eos_id == codec.token_to_id(E) and codec.bos_id == codec.token_to_id(B)
+    assert codec.encode(B + U + "hi" + A)[:2] == [codec.bos_id, codec.token_to_id(U)]
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(codec):
+    ids, mask = chat.encode_tokens(episode(), codec)
+    assert ids == codec.encode(chat.encode(episode()))
+    assert masked_runs(codec, ids, mask) == ["use calc</think>" + CALL1 + E, "now add</think>" + CALL2 + E,
+                                             "done</think>14" + E]
+    # after a new user message the old episode is history: nothing of it is trained
+    ids, mask = chat.encode_tokens(episode() + [User("thanks"), Assistant("bye", "fine")], codec)
+    assert masked_runs(codec, ids, mask) == ["fine</think>bye" + E]
+    # every_turn: only the last turn; thinking off: every turn, without reasoning; train=False masks a turn out
+    ids, mask = chat.encode_tokens(episode(), codec, drop_thinking="every_turn")
+    assert masked_runs(codec, ids, mask) == ["done</think>14" + E]
+    ids, mask = chat.encode_tokens(episode(), codec, thinking=False)
+    assert masked_runs(codec, ids, mask) == [CALL1 + E, CALL2 + E, "14" + E]
+    msgs = episode()
+    msgs[3] = Assistant(msgs[3].content, msgs[3].reasoning, msgs[3].tool_calls, train=False)
+    ids, mask = chat.encode_tokens(msgs, codec)
+    assert masked_runs(codec, ids, mask) == ["use calc</think>" + CALL1 + E, "done</think>14" + E]
+
+
+def test_prefixes_encode_to_token_prefixes(codec):
+    full = episode()
+    ids, mask = chat.encode_tokens(full, codec)
+    for k in range(1, len(full) + 1):  # every prefix, with the generation prompt where the prefix ends open
+        pids, pmask = chat.encode_tokens(full[:k], codec)
+        assert ids[:len(pids)] == pids and mask[:len(pmask)] == pmask, k
+    # the generation prompt of the last user turn is a prefix of the finished conversation, too
+    longer = full + [User("thanks"), Assistant("bye", "fine")]
+    lids, _ = chat.encode_tokens(longer, codec)
+    pids, _ = chat.encode_tokens(longer[:-1], codec)
+    assert lids[:len(pids)] == pids
+    assert codec.decode(lids[len(pids):]) == "fine</think>bye" + E
+
+
+def test_tiny_codec_errors_and_size():
+    tiny = chat.TinyCodec()
+    assert tiny.vocab_size <= 128 and chat.TinyCodec.printable().vocab_size <= 128
+    assert tiny.token_to_id(chat.PAD) == tiny.pad_id == 0
+    with pytest.raises(ValueError, match=r"character 'H' \(U\+0048\) at offset 0 is not in the vocabulary"):
+        tiny.encode("Hi")
+    with pytest.raises(ValueError, match="appears twice"):
+        chat.TinyCodec("aa")
+    with pytest.raises(ValueError, match="max_vocab"):
+        chat.TinyCodec(chat.PRINTABLE_CHARS, max_vocab=64)
+    assert chat.TinyCodec("ab").encode("ab</think>") == [17, 18, chat.SPECIAL_TOKENS.index("</think>")]
+
+
+def test_shipped_tokenizer_dsml_conversation():
+    tok = chat.load_tokenizer()
+    assert 1000 <= tok.vocab_size <= 2000
+    assert tok.pad_id == 0 and tok.bos_id == 1 and tok.eos_id == 2
+    props = {"city": {"type": "string"}, "days": {"type": "integer"}}
+    tools = [Tool("get_weather", "Weather for a city.", {"type": "object", "properties": props})]
+    msgs = [System("You are helpful."), User("Weather in Paris?"),
+            Assistant(reasoning="Call the tool.", tool_calls=[ToolCall("get_weather", {"city": "Paris", "days": 3})]),
+            ToolResult('{"temp": 21, "sky": "clear"}'), Assistant("21 degrees and clear.", "Got it.")]
+    text = chat.encode(msgs, tools=tools)
+    ids, mask = chat.encode_tokens(msgs, tok, tools=tools)
+    assert tok.decode(ids) == text and ids == tok.encode(text)
+    assert len(ids) < len(text) / 2  # BPE merges: much shorter than characters
+    for marker in ("<｜DSML｜function_calls>", "<｜DSML｜invoke", "<｜DSML｜parameter", "</｜DSML｜parameter>",
+                   "</｜DSML｜invoke>", "</｜DSML｜function_calls>", "<function_results>", "<think>", "</think>"):
+        assert ids.count(tok.token_to_id(marker)) == text.count(marker) > 0, marker
+    assert masked_runs(tok, ids, mask) == [
+        "Call the tool.</think>" + calls_block(invoke("get_weather", ("city", "true", "Paris"), ("days", "false", "3")))
+        + E, "Got it.</think>21 degrees and clear." + E]
+    # the model's side parses back
+    prompt = chat.encode(msgs[:4], tools=tools)
+    assert chat.parse_completion(text[len(prompt):], tools=tools)["tool_calls"] == []
+    assert chat.parse_completion(tok.decode(ids[len(tok.encode(chat.encode(msgs[:2], tools=tools))):
+                                                len(tok.encode(chat.encode(msgs[:3], tools=tools)))]),
+                                 tools=tools)["tool_calls"] == [{"name": "get_weather",
+                                                                 "arguments": {"city": "Paris", "days": 3}}]
+
+
+def test_hf_codec_rejects_a_tokenizer_without_the_specials():
+    from tokenizers import Tokenizer, models
+
+    with pytest.raises(ValueError, match=r"special token '<｜▁pad▁｜>' is not a single added token"):
+        chat.HFCodec(Tokenizer(models.BPE()))
