@@ -213,7 +213,7 @@ class Env:
 
     # --- episode API ---
     def system_prompt(self) -> str:
-        return f"{self.instructions} tools: " + "; ".join(f"{t.signature()} {t.description}" for t in self.tools)
+        return f"{self.instructions} tools: " + ". ".join(f"{t.signature()} {t.description}" for t in self.tools)
 
     def reset(self, seed: int) -> Observation:
         self.instance = self.generate(seed)

@@ -7,7 +7,8 @@ some plan satisfies all constraints and at most `max_feasible_fraction` of the p
 even knowing their names, rarely succeeds). Hard to solve without the tools, easy to verify.
 
     task:   plan a trip: kal for 2 nights, then ruv for 1 night. total budget 140, every hotel rated at least 3
-    call:   list_hotels {"city":"kal"} -> [{"name":"qe","price":45,"rating":4},{"name":"zu","price":30,"rating":2}]
+    call:   list_hotels {"city":"kal"} -> [["qe",45,4],["zu",30,2]]      get_hotel {"name":"qe"} ->
+            {"name":"qe","city":"kal","price":45,"rating":4}
     answer: {"plan":[{"city":"kal","hotel":"qe","nights":2},{"city":"ruv","hotel":"mo","nights":1}]}
 
 The verifier checks, for each leg of the trip, the city (in order), the nights, that the hotel is in that city and
@@ -124,7 +125,7 @@ class TripEnv(Env):
     def _make_tools(self) -> list[Tool]:
         def schema(key: str, what: str) -> dict[str, Any]:
             return {"type": "object", "properties": {key: {"type": "string", "description": what}}, "required": [key]}
-        return [Tool("list_hotels", "returns the hotels of a city with price per night and rating",
+        return [Tool("list_hotels", "returns [name,price,rating] for each hotel of a city (price per night)",
                      schema("city", "city name"), self._list_hotels),
                 Tool("get_hotel", "returns the city, price per night and rating of a hotel",
                      schema("name", "hotel name"), self._get_hotel)]
@@ -132,8 +133,7 @@ class TripEnv(Env):
     def _list_hotels(self, city: str) -> str:
         if city not in self.instance.cities:
             raise ToolError(f'no city "{sanitize(city)}"')
-        return compact_json([{"name": h.name, "price": h.price, "rating": h.rating}
-                             for h in self.instance.hotels_in(city)])
+        return compact_json([[h.name, h.price, h.rating] for h in self.instance.hotels_in(city)])
 
     def _get_hotel(self, name: str) -> str:
         h = self.instance.hotel(name)
