@@ -84,6 +84,22 @@ def test_registry():
         make_env("lookup", max_steps=0)
 
 
+def test_envs_import_neither_jax_nor_numpy():
+    import ast
+    import os
+
+    import dsv32_jax.envs as envs
+    folder = os.path.dirname(envs.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            heavy = roots & {"jax", "numpy", "flax"}
+            assert not heavy, f"envs/{name} imports {sorted(heavy)}"
+
+
 # --- episodes ---
 
 @pytest.mark.parametrize("name", NAMES)
@@ -138,9 +154,10 @@ def test_tool_turn_observation_and_errors():
                                                        {"name": "get", "arguments": {"key": "zz9"}},
                                                        {"name": "get", "arguments": {}},
                                                        {"name": "fly", "arguments": {}},
-                                                       {"name": "get", "arguments": "notadict"}]})
+                                                       {"name": "get", "arguments": "notadict"}, "garbage"]})
     assert obs.tool_results == (str(env.instance.table[key]), 'error: no key "zz9"', 'error: missing argument "key"',
-                                'error: unknown tool "fly"', "error: arguments must be an object")
+                                'error: unknown tool "fly"', "error: arguments must be an object",
+                                'error: unknown tool ""')
     assert (reward, done, info) == (0.0, False, {"success": False, "steps": 1, "truncated": False})
     obs, reward, done, info = env.step(Action(content=str(env.instance.answer), reasoning="ignored"))
     assert (reward, done, info["success"], info["steps"]) == (1.0, True, True, 1)

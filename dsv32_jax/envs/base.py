@@ -156,14 +156,21 @@ class Action:
             return action
         if not isinstance(action, Mapping):
             raise TypeError(f"action must be an Action or a dict, got {type(action).__name__}")
-        calls = [c if isinstance(c, ToolCall) else
-                 ToolCall(str(c.get("name", "")), c.get("arguments", {})) if isinstance(c, Mapping) else
-                 ToolCall("", {}) for c in action.get("tool_calls") or []]
+        calls = [_coerce_call(c) for c in action.get("tool_calls") or []]
         return cls(str(action.get("content") or ""), calls, str(action.get("reasoning") or ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {"content": self.content, "tool_calls": [c.to_dict() for c in self.tool_calls],
                 "reasoning": self.reasoning}
+
+
+def _coerce_call(call: Any) -> ToolCall:
+    """A ToolCall from a ToolCall or a dict; anything else becomes a call of the unknown tool "" (an error result)."""
+    if isinstance(call, ToolCall):
+        return call
+    if isinstance(call, Mapping):
+        return ToolCall(str(call.get("name", "")), call.get("arguments", {}))
+    return ToolCall("", {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +250,7 @@ class Env:
                                                    **details}
 
     def call_tool(self, call: ToolCall | Mapping[str, Any]) -> str:
-        if not isinstance(call, ToolCall):
-            call = Action.coerce({"tool_calls": [call]}).tool_calls[0]
+        call = _coerce_call(call)
         tool = self._by_name.get(call.name)
         if tool is None:
             return f'error: unknown tool "{sanitize(call.name)}"'
