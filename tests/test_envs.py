@@ -1,0 +1,357 @@
+"""Tool environments (dsv32_jax/envs): schema validation, episodes, verifiers, oracle demonstrations, chance rates,
+the calculator's parser against Python, trip generation and partial credit, truncation and the character set."""
+
+import json
+import random
+import re
+
+import pytest
+
+from dsv32_jax.envs import CHARSET, ENVS, Action, Tool, ToolCall, ToolError, in_charset, make_env, validate_arguments
+from dsv32_jax.envs.calculator import MAX_EXPR_CHARS, evaluate
+from dsv32_jax.envs.trip import feasible_plans, render_plan, score_plan, solve_trip
+
+NAMES = sorted(ENVS)
+SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}, "n": {"type": "integer"},
+                                           "x": {"type": "number"}, "flag": {"type": "boolean"},
+                                           "ids": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["key", "n"]}
+
+
+def replay(env, seed, actions):
+    """Run `actions` from reset(seed); -> (reward, info, every tool result string)."""
+    env.reset(seed)
+    results, reward, info = [], 0.0, {}
+    for action in actions:
+        obs, reward, done, info = env.step(action)
+        results.extend(obs.tool_results)
+        if done:
+            break
+    return reward, info, results
+
+
+# --- Tool and schema validation ---
+
+@pytest.mark.parametrize("arguments, error", [
+    ({"n": 1}, 'missing argument "key"'),
+    ({"key": "a"}, 'missing argument "n"'),
+    ({"key": "a", "n": 1, "zz": 2}, 'unknown argument "zz"'),
+    ({"key": 3, "n": 1}, 'argument "key" must be string'),
+    ({"key": "a", "n": 1.5}, 'argument "n" must be integer'),
+    ({"key": "a", "n": True}, 'argument "n" must be integer'),  # bool is not a JSON integer
+    ({"key": "a", "n": 1, "x": "1"}, 'argument "x" must be number'),
+    ({"key": "a", "n": 1, "flag": 1}, 'argument "flag" must be boolean'),
+    ({"key": "a", "n": 1, "ids": 3}, 'argument "ids" must be array'),
+    ({"key": "a", "n": 1, "ids": [1, "2"]}, 'argument "ids" must be an array of integer'),
+    (["key"], "arguments must be an object"),
+])
+def test_schema_validation_errors(arguments, error):
+    assert validate_arguments(SCHEMA, arguments) == error
+    tool = Tool("t", "test tool", SCHEMA, lambda **kw: kw)
+    assert tool.call(arguments) == f"error: {error}"
+
+
+def test_tool_call_valid_and_tool_errors():
+    def f(key, n, x=0.0, flag=False, ids=()):
+        if n < 0:
+            raise ToolError("n must be >= 0")
+        return {"key": key, "total": n + x + sum(ids), "flag": flag}
+
+    tool = Tool("t", "test tool", SCHEMA, f)
+    assert validate_arguments(SCHEMA, {"key": "a", "n": 1, "x": 2, "flag": True, "ids": [3]}) is None
+    assert tool.call({"key": "a", "n": 1, "x": 2.5, "ids": [3]}) == '{"key":"a","total":6.5,"flag":false}'
+    assert tool.call({"key": "a", "n": -1}) == "error: n must be >= 0"
+    assert tool.signature() == "t(key:string,n:integer,x:number,flag:boolean,ids:array)"
+
+
+@pytest.mark.parametrize("schema, field", [
+    ({"type": "array"}, "parameters.type"),
+    ({"type": "object", "properties": {"a": {"type": "float"}}}, "parameters.properties.a.type"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "array"}}}}, "items.type"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "parameters.required"),
+])
+def test_bad_schema_names_the_field(schema, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        Tool("t", "test tool", schema, lambda: "")
+
+
+def test_registry():
+    assert NAMES == ["calculator", "lookup", "trip"]
+    assert {make_env(n).domain for n in NAMES} == {"search", "code", "general"}
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        make_env("nope")
+    with pytest.raises(ValueError, match="max_steps"):
+        make_env("lookup", max_steps=0)
+
+
+def test_envs_import_neither_jax_nor_numpy():
+    import ast
+    import os
+
+    import dsv32_jax.envs as envs
+    folder = os.path.dirname(envs.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            heavy = roots & {"jax", "numpy", "flax"}
+            assert not heavy, f"envs/{name} imports {sorted(heavy)}"
+
+
+# --- episodes ---
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reset_deterministic_and_varies_with_seed(name):
+    a, b = make_env(name), make_env(name)
+    for seed in range(20):
+        oa, ob = a.reset(seed), b.reset(seed)
+        assert oa == ob and a.instance == b.instance and a.demonstration(seed) == b.demonstration(seed)
+        assert oa.task and oa.system and oa.tool_results == ()
+    assert len({a.reset(seed).task for seed in range(50)}) >= 45
+    assert len({repr(a.generate(seed)) for seed in range(50)}) == 50
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_demonstration_solves_50_seeds(name):
+    env = make_env(name)
+    for seed in range(50):
+        actions = env.demonstration(seed)
+        assert actions[-1].tool_calls == [] and all(a.tool_calls for a in actions[:-1])
+        reward, info, results = replay(env, seed, actions)
+        assert reward == 1.0 and info["success"] and not info["truncated"], (seed, info)
+        assert info["steps"] == len(actions) - 1 and not any(r.startswith("error") for r in results)
+        # the same trajectory as plain dicts (the form a model's parsed output takes)
+        assert replay(env, seed, [a.to_dict() for a in actions])[0] == 1.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_wrong_answers_score_below_one(name):
+    env = make_env(name)
+    for seed in range(30):
+        env.reset(seed)
+        right = env.demonstration(seed)[-1].content
+        assert env.verify(right) == 1.0
+        wrong = [right + "1", "", "abc", right[:-1]]
+        if name == "trip":
+            plan = json.loads(right)["plan"]
+            wrong += [json.dumps({"plan": plan[::-1]}), json.dumps({"plan": plan[:-1]}),
+                      json.dumps({"plan": [dict(e, nights=e["nights"] + 1) for e in plan]})]
+        for w in wrong:
+            assert env.verify(w) < 1.0, (seed, w)
+            env.reset(seed)
+            _, reward, done, info = env.step({"content": w})
+            assert done and reward < 1.0 and not info["success"]
+            env.reset(seed)
+
+
+def test_tool_turn_observation_and_errors():
+    env = make_env("lookup")
+    env.reset(3)
+    key = env.instance.asked[0]
+    obs, reward, done, info = env.step({"tool_calls": [{"name": "get", "arguments": {"key": key}},
+                                                       {"name": "get", "arguments": {"key": "zz9"}},
+                                                       {"name": "get", "arguments": {}},
+                                                       {"name": "fly", "arguments": {}},
+                                                       {"name": "get", "arguments": "notadict"}, "garbage"]})
+    assert obs.tool_results == (str(env.instance.table[key]), 'error: no key "zz9"', 'error: missing argument "key"',
+                                'error: unknown tool "fly"', "error: arguments must be an object",
+                                'error: unknown tool ""')
+    assert (reward, done, info) == (0.0, False, {"success": False, "steps": 1, "truncated": False})
+    obs, reward, done, info = env.step(Action(content=str(env.instance.answer), reasoning="ignored"))
+    assert (reward, done, info["success"], info["steps"]) == (1.0, True, True, 1)
+    with pytest.raises(RuntimeError, match="episode is over"):
+        env.step({"content": "1"})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_max_steps_truncates(name):
+    env = make_env(name, max_steps=2)
+    env.reset(0)
+    call = ToolCall(env.tools[0].name, {})
+    for step in (1, 2):
+        _, reward, done, info = env.step(Action(tool_calls=[call]))
+        assert not done and info["steps"] == step
+    obs, reward, done, info = env.step(Action(tool_calls=[call]))
+    assert done and reward == 0.0 and info["truncated"] and not info["success"] and obs.tool_results == ()
+
+
+def test_calculator_demo_fits_default_max_steps_and_needs_several_calls():
+    env = make_env("calculator", max_ops_per_call=1)
+    turns = [len(env.demonstration(seed)) - 1 for seed in range(200)]
+    assert min(turns) == 2 and max(turns) == 3 <= env.max_steps
+    for seed in range(50):  # one operation per call is enough for the oracle
+        assert replay(env, seed, env.demonstration(seed))[0] == 1.0
+    env.reset(0)
+    assert env.call_tool(ToolCall("calc", {"expr": "1+2*3"})) == "error: at most 1 operation per call"
+    words = [make_env("calculator").render_task(make_env("calculator").generate(s)) for s in range(40)]
+    assert any(w.startswith("start with") for w in words) and any(w.startswith("compute") for w in words)
+
+
+# --- chance success without tools ---
+# Each bound is several standard deviations above the rate a guesser can reach, and far below the oracle's 1.0:
+# lookup: a uniform guess in the value range succeeds with p = 1/100 (one key) or 1/199 (a sum), mean ~0.0075 over
+# 200 seeds (sd ~0.006), bound 0.04. calculator: a uniform guess in [-1000, 1000] hits with p <= 1/2001, bound 0.02.
+# trip: hotel names are unknown without the tools (a 2-letter guess hits a real one with p ~ 3/676 per leg), bound
+# 0.02; even a guesser who knows the names and picks hotels at random is capped by generation at 1/3 of the plans
+# per instance (measured ~0.14), bound 0.25.
+
+def test_lookup_chance():
+    env, rng, wins = make_env("lookup"), random.Random(0), 0
+    for seed in range(200):
+        env.reset(seed)
+        wins += env.verify(str(rng.randint(0, 99 * len(env.instance.asked))))
+    assert wins / 200 < 0.04
+
+
+def test_calculator_chance():
+    env, rng, wins = make_env("calculator"), random.Random(0), 0
+    for seed in range(200):
+        env.reset(seed)
+        wins += env.verify(str(rng.randint(-1000, 1000)))
+    assert wins / 200 < 0.02
+
+
+def test_trip_chance():
+    env, rng = make_env("trip"), random.Random(0)
+    guessed = known = 0
+    for seed in range(200):
+        env.reset(seed)
+        inst = env.instance
+        guess = [{"city": c, "hotel": rng.choice("abcdefghijklmnopqrstuvwxyz") + rng.choice("aeiou"), "nights": n}
+                 for c, n in inst.legs]
+        guessed += env.verify(json.dumps({"plan": guess})) == 1.0
+        known += env.verify(render_plan(inst, [rng.choice(inst.hotels_in(c)) for c, _ in inst.legs])) == 1.0
+    assert guessed / 200 < 0.02
+    assert 0.0 < known / 200 < 0.25
+
+
+# --- calculator parser ---
+
+def _random_expression(rng: random.Random, depth: int = 0) -> str:
+    if depth > 2 or rng.random() < 0.3:
+        text = str(rng.randint(0, 999))
+    else:
+        text = (_random_expression(rng, depth + 1) + rng.choice(["+", "-", "*", "/", " + ", " / "])
+                + _random_expression(rng, depth + 1))
+        if rng.random() < 0.5:
+            text = f"({text})"
+    return ("-" if rng.random() < 0.15 else "") + text
+
+
+def test_parser_matches_python_floor_division(seed):
+    rng, checked, zero = random.Random(seed), 0, 0
+    while checked < 500:
+        text = _random_expression(rng)
+        if len(text) > MAX_EXPR_CHARS:
+            continue
+        checked += 1
+        try:
+            expected = eval(text.replace("/", "//"))  # test-only oracle; the parser never evals
+        except ZeroDivisionError:
+            zero += 1
+            with pytest.raises(ToolError, match="division by zero"):
+                evaluate(text)
+            continue
+        assert evaluate(text) == expected, text
+    assert checked - zero > 400
+
+
+@pytest.mark.parametrize("text, error", [
+    ("1+", "unexpected end"), ("(1+2", "unexpected end"), ("1+2)", 'unexpected ")" at 3'), ("2**3", 'unexpected "*"'),
+    ("1.5", 'unexpected "." at 1'), ("x+1", 'unexpected "x" at 0'), ("", "unexpected end"), ("7/0", "division by zero"),
+    ("1" * 65, "longer than 64"), ("999999999*999999999", "result beyond"), ("__import__('os')", 'unexpected "_"'),
+])
+def test_parser_errors(text, error):
+    with pytest.raises(ToolError, match=re.escape(error)):
+        evaluate(text)
+    env = make_env("calculator")
+    env.reset(0)
+    result = env.call_tool(ToolCall("calc", {"expr": text}))
+    assert result.startswith("error: ") and in_charset(result)
+
+
+def test_parser_semantics():
+    assert [evaluate(t) for t in ("-7/2", "7/-2", "2+3*4", "(2+3)*4", "--3", "10-2-3", "100/7/2", " 1 + 2 ")] == \
+        [-4, -4, 14, 20, 3, 5, 7, 3]
+
+
+# --- trip ---
+
+def test_trip_every_instance_solvable_and_not_trivial():
+    env = make_env("trip")
+    for seed in range(300):
+        inst = env.generate(seed)
+        plans = feasible_plans(inst)
+        total = 1
+        for c, _ in inst.legs:
+            total *= len(inst.hotels_in(c))
+        assert plans and solve_trip(inst) in plans and len(plans) <= total / 3
+        assert 3 <= len(inst.cities) <= 4 and 2 <= len(inst.legs) <= 3
+        assert all(2 <= len(inst.hotels_in(c)) <= 3 for c in inst.cities)
+        assert len({h.name for h in inst.hotels}) == len(inst.hotels)
+
+
+def test_trip_partial_credit():
+    inst = make_env("trip").generate(7)
+    best = solve_trip(inst)
+    n = len(inst.legs)
+    total = 4 * n + 2  # per leg: city, nights, hotel in city, rating; then legs and budget
+    assert score_plan(inst, render_plan(inst, best)) == (1.0, score_plan(inst, render_plan(inst, best))[1])
+    plan = json.loads(render_plan(inst, best))["plan"]
+
+    def score(p):
+        return score_plan(inst, json.dumps({"plan": p}))
+
+    # an unknown hotel on leg 0: that leg's hotel and rating checks fail, and the budget cannot be computed
+    reward, info = score([dict(plan[0], hotel="zz9")] + plan[1:])
+    assert reward == (total - 3) / total and not info["checks"]["budget"] and info["cost"] is None
+    # a hotel from another city on leg 0
+    other = next(h for h in inst.hotels if h.city != inst.legs[0][0])
+    assert not score([dict(plan[0], hotel=other.name)] + plan[1:])[1]["checks"]["hotel_0"]
+    # a hotel below the minimum rating, if the city has one
+    low = [h for h in inst.hotels_in(inst.legs[0][0]) if h.rating < inst.min_rating]
+    if low:
+        assert not score([dict(plan[0], hotel=low[0].name)] + plan[1:])[1]["checks"]["rating_0"]
+    # over budget: the dearest hotel everywhere, with the rating relaxed, exceeds the budget
+    relaxed = type(inst)(inst.cities, inst.hotels, inst.legs, inst.budget, 1)
+    dearest = [max(inst.hotels_in(c), key=lambda h: h.price) for c, _ in inst.legs]
+    reward, info = score_plan(relaxed, render_plan(relaxed, dearest))
+    assert info["cost"] > inst.budget and not info["checks"]["budget"] and reward == (total - 1) / total
+    # a missing leg; wrong nights (the cost is the asked trip's, so nights cannot buy the budget)
+    assert score(plan[:-1])[0] < 1.0 and not score(plan[:-1])[1]["checks"]["legs"]
+    reward, info = score([dict(e, nights=0) for e in plan])
+    assert reward == (total - n) / total and info["checks"]["budget"]
+    # not a plan at all
+    for bad in ("{", "[]", '{"plan":3}', '{"plan":[{"city":"a","hotel":"b"}]}', '{"plan":[{"city":"a","hotel":"b",'
+                                                                                '"nights":true}]}'):
+        reward, info = score_plan(inst, bad)
+        assert reward == 0.0 and info["reason"], bad
+
+
+# --- character set ---
+
+def test_every_string_stays_in_charset():
+    assert len(set(CHARSET)) == len(CHARSET) and "\n" not in CHARSET and "'" not in CHARSET
+    rng = random.Random(0)
+    for name in NAMES:
+        env = make_env(name)
+        texts = [env.system_prompt()]
+        for seed in range(200):
+            obs = env.reset(seed)
+            texts += [obs.task, obs.system]
+            actions = env.demonstration(seed)
+            for a in actions:
+                texts += [a.content, a.reasoning] + [json.dumps(c.to_dict(), separators=(",", ":"))
+                                                     for c in a.tool_calls]
+            texts += replay(env, seed, actions)[2]
+            # tool errors from hostile arguments echo only sanitized text
+            env.reset(seed)
+            for tool in env.tools:
+                hostile = "Ab'?\n" + chr(rng.randint(128, 5000))
+                texts.append(tool.call({k: hostile for k in tool.parameters["required"]}))
+                texts.append(tool.call({"Bad'Key": 1}))
+            texts.append(env.call_tool({"name": "Ünknown'", "arguments": {}}))
+        bad = [t for t in texts if not in_charset(t)]
+        assert not bad, f"{name}: {bad[:3]}"
