@@ -458,3 +458,32 @@ def test_window_shuffle_permutes_rows_within_windows_only():
     for w in range(0, len(a), window):
         assert sorted(a[w:w + window]) == sorted(b[w:w + window]), f"window {w // window} holds other rows"
     assert a != b
+
+
+def test_fixed_shards_give_the_same_global_batch_on_any_process_count():
+    """data.shards = 2: one process yields both shards' rows in shard order; two processes yield one half each;
+    a merged state of both processes resumes either layout; a different shard count is refused by name."""
+    from dsv32_jax.train.data import merge_states
+
+    cfg = DataConfig(seq_len=16, batch_size=4, seed=2, shards=2, shuffle_window=4)
+    one = make_iterator(cfg, vocab_size=256)
+    parts = [make_iterator(cfg, vocab_size=256, process_index=p, process_count=2) for p in (0, 1)]
+    for _ in range(3):
+        full = next(one)
+        halves = [next(p) for p in parts]
+        for key in full:
+            np.testing.assert_array_equal(full[key], np.concatenate([h[key] for h in halves]))
+    assert full["tokens"].shape == (4, 16) and halves[0]["tokens"].shape == (2, 16)
+    merged = json.loads(json.dumps(merge_states([p.get_state() for p in parts])))
+    want = next(one)
+    resumed = make_iterator(cfg, vocab_size=256)  # the 2-process state, continued by 1 process
+    resumed.set_state(merged)
+    same([next(resumed)], [want])
+    with pytest.raises(ValueError, match="data state has 2 shards, this run 4"):
+        make_iterator(DataConfig(seq_len=16, batch_size=4, seed=2, shards=4), vocab_size=256).set_state(merged)
+    with pytest.raises(ValueError, match="multiple of the process count 3"):
+        make_iterator(cfg, vocab_size=256, process_index=0, process_count=3)
+    with pytest.raises(ValueError, match="divisible by data.shards 3"):
+        DataConfig(batch_size=4, shards=3)
+    for it in [one, resumed, *parts]:
+        it.close()

@@ -8,8 +8,12 @@ writes params, opt, ref, meta (dsv32_jax/orbax_io.py reads 'params' and 'meta' o
 from __future__ import annotations
 
 import contextlib
+import json as json_lib
 import os
 import signal
+
+import jax
+import numpy as np
 
 import orbax.checkpoint as ocp
 from absl import logging
@@ -43,6 +47,20 @@ def save(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: dict, fo
     items = {name: ocp.args.StandardSave(_pure(tree)) for name, tree in arrays.items()}
     items.update({name: ocp.args.JsonSave(obj) for name, obj in json.items()})
     return mngr.save(step, force=force, args=ocp.args.Composite(**items))
+
+
+def allgather_json(obj) -> list:
+    """Every process's JSON-able `obj`, in process order (a collective: all processes call it)."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json_lib.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+    return [json_lib.loads(bytes(rows[i, :int(sizes[i])])) for i in range(len(sizes))]
 
 
 def restore_target(state, shardings):

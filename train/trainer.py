@@ -26,6 +26,7 @@ from dsv32_jax import orbax_io
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax import sharding as shd
 from dsv32_jax.train import checkpointing, steps
+from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_init_from
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.metrics import LM_KEYS
@@ -208,7 +209,12 @@ class Trainer:
         self._data_iter.set_state(self.restore(mngr, step))
 
     def save_checkpoint(self, mngr, step: int, force: bool) -> bool:
-        return self.save(mngr, step, self._data_iter.get_state(), force=force)
+        if not force and not mngr.should_save(step):
+            return False
+        data_state = self._data_iter.get_state()
+        if jax.process_count() > 1:  # each process holds its own shards' positions: the checkpoint keeps them all
+            data_state = data_lib.merge_states(checkpointing.allgather_json(data_state))
+        return self.save(mngr, step, data_state, force=force)
 
     def run_step(self) -> dict:
         batch = next(self._data_iter)

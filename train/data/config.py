@@ -23,6 +23,10 @@ class DataConfig:
     add_eos: bool = True  # append the tokenizer's EOS id to each document (byte tokenizer: none)
     worker_count: int = 0  # grain worker processes for reading + tokenizing (0 = threads in-process)
     shuffle_window: int = 512  # with shuffle: packed rows shuffled together in windows of this many (<= 1: off)
+    # Document shards of the stream (0: one per process). The global batch is every shard's batch_size // shards
+    # rows in shard order, each process yielding those of its shards: a fixed count keeps the batches (and a
+    # checkpoint's data state) the same on any number of processes that divides it.
+    shards: int = 0
 
     def __post_init__(self):
         paths = self.paths
@@ -41,5 +45,9 @@ class DataConfig:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"data.seed must be in [0, 2**32), got {self.seed}")
+        if self.shards < 0:
+            raise ValueError(f"data.shards must be >= 0 (0: one per process), got {self.shards}")
+        if self.shards and self.batch_size % self.shards:
+            raise ValueError(f"data.batch_size {self.batch_size} must be divisible by data.shards {self.shards}")
         if self.worker_count < 0:
             raise ValueError(f"data.worker_count must be >= 0, got {self.worker_count}")

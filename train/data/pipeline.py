@@ -4,7 +4,8 @@ Pipeline (``make_dataset``)::
 
     documents (random-access source: builtin / JSONL / Parquet / ArrayRecord / text)
       -> per-epoch shuffle (global; per row group for Parquet) -> repeat(num_epochs)
-      -> this host's shard  [process_index::process_count] of the document stream
+      -> one shard  [process_index::process_count] of the document stream (make_iterator: data.shards shards,
+         each process reading its own; their batches concatenated in shard order form the global batch)
       -> tokenize (+ EOS)  (in ReadOptions threads, or in `worker_count` processes via mp_prefetch)
       -> drop empty documents, add next-token targets + loss mask per document
       -> pack into rows of seq_len (concatenate, then split: grain.experimental.ConcatThenSplitIterDataset)
@@ -235,6 +236,63 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
     return it.batch(cfg.batch_size // process_count, drop_remainder=True)
 
 
-def make_iterator(cfg: DataConfig, **kw):
-    """iter(make_dataset(cfg, **kw)): a grain DatasetIterator with get_state() / set_state()."""
-    return iter(make_dataset(cfg, **kw))
+class ShardedBatches:
+    """Batches of `num_shards` document shards (make_dataset's process_index / process_count), concatenated
+    along the rows in shard order; this process holds shards [process_index * k, (process_index + 1) * k) with
+    k = num_shards / process_count, i.e. the rows that its devices own in the global batch.
+
+    get_state() -> {"num_shards": n, "shards": {"i": grain state}} for this process's shards; set_state() accepts
+    any superset (a checkpoint's merged state of all processes, `merge_states`) and takes its own shards, so a
+    run can resume on another process count that divides num_shards."""
+
+    def __init__(self, cfg: DataConfig, *, vocab_size: int, process_index: int = 0, process_count: int = 1):
+        n = cfg.shards or process_count
+        if n % process_count:
+            raise ValueError(f"data.shards {n} must be a multiple of the process count {process_count}")
+        k = n // process_count
+        self.num_shards = n
+        self.ids = list(range(process_index * k, (process_index + 1) * k))
+        self.iters = [iter(make_dataset(cfg, vocab_size=vocab_size, process_index=i, process_count=n))
+                      for i in self.ids]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batches = [next(it) for it in self.iters]
+        return {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+
+    def get_state(self) -> dict:
+        return {"num_shards": self.num_shards, "shards": {str(i): it.get_state() for i, it in zip(self.ids, self.iters)}}
+
+    def set_state(self, state: dict) -> None:
+        if state.get("num_shards") != self.num_shards:
+            raise ValueError(f"data state has {state.get('num_shards')} shards, this run {self.num_shards}: set "
+                             "data.shards to the checkpoint's count to resume on another number of processes")
+        missing = [i for i in self.ids if str(i) not in state["shards"]]
+        if missing:
+            raise ValueError(f"data state lacks shards {missing} of this process (have {sorted(state['shards'])})")
+        for i, it in zip(self.ids, self.iters):
+            it.set_state(state["shards"][str(i)])
+
+    def close(self) -> None:
+        for it in self.iters:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One data state from every process's ShardedBatches.get_state() (for a checkpoint)."""
+    merged = {"num_shards": states[0]["num_shards"], "shards": {}}
+    for st in states:
+        merged["shards"].update(st["shards"])
+    return merged
+
+
+def make_iterator(cfg: DataConfig, *, vocab_size: int, process_index: int = 0, process_count: int = 1):
+    """This process's batches: iter(make_dataset(...)) (a grain DatasetIterator with get_state() / set_state())
+    for one shard, a ShardedBatches over its shards otherwise (cfg.shards, or one shard per process)."""
+    if (cfg.shards or process_count) == 1:
+        return iter(make_dataset(cfg, vocab_size=vocab_size))
+    return ShardedBatches(cfg, vocab_size=vocab_size, process_index=process_index, process_count=process_count)
