@@ -56,12 +56,15 @@ test-all: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The paper's recipe in miniature: dense LM pre-training -> dense warm-up of the indexer (eq. 3) -> sparse
-# training (eq. 4), then curves in runs/demo/curves.png. Re-running resumes (finished stages are skipped).
+# training (eq. 4), then curves in runs/demo/curves.png and the held-out table (dense vs DSA-adapted model) in
+# runs/demo/eval.md. Re-running resumes (finished stages are skipped).
 train: $(STAMP)
 	$(PY) -m dsv32_jax.train.main --config=configs/dense_tiny.py --workdir=runs/demo/dense
 	$(PY) -m dsv32_jax.train.main --config=configs/warmup_tiny.py --workdir=runs/demo/warmup
 	$(PY) -m dsv32_jax.train.main --config=configs/sparse_tiny.py --workdir=runs/demo/sparse
 	$(PY) -m dsv32_jax.train.plot runs/demo --out runs/demo/curves.png
+	$(PY) -m dsv32_jax.train.eval --workdirs=runs/demo/dense,runs/demo/warmup,runs/demo/sparse --seq_lens=128,512 \
+	  --batches=8 --out=runs/demo/eval
 
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:

@@ -14,4 +14,5 @@ def get_config():
     c.data.batch_size = 8
     c.checkpoint.every = 100
     c.log_every = 25
+    c.eval.every = 50  # held-out loss (metric eval_loss; train/eval.py)
     return c

@@ -19,4 +19,5 @@ def get_config():
     c.data.seed = 2
     c.checkpoint.every = 50
     c.log_every = 25
+    c.eval.every = 50  # held-out loss (metric eval_loss; train/eval.py)
     return c

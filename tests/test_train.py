@@ -29,6 +29,7 @@ def load_config(name, **overrides):
     path = os.path.join(ROOT, "configs", f"{name}.py")
     module = config_flags.config_flags._LoadConfigModule(name, path)  # noqa: SLF001 (same loader as the CLI)
     config = module.get_config()
+    config.eval.every = 0  # held-out evaluation off unless a test asks for it (tests/test_eval.py)
     for key, value in overrides.items():
         target = config
         *parents, leaf = key.split(".")
@@ -123,7 +124,7 @@ def test_curves_png(stages, tmp_path):
 
 CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/dense_tiny.py", "--config.steps=10",
        "--config.checkpoint.every=2", "--config.data.seq_len=32", "--config.data.batch_size=4",
-       "--config.log_every=1", "--config.optimizer.warmup_steps=2"]
+       "--config.log_every=1", "--config.optimizer.warmup_steps=2", "--config.eval.every=0"]
 
 
 def losses_by_step(workdir):

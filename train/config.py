@@ -89,6 +89,11 @@ def default_config() -> ml_collections.ConfigDict:
         length_target=-1,  # >= 0: length penalty beyond this many tokens (and for not emitting EOS)
         language_weight=0.0, grm_weight=0.0, eval_every=10))
 
+    # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
+    # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
+    # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /
+    # seq_len 0: the training data's.
+    c.eval = ml_collections.ConfigDict(dict(every=0, batches=4, batch_size=0, seq_len=0, seed=0, paths=()))
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3, use_async=True))
     c.log_every = 10
     return c

@@ -11,7 +11,8 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-LM_KEYS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mfu")
+LM_KEYS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm", "lr", "eval_loss", "tokens_per_s",
+           "step_time_s", "mfu")
 _TB_MISSING_LOGGED = False
 
 

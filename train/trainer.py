@@ -224,7 +224,32 @@ class Trainer:
         metrics.update(step_time_s=dt, tokens_per_s=self._tokens_per_step / dt)
         if self._peak:
             metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / jax.device_count() / self._peak
+        every = self.config.eval.every if "eval" in self.config else 0
+        if every:
+            step = self.step
+            if step % every == 0 or step == self.config.steps:
+                metrics["eval_loss"] = self.evaluate()["loss"]
         return metrics
+
+    def evaluator(self):
+        """The held-out Evaluator of this run (built once): dense attention for the dense stage, DSA otherwise."""
+        if getattr(self, "_evaluator", None) is None:
+            from dsv32_jax.train import eval as eval_lib
+
+            cfg = eval_lib.eval_data_config(self.config.data.to_dict(), self.config.eval)
+            batches = eval_lib.eval_batches(cfg, self.cfg.vocab_size, self.config.eval.batches)
+            model_graphdef = nnx.split(self.model)[0]
+            self._evaluator = eval_lib.Evaluator.create(
+                batches, graphdef=model_graphdef,
+                options=eval_lib.ATTENTIONS["dense" if self.stage == "dense" else "dsa"].replace(
+                    attn_chunk=self.options.attn_chunk, index_chunk=self.options.index_chunk),
+                model_shardings=self.ts.shardings[0], batch_sharding=self.batch_sharding)
+        return self._evaluator
+
+    def evaluate(self) -> dict:
+        """Held-out loss of the current parameters ({"loss", "tokens"})."""
+        with shd.use_mesh(self.mesh):
+            return self.evaluator()(self.ts.state[0])
 
     def fit(self, data_iter) -> list[dict]:
         """Runs until config.steps (resuming from the workdir's latest checkpoint); returns the logged metrics."""

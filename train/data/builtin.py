@@ -19,6 +19,18 @@ _DOC_MODULES = (
 ).split()
 
 
+# The held-out split (data.split = "heldout"): docstrings of other stdlib modules, disjoint from the above and
+# from the help topics, in the same style (held-out evaluation: train/eval.py).
+_HELDOUT_MODULES = (
+    "array cmath codecs codeop colorsys compileall concurrent.futures contextvars dis doctest email.message "
+    "email.utils filecmp fnmatch fileinput ftplib getopt glob graphlib gzip hashlib http.client http.cookies "
+    "imaplib locale lzma mailbox mimetypes numbers optparse pdb pkgutil platform plistlib poplib pstats "
+    "quopri reprlib rlcompleter runpy selectors shelve signal smtplib sndhdr sqlite3 stat symtable sysconfig "
+    "tabnanny trace traceback types unicodedata wave xml.dom.minidom xml.etree.ElementTree zipapp zipimport"
+).split()
+SPLITS = ("train", "heldout")
+
+
 def _module_document(name: str) -> str:
     try:
         mod = importlib.import_module(name)
@@ -43,9 +55,19 @@ def _module_document(name: str) -> str:
     return "\n\n".join(parts) + "\n" if len(parts) > 1 or mod.__doc__ else ""
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_documents() -> tuple[str, ...]:
-    """The built-in demo corpus: pydoc help topics (sorted by topic) then stdlib module docstrings."""
+@functools.lru_cache(maxsize=2)
+def builtin_documents(split: str = "train") -> tuple[str, ...]:
+    """The built-in demo corpus: pydoc help topics (sorted by topic) then stdlib module docstrings; split
+    "heldout": the docstrings of a disjoint list of stdlib modules (no help topics)."""
+    if split not in SPLITS:
+        raise ValueError(f"data.split must be one of {SPLITS}, got {split!r}")
+    if split == "heldout":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            docs = tuple(doc for doc in map(_module_document, _HELDOUT_MODULES) if doc.strip())
+        if sum(map(len, docs)) < 50_000:
+            raise RuntimeError("the built-in held-out split needs stdlib docstrings (is Python running with -OO?)")
+        return docs
     docs: list[str] = []
     try:
         from pydoc_data.topics import topics  # noqa: PLC0415

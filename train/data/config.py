@@ -27,6 +27,8 @@ class DataConfig:
     # rows in shard order, each process yielding those of its shards: a fixed count keeps the batches (and a
     # checkpoint's data state) the same on any number of processes that divides it.
     shards: int = 0
+    split: str = "train"  # builtin source: "train" or "heldout" (disjoint documents, for evaluation)
+    min_doc_tokens: int = 0  # drop documents shorter than this (e.g. a long-context evaluation split)
 
     def __post_init__(self):
         paths = self.paths
@@ -45,6 +47,10 @@ class DataConfig:
             raise ValueError(f"data.num_epochs must be None or >= 1, got {self.num_epochs}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"data.seed must be in [0, 2**32), got {self.seed}")
+        if self.split not in ("train", "heldout"):
+            raise ValueError(f"data.split must be 'train' or 'heldout', got {self.split!r}")
+        if self.min_doc_tokens < 0:
+            raise ValueError(f"data.min_doc_tokens must be >= 0, got {self.min_doc_tokens}")
         if self.shards < 0:
             raise ValueError(f"data.shards must be >= 0 (0: one per process), got {self.shards}")
         if self.shards and self.batch_size % self.shards:

@@ -143,6 +143,14 @@ def _nonempty(ids: np.ndarray) -> bool:
     return len(ids) > 0
 
 
+class _MinLength:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, ids: np.ndarray) -> bool:
+        return len(ids) >= self.n
+
+
 def _with_next_tokens(ids: np.ndarray) -> dict:
     """A document's tokens with its next-token targets and loss mask, all of the document's length.
 
@@ -223,6 +231,8 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
     if process_count > 1:
         ds = ds[process_index::process_count]
     ds = ds.map(_Tokenize(tokenizer, cfg.add_eos, vocab_size))
+    if cfg.min_doc_tokens > 1:
+        ds = ds.filter(_MinLength(cfg.min_doc_tokens))
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
     if cfg.worker_count > 0:
         from absl import flags  # noqa: PLC0415

@@ -328,7 +328,10 @@ class ArrayRecordSource:
 def make_source(cfg: DataConfig):
     """The random-access document source for cfg, and its locality blocks (None = any order is cheap)."""
     if cfg.source == "builtin":
-        return ListSource(builtin_documents()), None
+        return ListSource(builtin_documents(cfg.split)), None
+    if cfg.split != "train":
+        raise ValueError(f"data.split={cfg.split!r} applies to data.source='builtin' only; for {cfg.source!r} "
+                         "point data.paths (or config.eval.paths) at the held-out files")
     what = f"data source {cfg.source!r}"
     if cfg.source == "jsonl":
         return JsonlSource(resolve_paths(cfg.paths, suffixes=(".jsonl", ".json"), what=what), cfg.text_field), None

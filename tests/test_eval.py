@@ -1,0 +1,103 @@
+"""Held-out evaluation (train/eval.py): the held-out split, the loss it reports (checked against a float64 numpy
+computation from the model's logits), the trainer's periodic eval_loss and the CLI table."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv32_jax import Transformer, load_preset
+from dsv32_jax.train import eval as eval_lib
+from dsv32_jax.train.config import default_config
+from dsv32_jax.train.data import DataConfig, builtin_documents, make_dataset, make_iterator
+
+
+def test_heldout_split_is_disjoint_and_the_long_split_keeps_long_documents():
+    train, held = set(builtin_documents()), builtin_documents("heldout")
+    assert len(held) > 20 and not train & set(held)
+    n = 256
+    cfg = DataConfig(split="heldout", seq_len=n, batch_size=1, shuffle=False, num_epochs=1, min_doc_tokens=n,
+                     add_eos=False)
+    long_docs = [d for d in held if len(d.encode()) >= n]
+    assert 0 < len(long_docs) < len(held)
+    stream = np.frombuffer("".join(long_docs).encode(), np.uint8)
+    it = make_iterator(cfg, vocab_size=256)
+    rows = [next(it) for _ in range(20)]
+    got = np.concatenate([r["tokens"][0] for r in rows])
+    np.testing.assert_array_equal(got, stream[:len(got)])  # exactly the long documents, in order
+    for r in rows:  # every document fills at least a row: a row holds at most two of them
+        assert r["segment_ids"].max() <= 2
+    with pytest.raises(ValueError, match="data.split must be"):
+        DataConfig(split="test")
+    with pytest.raises(ValueError, match=r"data.split='heldout' applies to data.source='builtin' only"):
+        make_dataset(DataConfig(source="jsonl", paths=("x.jsonl",), split="heldout"), vocab_size=256)
+    with pytest.raises(ValueError, match="config.eval.paths"):
+        eval_lib.eval_data_config({"source": "jsonl", "paths": ("a.jsonl",), "seq_len": 8, "batch_size": 2},
+                                  {"batch_size": 0})
+
+
+def _numpy_loss(model, batches) -> float:
+    nll, count = 0.0, 0.0
+    for b in batches:
+        logits = np.asarray(model(jnp.asarray(b["tokens"]), positions=jnp.asarray(b["positions"]),
+                                  segment_ids=jnp.asarray(b["segment_ids"])), np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        picked = np.take_along_axis(logp, b["targets"][..., None].astype(np.int64), -1)[..., 0]
+        nll += float(-(picked * b["loss_mask"]).sum())
+        count += float(b["loss_mask"].sum())
+    return nll / count
+
+
+def test_eval_loss_is_the_token_weighted_mean_nll_with_dense_and_dsa_attention():
+    cfg = load_preset("tiny").replace(initializer_range=0.3, index_topk=8)
+    model = Transformer(cfg, rngs=nnx.Rngs(4), dtype=jnp.float32)
+    batches = eval_lib.eval_batches(DataConfig(split="heldout", seq_len=48, batch_size=2), cfg.vocab_size, 2)
+    losses = {}
+    for attention in ("dense", "dsa"):
+        got = eval_lib.evaluate_model(model, batches, attention)
+        model.options = eval_lib.ATTENTIONS[attention]
+        want = _numpy_loss(model, batches)
+        assert got["tokens"] == sum(float(b["loss_mask"].sum()) for b in batches)
+        assert abs(got["loss"] - want) <= 1e-5 * want, (attention, got, want)
+        losses[attention] = got["loss"]
+    assert abs(losses["dense"] - losses["dsa"]) > 1e-3  # 48 tokens > top-k 8: the selection changes the loss
+
+
+def test_trainer_reports_heldout_loss_and_the_cli_writes_the_table(tmp_path):
+    from dsv32_jax.train.run import run
+
+    c = default_config()
+    c.stage, c.steps, c.mesh, c.log_every = "sparse", 3, "", 1000
+    c.data.seq_len, c.data.batch_size = 32, 2
+    c.eval.every, c.eval.batches = 2, 2
+    c.checkpoint.use_async = False
+    c.model_overrides = {"index_topk": 8, "initializer_range": 0.3}
+    workdir = str(tmp_path / "sparse")
+    history = run(c, workdir)
+    evals = [h.get("eval_loss") for h in history]
+    assert evals[0] is None and evals[1] is not None and evals[2] is not None  # every 2 steps and the last
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        assert [("eval_loss" in json.loads(line)) for line in f] == [False, True, True]
+    # the trainer's sharded evaluation = the single-process path on the final checkpoint, DSA attention
+    import dsv32_jax
+    model = dsv32_jax.from_pretrained(workdir, dtype=jnp.float32)
+    batches = eval_lib.eval_batches(eval_lib.eval_data_config(c.data.to_dict(), c.eval), model.config.vocab_size, 2)
+    want = eval_lib.evaluate_model(model, batches, "dsa")["loss"]
+    assert abs(evals[2] - want) <= 1e-5 * want
+
+    out = str(tmp_path / "eval")
+    assert eval_lib.main([f"--workdirs={workdir}", "--seq_lens=32", "--batches=1", "--batch_size=2",
+                          f"--out={out}"]) == 0
+    with open(out + ".json") as f:
+        table = json.load(f)
+    assert {(r["attention"], r["split"]) for r in table["rows"]} == {
+        (a, s) for a in ("dense", "dsa") for s in ("heldout", "heldout-long")}
+    with open(out + ".md") as f:
+        md = f.read()
+    assert md.startswith("| model | attention |") and "| dsa |" in md and "heldout-long @ 32" in md
+    with pytest.raises(SystemExit, match="does not exist"):
+        eval_lib.main([f"--workdirs={tmp_path / 'nope'}"])

@@ -1,0 +1,220 @@
+"""Held-out evaluation: next-token loss of a model on a held-out split, with dense attention or with DSA.
+
+Does DSA adaptation preserve the model? The paper compares the sparse model with the dense one on the same
+benchmarks; here the measure is the held-out LM loss (nats per token) of
+
+    the dense model        (stage 0, dense attention)
+    the warm-up model      (the same weights + the trained indexer, DSA top-k attention)
+    the sparse model       (after sparse continued training, DSA top-k attention)
+
+at the training context and on a long-context split (documents of at least `seq_len` tokens packed into rows of
+`seq_len`, where the top-k selection is active: seq_len >= 8 x index_topk).
+
+    python -m dsv32_jax.train.eval --workdirs=runs/demo/dense,runs/demo/warmup,runs/demo/sparse \\
+        --seq_lens=128,512 --batches=8 --out=runs/demo/eval
+
+prints a markdown table and writes <out>.md and <out>.json. The trainer runs the same evaluation every
+`config.eval.every` steps (metric eval_loss). Built-in data: data.split='heldout' (stdlib docstrings disjoint from
+the training corpus, train/data/builtin.py); other sources: config.eval.paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv32_jax.options import RunOptions
+from dsv32_jax.train import data as data_lib
+from dsv32_jax.train.losses import token_nll
+
+EVAL_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+ATTENTIONS = {"dense": RunOptions(dsa=False, attention="dense"), "dsa": RunOptions(attention="sparse")}
+
+
+def eval_data_config(data_cfg: dict, eval_cfg, seq_len: int | None = None, long: bool = False) -> data_lib.DataConfig:
+    """The held-out DataConfig: the training data's config with the held-out split (builtin) or eval.paths,
+    eval.seq_len / eval.batch_size; long=True keeps only documents of at least seq_len tokens."""
+    d = dict(data_cfg)
+    if eval_cfg.get("paths"):
+        d["paths"] = tuple(eval_cfg.paths)
+    else:
+        if d.get("source", "builtin") != "builtin":
+            raise ValueError("config.eval.paths: held-out files are needed for data.source="
+                             f"{d.get('source')!r} (the built-in corpus has its own held-out split)")
+        d["split"] = "heldout"
+    d["seq_len"] = int(seq_len or eval_cfg.get("seq_len") or d["seq_len"])
+    d["batch_size"] = int(eval_cfg.get("batch_size") or d["batch_size"])
+    d["seed"] = int(eval_cfg.get("seed", 0))
+    d["num_epochs"] = None
+    d["shards"] = 0
+    d["min_doc_tokens"] = d["seq_len"] if long else 0
+    return data_lib.DataConfig(**d)
+
+
+def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int) -> list[dict]:
+    """The first `num_batches` batches of this process's part of the held-out stream (fixed: every evaluation
+    sees the same tokens)."""
+    it = data_lib.make_iterator(cfg, vocab_size=vocab_size, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    try:
+        return [{k: np.asarray(b[k]) for k in EVAL_KEYS} for b in (next(it) for _ in range(num_batches))]
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def lm_eval_step(model_state: nnx.State, batch: dict, *, graphdef, options: RunOptions) -> dict:
+    """Summed next-token NLL and token count of one batch under `options` (no MTP head, no indexer loss)."""
+    model = nnx.merge(graphdef, model_state)
+    model.options = options
+    logits = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    nll = token_nll(logits, batch["targets"])
+    mask = batch["loss_mask"]
+    return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask)}
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Held-out loss of a model state on fixed batches: `evaluator(model_state) -> {"loss", "tokens"}`."""
+    batches: list[dict]
+    step: object  # jitted (model_state, batch) -> {"nll", "tokens"}
+    put: object  # numpy batch -> device batch
+
+    @classmethod
+    def create(cls, batches: list[dict], *, graphdef, options: RunOptions, model_shardings=None,
+               batch_sharding=None):
+        fn = functools.partial(lm_eval_step, graphdef=graphdef, options=options)
+        if batch_sharding is None:
+            return cls(batches, jax.jit(fn), lambda b: b)
+        step = jax.jit(fn, in_shardings=(model_shardings, {k: batch_sharding for k in EVAL_KEYS}))
+        put = lambda b: {k: jax.make_array_from_process_local_data(batch_sharding, v)  # noqa: E731
+                         for k, v in b.items()}
+        return cls(batches, step, put)
+
+    def __call__(self, model_state) -> dict:
+        nll, tokens = 0.0, 0.0
+        for b in self.batches:
+            out = jax.device_get(self.step(model_state, self.put(b)))
+            nll += float(out["nll"])
+            tokens += float(out["tokens"])
+        return {"loss": nll / max(tokens, 1.0), "tokens": tokens}
+
+
+def evaluate_model(model, batches: list[dict], attention: str) -> dict:
+    """Held-out loss of a loaded `Transformer` with attention 'dense' or 'dsa' (single process)."""
+    graphdef, state = nnx.split(model)
+    return Evaluator.create(batches, graphdef=graphdef, options=ATTENTIONS[attention])(state)
+
+
+def _workdir_label(path: str) -> str:
+    from dsv32_jax import orbax_io
+
+    if orbax_io.is_training_workdir(path):
+        tc = orbax_io.training_checkpoint(path)
+        return f"{os.path.basename(os.path.normpath(path))} ({tc.meta.get('stage', '?')}, step {tc.step})"
+    return os.path.basename(os.path.normpath(path))
+
+
+def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_size: int = 8,
+               attentions: dict[str, list[str]] | None = None, data: dict | None = None) -> dict:
+    """{"rows": [{"model", "attention", "split", "seq_len", "loss", "tokens"}], ...} for every workdir x attention
+    x split. attentions: workdir -> which attentions (default: 'dense' for a dense-stage workdir, else both)."""
+    import dsv32_jax
+    from dsv32_jax import orbax_io
+
+    data = dict(data or {"source": "builtin"})
+    eval_cfg = {"batch_size": batch_size, "seed": 0}
+    rows, cache = [], {}
+    for path in workdirs:
+        model = dsv32_jax.from_pretrained(path, dtype=jnp.float32)
+        stage = orbax_io.training_checkpoint(path).meta.get("stage") if orbax_io.is_training_workdir(path) else None
+        which = (attentions or {}).get(path) or (["dense"] if stage == "dense" else ["dense", "dsa"])
+        for seq_len in seq_lens:
+            for split, long in (("heldout", False), ("heldout-long", True)):
+                key = (seq_len, long, model.config.vocab_size)
+                if key not in cache:
+                    cfg = eval_data_config(data, _Cfg(eval_cfg), seq_len, long)
+                    cache[key] = eval_batches(cfg, model.config.vocab_size, batches)
+                for attention in which:
+                    r = evaluate_model(model, cache[key], attention)
+                    rows.append({"model": _workdir_label(path), "workdir": path, "attention": attention,
+                                 "split": split, "seq_len": seq_len, "index_topk": model.config.index_topk, **r})
+    return {"rows": rows, "batches": batches, "batch_size": batch_size}
+
+
+class _Cfg(dict):
+    __getattr__ = dict.__getitem__
+
+
+def markdown(table: dict) -> str:
+    """Loss (nats/token) per model x attention (rows) and split x context (columns); the gap of each row to the
+    first row (the dense model) below."""
+    cols = sorted({(r["split"], r["seq_len"]) for r in table["rows"]}, key=lambda c: (c[1], c[0]))
+    models = []
+    for r in table["rows"]:
+        if (r["model"], r["attention"]) not in models:
+            models.append((r["model"], r["attention"]))
+    value = {(r["model"], r["attention"], r["split"], r["seq_len"]): r["loss"] for r in table["rows"]}
+    topk = table["rows"][0]["index_topk"] if table["rows"] else 0
+    head = "| model | attention | " + " | ".join(f"{s} @ {n} (ctx/topk {n // max(topk, 1)})" for s, n in cols) + " |"
+    lines = [head, "|---|---|" + "---|" * len(cols)]
+    base = models[0] if models else None
+    for m in models:
+        cells = []
+        for c in cols:
+            v = value.get((*m, *c))
+            b = value.get((*base, *c))
+            cells.append("" if v is None else f"{v:.4f}" + ("" if m == base or b is None else f" ({v - b:+.4f})"))
+        lines.append(f"| {m[0]} | {m[1]} | " + " | ".join(cells) + " |")
+    tokens = {(r["split"], r["seq_len"]): int(r["tokens"]) for r in table["rows"]}
+    lines.append("")
+    lines.append("Held-out loss in nats/token (difference to the first row in brackets); tokens per column: "
+                 + ", ".join(f"{s} @ {n}: {t}" for (s, n), t in sorted(tokens.items(), key=lambda x: x[0][1])))
+    return "\n".join(lines)
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Held-out loss of training workdirs with dense attention and DSA.")
+    p.add_argument("--workdirs", required=True, help="comma-separated training workdirs / checkpoint dirs")
+    p.add_argument("--seq_lens", default="128", help="comma-separated contexts (long split: documents >= context)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--out", default="", help="write <out>.md and <out>.json")
+    a = p.parse_args(argv)
+    workdirs = [w for w in a.workdirs.split(",") if w]
+    for w in workdirs:
+        if not os.path.exists(w):
+            raise SystemExit(f"error: --workdirs: {w} does not exist (run the training stage first)")
+    try:
+        seq_lens = [int(x) for x in a.seq_lens.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"error: --seq_lens must be comma-separated integers, got {a.seq_lens!r}") from None
+    table = eval_table(workdirs, seq_lens, a.batches, a.batch_size)
+    text = markdown(table)
+    print(text, flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        write_atomic(a.out + ".md", text + "\n")
+        write_atomic(a.out + ".json", json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
