@@ -30,9 +30,9 @@ CHARSET lacks).
 
 The 80% trigger (:func:`over_budget`) is measured in tokens of the prompt the model would be given: the encoded
 conversation (system prompt + tools prompt + all messages) INCLUDING the generation prompt (``<｜Assistant｜><think>``
-or ``\\n\\n<think>``), compared against ``trigger * context_budget`` with ``trigger = 0.8``. The episode runner checks it
-once before every generation; if the rewritten context is still over 80%, the model generates anyway in what room is
-left (strategies are applied once per turn, not in a loop).
+or ``\\n\\n<think>``), compared against ``trigger * context_budget`` with ``trigger = 0.8``. The episode runner
+checks it once before every generation; if the rewritten context is still over 80%, the model generates anyway in
+what room is left (strategies are applied once per turn, not in a loop).
 """
 
 from __future__ import annotations

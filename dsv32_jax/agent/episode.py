@@ -26,7 +26,9 @@ re-encodes to other ids). Within a segment the model tokens are exactly the ids 
 recorded at sampling time line up with ``segment.ids[c.start:c.start + c.length]`` for each
 :class:`Completion` ``c`` (its ``segment`` index, ``start`` offset = prompt length, ``length``). The loss mask is 1
 on exactly those positions and 0 on prompt, tool-result and generation-prompt tokens; for canonical completions it
-equals ``chat.encode_tokens``'s mask of the segment's messages. ``Trajectory.ids`` / ``loss_mask`` are the last
+equals ``chat.encode_tokens``'s mask of the segment's messages, except that turns a strategy carried over from an
+earlier segment (``discard75`` keeps the last 25%) are prompt (mask 0) in the later one: every generated token is
+trained exactly once, in the segment where it was sampled. ``Trajectory.ids`` / ``loss_mask`` are the last
 segment's (the final context as the model saw it).
 """
 
