@@ -198,6 +198,12 @@ def test_strategy_none_and_discards():
     assert manage(msgs, "discard75") == [System("sys"), User("find x"),
                                          Assistant(reasoning="r4", tool_calls=[get("d")]),
                                          ToolResult('error: no key "d"')]
+    # 5 units: floor(3.75) = 3 dropped, the last two kept
+    five = msgs + [Assistant(tool_calls=[get("e")]), ToolResult("5")]
+    assert manage(five, "discard75") == [System("sys"), User("find x"),
+                                         Assistant(reasoning="r4", tool_calls=[get("d")]),
+                                         ToolResult('error: no key "d"'), Assistant(tool_calls=[get("e")]),
+                                         ToolResult("5")]
     # 2 units: floor(1.5) = 1 dropped; 1 unit: at least one is dropped
     assert manage(msgs[:7], "discard75") == [System("sys"), User("find x")] + msgs[4:7]
     assert manage(msgs[:4], "discard75") == [System("sys"), User("find x")]

@@ -144,7 +144,7 @@ def manage(messages: Sequence[Message], strategy: str, summarize: Summarizer | N
         return out[:first] + out[units[-1][1]:]
     if strategy == "discard75":
         drop = max(1, math.floor(0.75 * len(units)))
-        return out[:first] + out[units[drop - 1][1]:]
+        return out[:first] + [m for start, end in units[drop:] for m in out[start:end]]
     summary = (summarize or extractive_summary)(out)
     last = first - 1
     task = split_summary(out[last].content)[0]
