@@ -325,3 +325,19 @@ def test_success_vs_budget():
     assert all(r["success_rate"] == 1.0 and r["mean_resets"] == 0 for r in big)
     assert len({r["mean_turns"] for r in big}) == 1
     assert format_table(rows).splitlines()[0].startswith("| strategy | budget | success |")
+
+
+def test_agent_imports_neither_jax_nor_numpy():
+    import ast
+    import os
+
+    import dsv32_jax.agent as agent
+    folder = os.path.dirname(agent.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            heavy = roots & {"jax", "numpy", "flax"}
+            assert not heavy, f"agent/{name} imports {sorted(heavy)}"
