@@ -1,0 +1,343 @@
+"""Agent episodes (dsv32_jax/agent): oracle episodes on every env, malformed completions, the segment/offset training
+view, hand-written golden expectations for each context strategy, thinking retention across tool calls, and success
+against context budget per strategy. Pure Python: no model, no jax."""
+
+import pytest
+
+from dsv32_jax import chat
+from dsv32_jax.agent import (GuessPolicy, OraclePolicy, RandomPolicy, ScriptedPolicy, extractive_summary, format_call,
+                             manage, over_budget, run_episode)
+from dsv32_jax.agent.context import STRATEGIES, parse_summary, split_summary
+from dsv32_jax.agent.episode import chat_tools, completion_text
+from dsv32_jax.agent.evaluate import VerbosePolicy, format_table, success_vs_budget, visible_facts
+from dsv32_jax.chat import Assistant, System, ToolCall, ToolResult, User
+from dsv32_jax.envs import CHARSET, in_charset, make_env
+
+CODEC = chat.TinyCodec.printable()
+ENV_NAMES = ("lookup", "calculator", "trip")
+
+
+class Recorder:
+    """Wraps a policy and records every (prompt_ids, generated ids) pair."""
+
+    def __init__(self, policy):
+        self.policy, self.calls = policy, []
+
+    def generate(self, prompt_ids, max_new_tokens):
+        out = self.policy.generate(prompt_ids, max_new_tokens)
+        self.calls.append((list(prompt_ids), list(out)))
+        return out
+
+
+def verbose(env, codec, seed, extra=6):
+    return VerbosePolicy(OraclePolicy(env, codec, seed), extra)
+
+
+def check_training_view(traj, recorder):
+    """The consistency invariant: each prompt is a prefix of its segment, the generated ids sit at the recorded
+    offsets, and the loss mask is 1 on exactly those positions."""
+    assert len(traj.completions) == len(recorder.calls) == traj.turns
+    generated = {i: set() for i in range(len(traj.segments))}
+    for c, (prompt, gen) in zip(traj.completions, recorder.calls):
+        seg = traj.segments[c.segment]
+        assert c.start == len(prompt) and c.length == len(gen)
+        assert seg.ids[:c.start] == prompt, f"turn {c.turn}: prompt is not a prefix of segment {c.segment}"
+        assert seg.ids[c.start:c.start + c.length] == gen
+        generated[c.segment].update(range(c.start, c.start + c.length))
+    for i, seg in enumerate(traj.segments):
+        assert len(seg.ids) == len(seg.loss_mask)
+        assert {j for j, m in enumerate(seg.loss_mask) if m} == generated[i], f"segment {i}: mask != generated ids"
+    assert traj.ids == traj.segments[-1].ids and traj.loss_mask == traj.segments[-1].loss_mask
+
+
+# --- oracle episodes ---
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_oracle_episodes_succeed_and_match_the_chat_encoding(name):
+    env = make_env(name)
+    for seed in range(20):
+        rec = Recorder(OraclePolicy(env, CODEC, seed))
+        traj = run_episode(env, seed, rec, CODEC, context_budget=100_000)
+        assert traj.reward == 1.0 and traj.success, (seed, traj.info)
+        assert traj.turns == len(env.demonstration(seed)) and traj.resets == 0 and len(traj.segments) == 1
+        check_training_view(traj, rec)
+        # one segment = the whole conversation; its mask is the chat encoding's training mask
+        ids, mask = chat.encode_tokens(traj.messages, CODEC, tools=chat_tools(env), add_generation_prompt=False)
+        assert (ids, mask) == (traj.ids, traj.loss_mask)
+        assert traj.messages == traj.history
+        assert isinstance(traj.messages[0], System) and isinstance(traj.messages[1], User)
+
+
+@pytest.mark.parametrize("name", ["lookup", "trip"])
+def test_oracle_episodes_with_the_bpe_tokenizer(name):
+    bpe = chat.load_tokenizer()
+    env = make_env(name)
+    for seed in range(5):
+        rec = Recorder(OraclePolicy(env, bpe, seed))
+        traj = run_episode(env, seed, rec, bpe, context_budget=100_000)
+        assert traj.reward == 1.0 and len(traj.segments) == 1, (seed, traj.info)
+        check_training_view(traj, rec)
+
+
+def test_chance_baselines_fail():
+    env = make_env("lookup")
+    guesses = [run_episode(env, s, GuessPolicy(CODEC, seed=s), CODEC, context_budget=100_000) for s in range(20)]
+    assert all(t.turns == 1 and "error" not in t.info for t in guesses)
+    assert sum(t.success for t in guesses) <= 2
+    randoms = [run_episode(env, s, RandomPolicy(CODEC, seed=s), CODEC, max_new_tokens=64, context_budget=100_000)
+               for s in range(10)]
+    assert all(t.reward == 0.0 and "error" in t.info for t in randoms)
+
+
+# --- failures end the episode with reward 0 and info["error"] ---
+
+def test_malformed_completion_ends_with_reward_zero_and_keeps_its_tokens():
+    env = make_env("lookup")
+    first = env.demonstration(0)[0]
+    bad = ("look</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get\">\n</｜DSML｜function_calls>"
+           "<｜end▁of▁sentence｜>")
+    rec = Recorder(ScriptedPolicy(CODEC, [first, bad]))
+    traj = run_episode(env, 0, rec, CODEC, context_budget=100_000)
+    assert traj.reward == 0.0 and not traj.success and traj.turns == 2
+    assert traj.info["error"].startswith("format: unclosed invoke 'get'"), traj.info
+    check_training_view(traj, rec)
+    assert traj.completion_ids(1) == CODEC.encode(bad)  # kept for training (a reward-0 sample)
+    assert len(traj.messages) == 4  # system, user, the first turn and its result: the bad turn is not a message
+
+
+def test_missing_think_close_and_missing_eos():
+    env = make_env("calculator")
+    traj = run_episode(env, 1, ScriptedPolicy(CODEC, ["no close tag<｜end▁of▁sentence｜>"]), CODEC,
+                       context_budget=100_000)
+    assert traj.reward == 0.0 and "missing '</think>'" in traj.info["error"]
+    traj = run_episode(env, 1, ScriptedPolicy(CODEC, [completion_text(env.demonstration(1)[0])]), CODEC,
+                       max_new_tokens=10, context_budget=100_000)
+    assert traj.info["error"].startswith("truncated") and traj.completions[0].length == 10
+    traj = run_episode(env, 1, OraclePolicy(env, CODEC, 1), CODEC, max_turns=1, context_budget=100_000)
+    assert traj.reward == 0.0 and traj.info["error"] == "max_turns=1 reached without a final answer"
+
+
+def test_no_strategy_fails_when_the_context_is_full():
+    env = make_env("lookup", max_steps=16)
+    prompt_len = len(chat.encode_tokens([System(env.reset(0).system), User(env.render_task())], CODEC,
+                                        tools=chat_tools(env))[0])
+    traj = run_episode(env, 0, verbose(env, CODEC, 0), CODEC, context_budget=prompt_len + 150, max_turns=16)
+    assert traj.reward == 0.0 and traj.info["error"].startswith("context full"), traj.info
+    assert traj.peak_prompt_tokens <= prompt_len + 150
+    traj = run_episode(env, 0, OraclePolicy(env, CODEC, 0), CODEC, context_budget=prompt_len)
+    assert traj.turns == 0 and traj.info["error"].startswith("context full: the prompt has")
+
+
+def test_argument_errors_name_the_field():
+    env = make_env("lookup")
+    with pytest.raises(ValueError, match="strategy='discard50'"):
+        run_episode(env, 0, OraclePolicy(env, CODEC, 0), CODEC, strategy="discard50")
+    with pytest.raises(ValueError, match="context_budget must be"):
+        run_episode(env, 0, OraclePolicy(env, CODEC, 0), CODEC, context_budget=0)
+    with pytest.raises(ValueError, match="strategy='all'"):
+        manage([System("s"), User("u")], "all")
+    with pytest.raises(ValueError, match="needs a user message"):
+        manage([System("s")], "summary")
+    with pytest.raises(ValueError, match="extra_calls"):
+        VerbosePolicy(OraclePolicy(env, CODEC, 0), -1)
+
+
+# --- the training view across context resets ---
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_segments_and_offsets_line_up_under_every_strategy(name, strategy):
+    env = make_env(name, max_steps=16)
+    budget = {"lookup": 1700, "calculator": 1900, "trip": 2600}[name]
+    for seed in range(3):
+        rec = Recorder(verbose(env, CODEC, seed))
+        traj = run_episode(env, seed, rec, CODEC, context_budget=budget, strategy=strategy, max_turns=16)
+        check_training_view(traj, rec)
+        assert len(traj.segments) == traj.resets + 1
+        assert [s.reason for s in traj.segments] == ["start"] + [strategy] * traj.resets
+        if strategy != "none":
+            assert traj.resets >= 1
+        if traj.success:  # the last segment is the chat encoding of the final (rewritten) context
+            ids, mask = chat.encode_tokens(traj.messages, CODEC, tools=chat_tools(env), add_generation_prompt=False)
+            assert ids == traj.ids
+            if strategy == "discard75" and traj.resets:
+                # turns carried over from an earlier segment are prompt here (trained once, where generated)
+                assert all(m >= ours for m, ours in zip(mask, traj.loss_mask)) and sum(mask) > sum(traj.loss_mask)
+            else:
+                assert mask == traj.loss_mask
+        assert len(traj.history) >= len(traj.messages)
+
+
+def test_prompts_stay_under_the_trigger_after_each_reset():
+    env = make_env("lookup", max_steps=16)
+    rec = Recorder(verbose(env, CODEC, 4))
+    traj = run_episode(env, 4, rec, CODEC, context_budget=2000, strategy="discard_all", max_turns=16)
+    assert traj.success and traj.resets >= 1
+    assert max(len(p) for p, _ in rec.calls) <= 0.8 * 2000
+
+
+# --- context strategies on a handcrafted conversation (golden results written by hand) ---
+
+def get(key):
+    return ToolCall("get", {"key": key})
+
+
+def conversation():
+    return [System("sys"), User("find x"),
+            Assistant(reasoning="r1", tool_calls=[get("a")]), ToolResult("1"),
+            Assistant(reasoning="r2", tool_calls=[get("b"), get("c")]), ToolResult("2"), ToolResult("3"),
+            Assistant(reasoning="r3", tool_calls=[ToolCall("calc", {"expr": "1+2"})]), ToolResult("3"),
+            Assistant(reasoning="r4", tool_calls=[get("d")]), ToolResult('error: no key "d"')]
+
+
+def test_strategy_none_and_discards():
+    msgs = conversation()
+    assert manage(msgs, "none") == msgs
+    assert manage(msgs, "discard_all") == [System("sys"), User("find x")]
+    # 4 units: floor(0.75 * 4) = 3 dropped, the last one kept
+    assert manage(msgs, "discard75") == [System("sys"), User("find x"),
+                                         Assistant(reasoning="r4", tool_calls=[get("d")]),
+                                         ToolResult('error: no key "d"')]
+    # 5 units: floor(3.75) = 3 dropped, the last two kept
+    five = msgs + [Assistant(tool_calls=[get("e")]), ToolResult("5")]
+    assert manage(five, "discard75") == [System("sys"), User("find x"),
+                                         Assistant(reasoning="r4", tool_calls=[get("d")]),
+                                         ToolResult('error: no key "d"'), Assistant(tool_calls=[get("e")]),
+                                         ToolResult("5")]
+    # 2 units: floor(1.5) = 1 dropped; 1 unit: at least one is dropped
+    assert manage(msgs[:7], "discard75") == [System("sys"), User("find x")] + msgs[4:7]
+    assert manage(msgs[:4], "discard75") == [System("sys"), User("find x")]
+    assert manage(msgs[:2], "discard75") == msgs[:2]  # nothing to drop
+    assert msgs == conversation()  # the input is not modified
+
+
+def test_strategies_keep_everything_up_to_the_last_user_message():
+    head = [System("sys"), User("q1"), Assistant("a1", reasoning="old"), User("q2")]
+    msgs = head + [Assistant(tool_calls=[get("a")]), ToolResult("7")]
+    assert manage(msgs, "discard_all") == head
+    assert manage(msgs, "discard75") == head
+    assert manage(msgs, "summary") == head[:3] + [User("q2. known results: get(a)=7")]
+
+
+def test_strategy_summary_and_resummary():
+    msgs = conversation()
+    summary = 'get(a)=1, get(b)=2, get(c)=3, calc(1+2)=3, get(d)=error: no key "d"'
+    assert extractive_summary(msgs) == summary
+    once = manage(msgs, "summary")
+    assert once == [System("sys"), User("find x. known results: " + summary)]
+    # a second summary keeps the first one's items and drops exact duplicates
+    later = once + [Assistant(tool_calls=[get("a")]), ToolResult("1"), Assistant(tool_calls=[get("e")]),
+                    ToolResult("5")]
+    assert manage(later, "summary") == [System("sys"), User("find x. known results: " + summary + ", get(e)=5")]
+    assert split_summary(manage(later, "summary")[1].content)[0] == "find x"
+    assert parse_summary(summary) == {"get(a)": "1", "get(b)": "2", "get(c)": "3", "calc(1+2)": "3",
+                                      "get(d)": 'error: no key "d"'}
+    # a pluggable summarizer
+    assert manage(msgs, "summary", summarize=lambda m: "x is 9") == [System("sys"),
+                                                                      User("find x. known results: x is 9")]
+
+
+def test_format_call_and_summary_charset():
+    assert format_call("calc", {"expr": "698-82"}) == "calc(698-82)"
+    assert format_call("f", {"a": "x", "n": 3, "ids": [1, 2]}) == "f(x,3,[1,2])"
+    for name in ENV_NAMES:
+        env = make_env(name, max_steps=16)
+        traj = run_episode(env, 2, verbose(env, CODEC, 2), CODEC, context_budget=100_000, max_turns=16)
+        summary = extractive_summary(traj.history[:-1])
+        assert summary and in_charset(summary), (name, [c for c in summary if c not in CHARSET])
+        assert all(k in summary for k in visible_facts(chat.encode(traj.history[:-1])))
+
+
+def test_over_budget_is_strictly_above_eighty_percent():
+    assert not over_budget(800, 1000) and over_budget(801, 1000)
+    with pytest.raises(ValueError, match="context_budget"):
+        over_budget(1, 0)
+
+
+# --- thinking retention inside an episode ---
+
+def test_reasoning_of_the_current_episode_is_kept_across_tool_calls():
+    env = make_env("calculator")
+    demo = env.demonstration(3)
+    assert len(demo) >= 3
+    rec = Recorder(OraclePolicy(env, CODEC, 3))
+    traj = run_episode(env, 3, rec, CODEC, context_budget=100_000)
+    assert traj.success and len(traj.segments) == 1
+    last_prompt = CODEC.decode(rec.calls[-1][0])
+    for action in demo[:-1]:  # every earlier turn's reasoning is in the last prompt, closed by </think>
+        assert action.reasoning + "</think>" in last_prompt
+    assert last_prompt.endswith("</function_results>\n\n<think>")  # no role token after tool results
+    # R1-style: only the turn being generated keeps reasoning; history is re-rendered, so every turn opens a segment
+    rec = Recorder(OraclePolicy(env, CODEC, 3))
+    traj = run_episode(env, 3, rec, CODEC, context_budget=100_000, drop_thinking="every_turn")
+    assert traj.success and demo[0].reasoning not in CODEC.decode(rec.calls[-1][0])
+    assert [s.reason for s in traj.segments] == ["start"] + ["rerender"] * (len(demo) - 1)
+    check_training_view(traj, rec)
+
+
+def test_non_thinking_mode():
+    env = make_env("trip")
+    rec = Recorder(OraclePolicy(env, CODEC, 5, thinking=False))
+    traj = run_episode(env, 5, rec, CODEC, context_budget=100_000, thinking=False)
+    conversation = CODEC.decode(traj.ids).split("</functions>\n")[1]  # the tools prompt mentions <think>
+    assert traj.success and "<think>" not in conversation and conversation.count("</think>") == traj.turns
+    assert all(m.reasoning is None for m in traj.messages if isinstance(m, Assistant))
+    check_training_view(traj, rec)
+
+
+# --- success against context budget ---
+
+def test_visible_facts_reads_calls_results_and_summaries():
+    msgs = [System("sys"), User("find x. known results: get(z)=4"), Assistant(tool_calls=[get("a"), get("b")]),
+            ToolResult("1"), ToolResult("2")]
+    assert visible_facts(chat.encode(msgs, tools=chat_tools(make_env("lookup")))) == {
+        "get(z)": "4", "get(a)": "1", "get(b)": "2"}
+
+
+def test_verbose_policy_wastes_turns_then_answers():
+    env = make_env("lookup", max_steps=16)
+    policy = verbose(env, CODEC, 0, extra=3)
+    traj = run_episode(env, 0, policy, CODEC, context_budget=100_000, max_turns=16)
+    assert traj.success and traj.turns == len(env.demonstration(0)) + 3 and policy.refetches == 0
+    # with the default env max_steps=4 the redundant turns exceed the tool-turn limit
+    env4 = make_env("lookup")
+    traj = run_episode(env4, 0, verbose(env4, CODEC, 0, extra=6), CODEC, context_budget=100_000, max_turns=16)
+    assert traj.reward == 0.0 and traj.info["truncated"]
+
+
+def test_success_vs_budget():
+    budgets = [1600, 1700, 100_000]
+    rows = success_vs_budget("lookup", verbose, CODEC, budgets, seeds=range(20), env_kwargs={"max_steps": 16},
+                             max_turns=16)
+    table = {(r["strategy"], r["budget"]): r for r in rows}
+    print("\n" + format_table(rows))
+    assert len(rows) == len(STRATEGIES) * len(budgets)
+    # tight budget: doing nothing fails every episode (the context fills up) ...
+    assert table["none", 1700]["success_rate"] == 0.0 and table["none", 1700]["errors"] == 20
+    # ... while every strategy recovers (re-fetching what was discarded, or reading the summary)
+    for s in ("summary", "discard75", "discard_all"):
+        assert table[s, 1700]["success_rate"] == 1.0 and table[s, 1700]["mean_resets"] >= 1, table[s, 1700]
+        assert table[s, 1600]["success_rate"] > table["none", 1600]["success_rate"], s
+    # discarding costs turns (re-fetches); a summary does not
+    assert table["discard_all", 1700]["mean_turns"] > table["summary", 1700]["mean_turns"]
+    # large budget: nothing triggers, every strategy is the same
+    big = [table[s, 100_000] for s in STRATEGIES]
+    assert all(r["success_rate"] == 1.0 and r["mean_resets"] == 0 for r in big)
+    assert len({r["mean_turns"] for r in big}) == 1
+    assert format_table(rows).splitlines()[0].startswith("| strategy | budget | success |")
+
+
+def test_agent_imports_neither_jax_nor_numpy():
+    import ast
+    import os
+
+    import dsv32_jax.agent as agent
+    folder = os.path.dirname(agent.__file__)
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            heavy = roots & {"jax", "numpy", "flax"}
+            assert not heavy, f"agent/{name} imports {sorted(heavy)}"
