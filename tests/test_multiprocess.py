@@ -1,8 +1,11 @@
-"""Multi-process training with jax.distributed on localhost (CPU, gloo collectives): 2 processes x 4 devices give
-the losses and gradient norms of 1 process x 8 devices for the dense and sparse stages (same mesh, the batch's
-rows split over the processes: data.shards = 2, each process reading its own document shard), and a checkpoint
-written by the 2 processes (parameters, optimizer state, both shards' data positions) is resumed by 1 process,
-continuing exactly like the uninterrupted 1-process run."""
+"""Sharded and multi-process training on CPU devices: the dense and sparse stages (with MTP, balance loss and the
+bias update) give the same losses and gradient norms on 1 device, on 8 devices of one process
+(fsdp:2,tensor:2,expert:2) and on 2 processes x 4 devices with jax.distributed on localhost (gloo collectives; the
+batch's rows split over the processes: data.shards = 2, each process reading its own document shard); and a
+checkpoint written by the 2 processes (parameters, optimizer state, both shards' data positions) is resumed by 1
+process, continuing exactly like the uninterrupted run. Losses AND gradient norms are compared (Adam's first steps
+are nearly sign-only, so equal losses alone would not catch a wrong gradient); few steps, since float noise can
+later flip a near-tied routing / top-k choice."""
 
 import json
 import os
@@ -20,6 +23,7 @@ STEPS = 3  # the 2-process run stops at 2 (a checkpoint), the resumed run does s
 SCRIPT = r"""
 import json, os, sys
 pid, nproc, port, root, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+meshes = sys.argv[6].split(";")
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
@@ -32,20 +36,23 @@ from dsv32_jax.train.trainer import Trainer
 
 out = {}
 for stage in ("dense", "sparse"):
-    config = load_config(f"{stage}_tiny", steps=steps, log_every=1000, mesh="%s", init_from="", **{
+  for mesh in meshes:
+    config = load_config(f"{stage}_tiny", steps=steps, log_every=1000, mesh=mesh, init_from="", **{
         "data.seq_len": 32, "data.batch_size": 8, "data.shards": 2, "checkpoint.every": 2,
-        "checkpoint.use_async": False, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3})
-    config.model_overrides = {"initializer_range": 0.3, "index_topk": 8}
-    trainer = Trainer(config, os.path.join(root, stage))
+        "checkpoint.use_async": False, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3,
+        "loss.mtp_weight": 0.1, "loss.balance_weight": 1e-2, "loss.bias_update_speed": 1e-3})
+    # 2 layers (a dense one and an MoE one) + the MTP layer: every kind of block, less to compile
+    config.model_overrides = {"initializer_range": 0.3, "index_topk": 8, "num_hidden_layers": 2}
+    trainer = Trainer(config, os.path.join(root, stage, mesh))
     it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size,
                                 process_index=jax.process_index(), process_count=jax.process_count())
     try:
-        out[stage] = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.fit(it)]
+        out[f"{stage} {mesh}"] = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.fit(it)]
     finally:
         it.close()
 print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),
                               "local_devices": jax.local_device_count(), "out": out}), flush=True)
-""" % MESH
+"""
 
 
 def _free_port() -> int:
@@ -54,10 +61,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(nproc: int, root: str, steps: int) -> list[dict]:
+def _run(nproc: int, root: str, steps: int, meshes=(MESH,)) -> list[dict]:
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, root, str(steps)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, root, str(steps),
+                               ";".join(meshes)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for pid in range(nproc)]
     results = []
@@ -74,40 +82,33 @@ def _run(nproc: int, root: str, steps: int) -> list[dict]:
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multiprocess")
-    ref = _run(1, str(root / "one"), STEPS)
-    two = _run(2, str(root / "two"), STEPS - 1)
-    resumed = _run(1, str(root / "two"), STEPS)  # the 2-process workdir, continued by 1 process
-    return ref[0], two, resumed[0], root
-
-
-def test_two_processes_match_one_process_with_eight_devices(runs):
-    ref, two, _, _ = runs
+@pytest.mark.xdist_group("multiprocess")
+def test_one_device_eight_devices_and_two_processes_agree_and_resume_across(tmp_path):
+    root = str(tmp_path)
+    ref = _run(1, os.path.join(root, "one"), STEPS, meshes=("fsdp:1", MESH))[0]
+    two = _run(2, os.path.join(root, "two"), STEPS - 1)
+    resumed = _run(1, os.path.join(root, "two"), STEPS)[0]  # the 2-process workdirs, continued by 1 process
     assert ref["devices"] == 8 and ref["local_devices"] == 8
     assert [r["process"] for r in two] == [0, 1]
     assert all(r["devices"] == 8 and r["local_devices"] == 4 for r in two)
     for stage in ("dense", "sparse"):
-        want = np.asarray(ref["out"][stage][:STEPS - 1])
-        for r in two:  # every process sees the same global metrics
-            got = np.asarray(r["out"][stage])
-            print(stage, "1 x 8 (step, loss, grad norm):", want.tolist(), f"2 x 4 (process {r['process']}):",
-                  got.tolist())
-            np.testing.assert_array_equal(got[:, 0], want[:, 0])
-            np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-5)
+        single = np.asarray(ref["out"][f"{stage} fsdp:1"])
+        want = np.asarray(ref["out"][f"{stage} {MESH}"])
+        print(stage, "1 device (step, loss, grad norm):", single.tolist(), "1 x 8:", want.tolist())
+        np.testing.assert_array_equal(want[:, 0], [1, 2, 3])
+        np.testing.assert_allclose(want[:, 1:], single[:, 1:], rtol=1e-5)
         assert want[0, 1] != want[1, 1]  # the steps saw different data and the loss moved
-
-
-def test_two_process_checkpoint_resumes_on_one_process(runs):
-    ref, _, resumed, root = runs
-    for stage in ("dense", "sparse"):
-        assert os.path.isdir(os.path.join(root, "two", stage, "checkpoints", str(STEPS - 1)))
-        got = np.asarray(resumed["out"][stage])
-        want = np.asarray(ref["out"][stage][STEPS - 1:])
-        print(stage, "resumed on 1 process:", got.tolist(), "uninterrupted:", want.tolist())
-        np.testing.assert_array_equal(got[:, 0], [STEPS])
-        np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-5)
-        with open(os.path.join(root, "two", stage, "checkpoints", str(STEPS - 1), "data", "metadata")) as f:
+        for r in two:  # every process sees the same global metrics
+            got = np.asarray(r["out"][f"{stage} {MESH}"])
+            print(stage, f"2 x 4 (process {r['process']}):", got.tolist())
+            np.testing.assert_array_equal(got[:, 0], want[:STEPS - 1, 0])
+            np.testing.assert_allclose(got[:, 1:], want[:STEPS - 1, 1:], rtol=1e-5)
+        # the 2-process checkpoint (step 2) holds both processes' data positions and resumes on 1 process
+        ckpt = os.path.join(root, "two", stage, MESH, "checkpoints", str(STEPS - 1))
+        with open(os.path.join(ckpt, "data", "metadata")) as f:
             data = json.load(f)
-        assert data["num_shards"] == 2 and sorted(data["shards"]) == ["0", "1"]  # both processes' positions
+        assert data["num_shards"] == 2 and sorted(data["shards"]) == ["0", "1"]
+        got = np.asarray(resumed["out"][f"{stage} {MESH}"])
+        print(stage, "resumed on 1 process:", got.tolist())
+        np.testing.assert_array_equal(got[:, 0], [STEPS])
+        np.testing.assert_allclose(got[:, 1:], want[STEPS - 1:, 1:], rtol=1e-5)
