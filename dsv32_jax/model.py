@@ -101,10 +101,12 @@ class Transformer(nnx.Module):
     def logits(self, h):
         return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, routing=None, return_aux: bool = False):
+    def __call__(self, tokens, positions=None, segment_ids=None, routing=None, return_aux: bool = False,
+                 mtp: bool = True):
         """tokens int [B, T]; positions [B, T] (RoPE positions, default 0..T-1); segment_ids [B, T] (packed
         documents: attention and the indexer never cross a segment boundary); routing: {layer: ids [B, T, k]}
-        to replay recorded expert choices."""
+        to replay recorded expert choices. With return_aux, aux["mtp_logits"] holds the MTP heads' logits unless
+        mtp=False (RL and evaluation do not use them: the MTP layers are then not run at all)."""
         _check_tokens(tokens, self.config.vocab_size)
         pos = self.positions(tokens, positions, segment_ids)
         h, aux = self.backbone(self.embed_tokens(tokens), pos, routing)
@@ -112,7 +114,7 @@ class Transformer(nnx.Module):
         if not return_aux:
             return logits
         aux["hidden"] = h
-        aux["mtp_logits"] = self.mtp_logits(tokens, h, pos, routing, aux)
+        aux["mtp_logits"] = self.mtp_logits(tokens, h, pos, routing, aux) if mtp else []
         return logits, aux
 
     def backbone(self, h, pos: Positions, routing=None, cache=None):

@@ -77,10 +77,12 @@ class Experts(nnx.Module):
     def __call__(self, x: jnp.ndarray, ids: jnp.ndarray, weights: jnp.ndarray) -> jnp.ndarray:
         """Dropless: x [N, D], ids/weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), float32 [N, D].
 
-        Under a mesh whose `expert` axis is > 1 the experts run expert-parallel (`_expert_parallel`)."""
+        Under a mesh that splits the tokens (batch or seq axes) or the experts, the dispatch runs per device on its
+        own tokens (`_expert_parallel`): a global sort + scatter over every token of the batch is what GSPMD would
+        otherwise replicate (the 671B recipes: a [tokens x top-8 x hidden] scatter on every device)."""
         w = (self.w_gate[...].astype(self.dtype), self.w_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype))
         mesh = sharding.current_mesh()
-        if mesh is not None and mesh.shape["expert"] > 1:
+        if mesh is not None and any(mesh.shape[a] > 1 for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,)):
             return _expert_parallel(mesh, x.astype(self.dtype), ids, weights, w)
         return _grouped_swiglu(x.astype(self.dtype), ids, weights, w, first_expert=0)
 
@@ -107,10 +109,12 @@ def _grouped_swiglu(x, ids, weights, w, first_expert):
 
 
 def _expert_parallel(mesh, x, ids, weights, w):
-    """Expert parallelism with shard_map: experts split over the `expert` mesh axis (and their hidden units over
-    `tensor`, their model dim over `fsdp`). Each device all-gathers the tokens of its expert group, runs only its
-    local experts (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner."""
-    batch = tuple(a for a in sharding.BATCH_AXES if mesh.shape[a] > 1)
+    """Token-sharded dispatch with shard_map, expert-parallel when the `expert` axis is > 1: the tokens [N, D] stay
+    split as the activations are (batch axes, then seq: N = B x T flattened), experts split over `expert` (their
+    hidden units over `tensor`, their model dim over `fsdp`, gathered per layer as FSDP does). Each device
+    all-gathers the tokens of its expert group (none to gather without expert parallelism), runs only its local
+    experts on them (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner."""
+    batch = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
     n_ep = mesh.shape["expert"]
     fsdp = "fsdp" if mesh.shape["fsdp"] > 1 else None
     tensor = "tensor" if mesh.shape["tensor"] > 1 else None

@@ -109,6 +109,41 @@ def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
     assert flipped > 0
 
 
+def test_indexer_keeps_learning_during_rl_without_touching_the_policy_gradient(tmp_path):
+    """grpo.indexer_weight (default 1): the eq. (4) KL trains the indexer during RL. Its inputs are detached, so the
+    rest of the model takes exactly the update it takes with the term off (weight 0: the indexer stays put). The
+    RL forward does not run the MTP layers."""
+    from dsv32_jax import sharding as shd
+    from dsv32_jax.train import steps as steps_lib
+
+    lrn = learner(tmp_path, 0, **{"optimizer.warmup_steps": 0})  # a non-zero learning rate at the first step
+    assert lrn.g.indexer_weight == 1.0
+    batch, _ = lrn.rollout(0)
+    off = steps_lib.compile_grpo_steps(
+        graphdef=lrn.graphdef, model_graphdef=lrn.model_graphdef, state_shardings=lrn.shardings,
+        batch_sharding=lrn.batch_sharding, temperature=lrn.sampling.temperature, eps=lrn.g.eps, delta=lrn.g.delta,
+        indexer_weight=0.0)
+    with shd.use_mesh(lrn.mesh):
+        batch = jax.device_put(batch, lrn.batch_sharding)
+        batch["logp_ref"] = lrn.steps.reference(lrn.ref, batch)
+        before = {k: np.array(v) for k, v in nnx.traversals.flatten_mapping(nnx.to_pure_dict(lrn.state[0])).items()}
+        on_state, on_metrics = lrn.steps.train(jax.tree.map(jnp.copy, lrn.state), batch)
+        off_state, off_metrics = off.train(jax.tree.map(jnp.copy, lrn.state), batch)
+    on = nnx.traversals.flatten_mapping(nnx.to_pure_dict(on_state[0]))
+    off_p = nnx.traversals.flatten_mapping(nnx.to_pure_dict(off_state[0]))
+    indexer = [k for k in before if "indexer" in k]
+    assert indexer and float(on_metrics["indexer_kl"]) > 0 and "indexer_kl" not in off_metrics
+    unchanged = [k for k in indexer if k[0] != "mtp" and np.array_equal(np.asarray(on[k]), before[k])]
+    assert not unchanged, unchanged
+    assert all(np.array_equal(np.asarray(off_p[k]), before[k]) for k in indexer)  # and the MTP layer is not run
+    main = [k for k in before if "indexer" not in k]
+    assert any(not np.array_equal(np.asarray(off_p[k]), before[k]) for k in main)
+    for k in main:
+        np.testing.assert_allclose(np.asarray(on[k]), np.asarray(off_p[k]), rtol=1e-6, atol=1e-7, err_msg=str(k))
+    _, _, _, aux = forward_logprobs(nnx.merge(lrn.graphdef, lrn.state)[0], batch, 1.0, replay=True)
+    assert aux["mtp_logits"] == [] and max(aux["routing"]) < lrn.cfg.num_hidden_layers
+
+
 def test_group_ids_never_mix_prompts(tmp_path):
     lrn = learner(tmp_path, 0, **{"grpo.tasks": "map,sum,rev"})
     items, group_ids = lrn.sample_prompts(3)

@@ -87,7 +87,8 @@ def default_config() -> ml_collections.ConfigDict:
         kl_weight=0.0, kl_weights=ml_collections.ConfigDict(),  # beta (per task domain overrides, 0 allowed)
         max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32,
         length_target=-1,  # >= 0: length penalty beyond this many tokens (and for not emitting EOS)
-        language_weight=0.0, grm_weight=0.0, eval_every=10))
+        language_weight=0.0, grm_weight=0.0, eval_every=10,
+        indexer_weight=1.0))  # the eq. (4) indexer KL during RL (detached inputs: the policy gradient is unchanged)
 
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other

@@ -79,7 +79,8 @@ class GRPOLearner:
         self.step = 0
         self.steps = steps.compile_grpo_steps(
             graphdef=self.graphdef, model_graphdef=self.model_graphdef, state_shardings=self.shardings,
-            batch_sharding=self.batch_sharding, temperature=self.sampling.temperature, eps=g.eps, delta=g.delta)
+            batch_sharding=self.batch_sharding, temperature=self.sampling.temperature, eps=g.eps, delta=g.delta,
+            indexer_weight=float(g.get("indexer_weight", 1.0)))
 
     # ------------------------------------------------------------------ batches
     def _prompt_batch(self, prompts_and_answers):

@@ -132,10 +132,11 @@ def compile_lm_step(state_shardings, batch_sharding: NamedSharding, **static):
 # ---------------------------------------------------------------------------------------------------- GRPO
 def forward_logprobs(model, batch, temperature: float, replay: bool):
     """Processed log-probs of the sampled tokens (restricted to the sampler's kept sets), entropy, kept mass and
-    the model's aux; replay=True forces the routing that the sampler recorded (keep routing)."""
+    the model's aux; replay=True forces the routing that the sampler recorded (keep routing). The MTP layers are
+    not run (the policy is the main head)."""
     p = batch["prompts"].shape[1]
     logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segments"],
-                        routing=batch["routing"] if replay else None, return_aux=True)
+                        routing=batch["routing"] if replay else None, return_aux=True, mtp=False)
     logp, entropy, mass = processed_logprobs(logits[:, p - 1:-1], batch["gen"], batch["kept_ids"],
                                              batch["kept_mask"], temperature)
     return logp, entropy, mass, aux
@@ -162,17 +163,26 @@ def grpo_diagnostics(model_state: nnx.State, batch: dict, *, graphdef, temperatu
 
 
 def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: float, eps: float,
-                    delta: float) -> tuple[nnx.State, dict]:
-    """One GRPO minibatch update of (model, optimizer) with keep routing and the keep sampling mask."""
+                    delta: float, indexer_weight: float = 0.0) -> tuple[nnx.State, dict]:
+    """One GRPO minibatch update of (model, optimizer) with keep routing and the keep sampling mask. With
+    indexer_weight > 0 the lightning indexer keeps training during RL on the eq. (4) KL (its inputs detached, so
+    the policy gradient is unchanged), averaged over the sequences' real tokens (prompt and completion)."""
     model, optimizer = nnx.merge(graphdef, state)
+    if indexer_weight:
+        model.options = model.options.replace(indexer_loss="sparse")
 
     def loss_fn(model):
-        logp, entropy, mass, _ = forward_logprobs(model, batch, temperature, replay=True)
+        logp, entropy, mass, aux = forward_logprobs(model, batch, temperature, replay=True)
         loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], batch["mask"],
                                   batch["beta"], eps=eps, delta=delta)
         m = batch["mask"]
-        metrics.update(loss=loss, entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
+        metrics.update(entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
                        kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
+        if indexer_weight:
+            kl, _ = losses.indexer_kl(aux, (batch["segments"] > 0).astype(jnp.float32))
+            metrics["indexer_kl"] = kl
+            loss = loss + indexer_weight * kl
+        metrics["loss"] = loss
         return loss, metrics
 
     grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
@@ -189,12 +199,12 @@ class GRPOSteps:
 
 
 def compile_grpo_steps(*, graphdef, model_graphdef, state_shardings, batch_sharding: NamedSharding,
-                       temperature: float, eps: float, delta: float) -> GRPOSteps:
+                       temperature: float, eps: float, delta: float, indexer_weight: float = 0.0) -> GRPOSteps:
     """The three jitted GRPO functions; `batch_sharding` applies to every batch array (leading dimension)."""
     model_sh = state_shardings[0]
     return GRPOSteps(
         train=jax.jit(functools.partial(grpo_train_step, graphdef=graphdef, temperature=temperature, eps=eps,
-                                        delta=delta),
+                                        delta=delta, indexer_weight=indexer_weight),
                       in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, None),
                       donate_argnums=0),
         reference=jax.jit(functools.partial(grpo_reference_logprobs, graphdef=model_graphdef,
