@@ -157,3 +157,155 @@ def sequence_layout(prompt_lengths, prompt_width: int, rollout: Rollout):
     gen_seg = rollout.mask.astype(jnp.int32)
     seg = jnp.concatenate([seg[:, :prompt_width], gen_seg], axis=1)
     return seg, pos
+
+
+# ------------------------------------------------------------------------------------------ multi-turn continuation
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=(2,))
+def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, cfg: SamplingConfig, live):
+    """Appends `pieces` [B, L] (left-padded: segment 0 on padding) at cache slots [index, index + L), then samples
+    up to cfg.max_new_tokens tokens per live row into the following slots, positions continuing each row's last
+    piece position. Returns (new cache, number of decode steps run, Rollout of the generated tokens, routing and
+    top-k of the piece slots)."""
+    model = nnx.merge(graphdef, state)
+    b, p = pieces.shape
+    t = cfg.max_new_tokens
+    logits, cache, aux = model.decode(pieces, cache, index, piece_pos, piece_seg)
+    moe = [k for k, v in aux["routing"].items() if v is not None]
+    dsa = [k for k, v in aux["topk"].items() if v is not None]
+    k_cand = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
+    next_pos = piece_pos[:, -1] + 1
+
+    def buf(shape, dtype, fill=0):
+        return jnp.full(shape, fill, dtype)
+
+    def put(x, v, i):
+        return jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), i, axis=1)
+
+    routing = {k: buf((b, t, aux["routing"][k].shape[-1]), jnp.int32) for k in moe}
+    topk = {k: buf((b, t, aux["topk"][k].shape[-1]), jnp.int32, -1) for k in dsa}
+    init = dict(i=jnp.int32(0), last=logits[:, -1], cache=cache, done=~live,
+                tokens=buf((b, t), jnp.int32, cfg.pad_id), mask=buf((b, t), bool), logprobs=buf((b, t), jnp.float32),
+                kept_ids=buf((b, t, k_cand), jnp.int32), kept_mask=buf((b, t, k_cand), bool),
+                routing=routing, topk=topk)
+
+    def body(s):
+        i = s["i"]
+        tok, logp, ids, keep = sample_token(s["last"], jax.random.fold_in(rng, i), cfg)
+        alive = ~s["done"]
+        tok = jnp.where(alive, tok, cfg.pad_id)
+        out = dict(s, i=i + 1, done=s["done"] | (tok == cfg.eos_id),
+                   tokens=put(s["tokens"], tok[:, None], i), mask=put(s["mask"], alive[:, None], i),
+                   logprobs=put(s["logprobs"], jnp.where(alive, logp, 0.0)[:, None], i),
+                   kept_ids=put(s["kept_ids"], ids[:, None], i), kept_mask=put(s["kept_mask"], keep[:, None], i))
+        logits, out["cache"], a = model.decode(tok[:, None], s["cache"], index + p + i, (next_pos + i)[:, None],
+                                               jnp.where(alive, 1, 0)[:, None])
+        out["last"] = logits[:, -1]
+        out["routing"] = {k: put(s["routing"][k], a["routing"][k], i) for k in moe}
+        out["topk"] = {k: put(s["topk"][k], a["topk"][k], i) for k in dsa}
+        return out
+
+    s = jax.lax.while_loop(lambda s: (s["i"] < t) & ~jnp.all(s["done"]), body, init)
+    rollout = Rollout(tokens=s["tokens"], mask=s["mask"], logprobs=s["logprobs"], kept_ids=s["kept_ids"],
+                      kept_mask=s["kept_mask"], routing=s["routing"], topk=s["topk"])
+    return s["cache"], s["i"], rollout, {k: aux["routing"][k] for k in moe}, {k: aux["topk"][k] for k in dsa}
+
+
+class MultiTurnSampler:
+    """Batched multi-turn sampling over one decode cache: `step(pieces, live)` appends each row's new context
+    tokens (a prompt, or tool results + the next generation prompt) after everything the row has seen, and samples
+    the row's next completion; the MLA latent cache and the indexer key cache are extended, never recomputed.
+
+    Rows advance in lockstep over shared cache slots: a row's piece is left-padded to the batch's longest
+    (padding is segment 0, invisible to attention and to the indexer), RoPE positions continue per row, rows that
+    have finished their episode get only padding. `record` holds, per slot [B, slots]: token, segment (1 real /
+    0 padding), position, generated (1 on sampled tokens), the sampler's log-prob and kept set, and routing / indexer
+    selections per layer: the teacher-forcing layout of the whole trajectory (train/steps.py's trajectory step
+    replays it)."""
+
+    def __init__(self, model, batch: int, capacity: int, cfg: SamplingConfig, bucket: int = 16):
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg, self.b, self.capacity, self.bucket = cfg, batch, capacity, bucket
+        self.cache = model.init_cache(batch, capacity)
+        self.index = 0
+        self.next_pos = [0] * batch
+        k = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
+        self.record = {"tokens": jnp.zeros((batch, capacity), jnp.int32) + cfg.pad_id,
+                       "segments": jnp.zeros((batch, capacity), jnp.int32),
+                       "positions": jnp.zeros((batch, capacity), jnp.int32),
+                       "generated": jnp.zeros((batch, capacity), jnp.float32),
+                       "logprobs": jnp.zeros((batch, capacity), jnp.float32),
+                       "kept_ids": jnp.zeros((batch, capacity, k), jnp.int32),
+                       "kept_mask": jnp.zeros((batch, capacity, k), bool), "routing": {}, "topk": {}}
+
+    def step(self, pieces: list[list[int]], live, rng) -> list[list[int]]:
+        """pieces: per row, the ids to append (may be empty for finished rows); live [B] bool: rows that generate.
+        Returns each live row's sampled ids (up to and including EOS, or cut at cfg.max_new_tokens)."""
+        import numpy as np
+
+        live = np.asarray(live, bool)
+        if len(pieces) != self.b or live.shape != (self.b,):
+            raise ValueError(f"MultiTurnSampler.step: {len(pieces)} pieces / live {live.shape} for batch {self.b}")
+        for i in np.flatnonzero(live):
+            if not pieces[i]:
+                raise ValueError(f"MultiTurnSampler.step: live row {i} has no new context (a prompt, or tool results "
+                                 "and the generation prompt) to continue from")
+        longest = max([len(p) for p in pieces] + [1])
+        width = -(-longest // self.bucket) * self.bucket
+        if self.index + width + self.cfg.max_new_tokens > self.capacity:
+            raise ValueError(f"MultiTurnSampler: {self.index} slots used + {width} (piece) + "
+                             f"{self.cfg.max_new_tokens} (max_new_tokens) exceed the capacity {self.capacity}")
+        toks = np.full((self.b, width), self.cfg.pad_id, np.int32)
+        seg = np.zeros((self.b, width), np.int32)
+        pos = np.zeros((self.b, width), np.int32)
+        for i, piece in enumerate(pieces):
+            n = len(piece)
+            start = self.next_pos[i]
+            if n:  # padding slots keep position 0 (segment 0: never attended, never selected)
+                pos[i, width - n:] = start + np.arange(n)
+                toks[i, width - n:] = piece
+                seg[i, width - n:] = 1
+                self.next_pos[i] = start + n
+        self.cache, steps, r, piece_routing, piece_topk = _continue(
+            self.graphdef, self.state, self.cache, jnp.int32(self.index), jnp.asarray(toks), jnp.asarray(pos),
+            jnp.asarray(seg), rng, self.cfg, jnp.asarray(live))
+        steps = int(steps)
+        gen_pos = np.asarray(pos[:, -1])[:, None] + 1 + np.arange(steps)[None, :]
+        mask = np.asarray(r.mask[:, :steps])
+        self._write(self.index, toks, seg, pos, np.zeros_like(seg, np.float32), None, piece_routing, piece_topk)
+        self._write(self.index + width, np.asarray(r.tokens[:, :steps]), mask.astype(np.int32), gen_pos,
+                    mask.astype(np.float32), r, {k: v[:, :steps] for k, v in r.routing.items()},
+                    {k: v[:, :steps] for k, v in r.topk.items()}, steps)
+        out = []
+        for i in range(self.b):
+            ids = [int(x) for x, m in zip(np.asarray(r.tokens[i, :steps]), mask[i]) if m]
+            self.next_pos[i] += len(ids)
+            out.append(ids if live[i] else [])
+        self.index += width + steps
+        return out
+
+    def _write(self, at, toks, seg, pos, generated, r, routing, topk, steps=None):
+        rec = self.record
+
+        def put(x, v):
+            return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(v).astype(x.dtype), at, axis=1)
+
+        rec["tokens"], rec["segments"] = put(rec["tokens"], toks), put(rec["segments"], seg)
+        rec["positions"], rec["generated"] = put(rec["positions"], pos), put(rec["generated"], generated)
+        if r is not None:
+            rec["logprobs"] = put(rec["logprobs"], r.logprobs[:, :steps])
+            rec["kept_ids"] = put(rec["kept_ids"], r.kept_ids[:, :steps])
+            rec["kept_mask"] = put(rec["kept_mask"], r.kept_mask[:, :steps])
+        for name, new in (("routing", routing), ("topk", topk)):
+            for k, v in new.items():
+                if k not in rec[name]:
+                    fill = -1 if name == "topk" else 0
+                    rec[name][k] = jnp.full((self.b, self.capacity, v.shape[-1]), fill, jnp.int32)
+                rec[name][k] = put(rec[name][k], v)
+
+    def layout(self) -> dict:
+        """The record trimmed to the slots used: the teacher-forcing batch of the whole trajectory."""
+        n = self.index
+        rec = {k: v[:, :n] for k, v in self.record.items() if k not in ("routing", "topk")}
+        rec["routing"] = {k: v[:, :n] for k, v in self.record["routing"].items()}
+        rec["topk"] = {k: v[:, :n] for k, v in self.record["topk"].items()}
+        return rec
