@@ -161,7 +161,7 @@ def sequence_layout(prompt_lengths, prompt_width: int, rollout: Rollout):
 
 # ------------------------------------------------------------------------------------------ multi-turn continuation
 @functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=(2,))
-def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, cfg: SamplingConfig, live):
+def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, cfg: SamplingConfig, live, row_seg):
     """Appends `pieces` [B, L] (left-padded: segment 0 on padding) at cache slots [index, index + L), then samples
     up to cfg.max_new_tokens tokens per live row into the following slots, positions continuing each row's last
     piece position. Returns (new cache, number of decode steps run, Rollout of the generated tokens, routing and
@@ -198,7 +198,7 @@ def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, 
                    logprobs=put(s["logprobs"], jnp.where(alive, logp, 0.0)[:, None], i),
                    kept_ids=put(s["kept_ids"], ids[:, None], i), kept_mask=put(s["kept_mask"], keep[:, None], i))
         logits, out["cache"], a = model.decode(tok[:, None], s["cache"], index + p + i, (next_pos + i)[:, None],
-                                               jnp.where(alive, 1, 0)[:, None])
+                                               jnp.where(alive, row_seg, 0)[:, None])
         out["last"] = logits[:, -1]
         out["routing"] = {k: put(s["routing"][k], a["routing"][k], i) for k in moe}
         out["topk"] = {k: put(s["topk"][k], a["topk"][k], i) for k in dsa}
@@ -217,7 +217,8 @@ class MultiTurnSampler:
 
     Rows advance in lockstep over shared cache slots: a row's piece is left-padded to the batch's longest
     (padding is segment 0, invisible to attention and to the indexer), RoPE positions continue per row, rows that
-    have finished their episode get only padding. `record` holds, per slot [B, slots]: token, segment (1 real /
+    have finished their episode get only padding. `restart(row)` starts a row's context over (a context strategy
+    rewrote its history): its later slots get a new segment id, so its earlier slots become invisible to it. `record` holds, per slot [B, slots]: token, segment (1 real /
     0 padding), position, generated (1 on sampled tokens), the sampler's log-prob and kept set, and routing / indexer
     selections per layer: the teacher-forcing layout of the whole trajectory (train/steps.py's trajectory step
     replays it)."""
@@ -228,6 +229,7 @@ class MultiTurnSampler:
         self.cache = model.init_cache(batch, capacity)
         self.index = 0
         self.next_pos = [0] * batch
+        self.row_seg = [1] * batch
         k = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
         self.record = {"tokens": jnp.zeros((batch, capacity), jnp.int32) + cfg.pad_id,
                        "segments": jnp.zeros((batch, capacity), jnp.int32),
@@ -236,6 +238,11 @@ class MultiTurnSampler:
                        "logprobs": jnp.zeros((batch, capacity), jnp.float32),
                        "kept_ids": jnp.zeros((batch, capacity, k), jnp.int32),
                        "kept_mask": jnp.zeros((batch, capacity, k), bool), "routing": {}, "topk": {}}
+
+    def restart(self, row: int) -> None:
+        """Row `row` continues in a fresh context (segment id + 1, positions from 0)."""
+        self.row_seg[row] += 1
+        self.next_pos[row] = 0
 
     def step(self, pieces: list[list[int]], live, rng) -> list[list[int]]:
         """pieces: per row, the ids to append (may be empty for finished rows); live [B] bool: rows that generate.
@@ -263,16 +270,17 @@ class MultiTurnSampler:
             if n:  # padding slots keep position 0 (segment 0: never attended, never selected)
                 pos[i, width - n:] = start + np.arange(n)
                 toks[i, width - n:] = piece
-                seg[i, width - n:] = 1
+                seg[i, width - n:] = self.row_seg[i]
                 self.next_pos[i] = start + n
         self.cache, steps, r, piece_routing, piece_topk = _continue(
             self.graphdef, self.state, self.cache, jnp.int32(self.index), jnp.asarray(toks), jnp.asarray(pos),
-            jnp.asarray(seg), rng, self.cfg, jnp.asarray(live))
+            jnp.asarray(seg), rng, self.cfg, jnp.asarray(live), jnp.asarray(self.row_seg, jnp.int32))
         steps = int(steps)
         gen_pos = np.asarray(pos[:, -1])[:, None] + 1 + np.arange(steps)[None, :]
         mask = np.asarray(r.mask[:, :steps])
         self._write(self.index, toks, seg, pos, np.zeros_like(seg, np.float32), None, piece_routing, piece_topk)
-        self._write(self.index + width, np.asarray(r.tokens[:, :steps]), mask.astype(np.int32), gen_pos,
+        self._write(self.index + width, np.asarray(r.tokens[:, :steps]),
+                    mask.astype(np.int32) * np.asarray(self.row_seg, np.int32)[:, None], gen_pos,
                     mask.astype(np.float32), r, {k: v[:, :steps] for k, v in r.routing.items()},
                     {k: v[:, :steps] for k, v in r.topk.items()}, steps)
         out = []

@@ -71,3 +71,67 @@ def test_positions_continue_per_row_and_padding_is_invisible(trajectory):
         sampler.step([[], [], []], [True, False, False], jax.random.key(9))
     with pytest.raises(ValueError, match="exceed the capacity"):
         sampler.step([[5] * 200, [], []], [True, False, False], jax.random.key(9))
+
+
+def test_batched_rollout_appends_only_new_context_and_rows_stop_at_different_turns(monkeypatch):
+    """The driver with a scripted sampler (the environments' oracle completions): every episode succeeds, rows end
+    after 2-4 turns, and what the driver appended to each row's cache (pieces) plus what it generated is exactly the
+    row's final context (Trajectory.ids): nothing re-encoded, nothing lost."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent import rollout as rollout_lib
+    from dsv32_jax.agent.episode import OraclePolicy
+    from dsv32_jax.envs import make_env
+
+    codec = chat.TinyCodec.printable()
+    envs = [make_env("lookup"), make_env("calculator"), make_env("lookup"), make_env("calculator")]
+    seeds = [0, 1, 2, 3]
+    scripts = [OraclePolicy(e, codec, s) for e, s in zip(envs, seeds)]
+    seen = [[] for _ in envs]
+
+    class ScriptedSampler:
+        def __init__(self, model, b, capacity, cfg):
+            self.turn = [0] * b
+
+        def step(self, pieces, live, rng):
+            out = []
+            for i, (piece, on) in enumerate(zip(pieces, live)):
+                seen[i].extend(piece)
+                ids = scripts[i].completions[self.turn[i]] if on else []
+                self.turn[i] += bool(on)
+                seen[i].extend(ids)
+                out.append(list(ids))
+            return out
+
+        def restart(self, row):
+            raise AssertionError("no context strategy here: rows never restart")
+
+        def layout(self):
+            return {}
+
+    monkeypatch.setattr(rollout_lib, "MultiTurnSampler", ScriptedSampler)
+    cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, seeds, max_turns=8)
+    assert [t.success for t in trajs] == [True] * 4
+    assert len({t.turns for t in trajs}) > 1, [t.turns for t in trajs]  # rows stop at different turns
+    for i, t in enumerate(trajs):
+        assert len(t.segments) == 1 and seen[i] == t.ids
+
+
+def test_batched_rollout_with_the_model_records_every_generated_token():
+    """The real sampler on a random tiny model: completions are garbage (no EOS within 8 tokens, or malformed), so
+    every episode ends at its first turn with reward 0; the layout holds each row's prompt and completion."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent.rollout import BatchedRollout
+    from dsv32_jax.envs import make_env
+
+    codec = chat.TinyCodec.printable()
+    cfg_m = load_preset("tiny").replace(index_topk=8)
+    model = Transformer(cfg_m, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    scfg = SamplingConfig(max_new_tokens=8, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    envs = [make_env("lookup"), make_env("calculator")]
+    trajs, rec = BatchedRollout(model, codec, scfg, capacity=2048).run(envs, [0, 1], max_new_tokens=8)
+    assert all(t.reward == 0.0 and t.turns == 1 and "error" in t.info for t in trajs)
+    for i, t in enumerate(trajs):
+        real = rec["segments"][i] > 0
+        np.testing.assert_array_equal(rec["tokens"][i][real], t.ids)
+        assert rec["generated"][i].sum() == t.completions[0].length
