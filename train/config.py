@@ -90,6 +90,15 @@ def default_config() -> ml_collections.ConfigDict:
         language_weight=0.0, grm_weight=0.0, eval_every=10,
         indexer_weight=1.0))  # the eq. (4) indexer KL during RL (detached inputs: the policy gradient is unchanged)
 
+    # Agentic GRPO (stage "agent", train/agent_grpo.py): multi-turn rollouts in tool environments (dsv32_jax/envs),
+    # cold-start SFT on their demonstrations, GRPO over trajectories; kl_weights: per environment domain
+    # ("search", "code", "general"), default kl_weight; env_kwargs: per environment name.
+    c.agent = ml_collections.ConfigDict(dict(
+        envs="lookup,calculator", codec="tiny", tasks_per_step=4, group_size=4, max_turns=4, max_new_tokens=64,
+        capacity=2048, temperature=1.0, top_k=0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
+        kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
+        eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False,
+        env_kwargs=ml_collections.ConfigDict()))
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
     # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /
@@ -137,7 +146,8 @@ def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
 
 # The stage whose workdir each stage usually starts from (configs/<previous>_<size>.py).
 PREVIOUS_STAGE = {"sparse": "warmup", "warmup": "dense"}
-STAGE_NAMES = {"dense": "dense pre-training", "warmup": "dense warm-up", "sparse": "sparse training", "grpo": "GRPO"}
+STAGE_NAMES = {"dense": "dense pre-training", "warmup": "dense warm-up", "sparse": "sparse training", "grpo": "GRPO",
+               "agent": "agentic GRPO"}
 
 
 class InitFromError(FileNotFoundError):

@@ -12,6 +12,9 @@ from dsv32_jax.train.trainer import Trainer, write_summary
 
 def run(config, workdir: str):
     os.makedirs(workdir, exist_ok=True)
+    if config.stage == "agent":
+        from dsv32_jax.train.agent_grpo import run_agent
+        return run_agent(config, workdir)
     if config.stage == "grpo":
         from dsv32_jax.train.grpo import run_grpo
         return run_grpo(config, workdir)

@@ -191,6 +191,65 @@ def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: flo
     return nnx.state((model, optimizer)), metrics
 
 
+# ------------------------------------------------------------------------------------------ multi-turn trajectories
+def trajectory_logprobs(model, batch, temperature: float, replay: bool):
+    """Processed log-probs of every slot's token under the previous slot's logits, over a whole multi-turn
+    trajectory layout (dsv32_jax.sampler.MultiTurnSampler.layout: prompts, completions, tool results, padding);
+    [B, S] with 0 at slot 0. Only slots with batch["gen"] = 1 (sampled tokens) enter the loss."""
+    logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segments"],
+                        routing=batch["routing"] if replay else None, return_aux=True, mtp=False)
+    gen = batch["gen"][:, 1:] > 0
+    tokens, kept_ids, kept_mask = batch["tokens"][:, 1:], batch["kept_ids"][:, 1:], batch["kept_mask"][:, 1:]
+    if kept_ids.shape[-1]:  # context slots have no kept set: a harmless stand-in (no NaN, not in the loss)
+        tokens = jnp.where(gen, tokens, kept_ids[..., 0])
+        kept_mask = kept_mask | ~gen[..., None]
+    logp, entropy, mass = processed_logprobs(logits[:, :-1], tokens, kept_ids, kept_mask, temperature)
+    pad = lambda x: jnp.pad(jnp.where(gen, x, 0.0), ((0, 0), (1, 0)))  # noqa: E731
+    return pad(logp), pad(entropy), pad(mass), aux
+
+
+def trajectory_reference_logprobs(ref_state: nnx.State, batch: dict, *, graphdef, temperature: float):
+    return trajectory_logprobs(nnx.merge(graphdef, ref_state), batch, temperature, replay=False)[0]
+
+
+def trajectory_diagnostics(model_state: nnx.State, batch: dict, *, graphdef, temperature: float) -> dict:
+    """At pi_old: |sampler log-prob - teacher-forced log-prob| over the sampled tokens (mean, max)."""
+    logp = trajectory_logprobs(nnx.merge(graphdef, model_state), batch, temperature, replay=True)[0]
+    m = batch["gen"]
+    diff = jnp.abs(logp - batch["logp_old"]) * m
+    return {"logprob_mismatch_mean": jnp.sum(diff) / jnp.maximum(jnp.sum(m), 1.0),
+            "logprob_mismatch_max": jnp.max(diff)}
+
+
+def grpo_trajectory_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: float, eps: float,
+                               delta: float, indexer_weight: float = 0.0) -> tuple[nnx.State, dict]:
+    """One GRPO update over multi-turn trajectories: the same objective and stabilizers as `grpo_train_step`
+    (eq. 5-9: token mean over each trajectory's sampled tokens across all its turns, unbiased KL, off-policy
+    sequence masking, keep routing, keep sampling mask); tool results and prompts are context only."""
+    model, optimizer = nnx.merge(graphdef, state)
+    if indexer_weight:
+        model.options = model.options.replace(indexer_loss="sparse")
+
+    def loss_fn(model):
+        logp, entropy, mass, aux = trajectory_logprobs(model, batch, temperature, replay=True)
+        m = batch["gen"]
+        loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], m, batch["beta"],
+                                  eps=eps, delta=delta)
+        metrics.update(entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
+                       kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
+        if indexer_weight:
+            kl, _ = losses.indexer_kl(aux, (batch["segments"] > 0).astype(jnp.float32))
+            metrics["indexer_kl"] = kl
+            loss = loss + indexer_weight * kl
+        metrics["loss"] = loss
+        return loss, metrics
+
+    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return nnx.state((model, optimizer)), metrics
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOSteps:
     train: object  # (state, batch) -> (state, metrics); the state is donated

@@ -1,0 +1,264 @@
+"""Agentic GRPO: multi-turn rollouts in tool environments, cold-start SFT on the environments' demonstrations, GRPO
+over whole trajectories with DeepSeek-V3.2's four stabilizers, task mixing with per-domain KL weights, and the
+eq. (4) indexer KL kept on during RL.
+
+One step: `tasks_per_step` (environment, seed) tasks drawn from the mix, each run `group_size` times by
+`dsv32_jax.agent.rollout.BatchedRollout` (every row's episode through the chat encoding, tools on the host, all
+rows' completions sampled together over one decode cache, recording log-probs, kept sets and routing of every
+model token); reward = the environment's verifier; A = R - group mean; then `epochs` x `minibatches` updates of
+`train/steps.py:grpo_trajectory_train_step` on the trajectories' layouts (loss on model tokens only: tool results
+and prompts are context). pi_ref is the model after cold start. `cold_start_steps` > 0 first trains on the oracle
+demonstrations (`env.demonstration(seed)` as chat-encoded trajectories, loss on the assistant's tokens).
+
+Config: `config.agent` (train/config.py). Entry point: stage "agent" of `python -m dsv32_jax.train.main`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv32_jax import RunOptions, Transformer
+from dsv32_jax import chat
+from dsv32_jax import sharding as shd
+from dsv32_jax.agent.episode import OraclePolicy, run_episode
+from dsv32_jax.agent.rollout import BatchedRollout
+from dsv32_jax.envs import make_env
+from dsv32_jax.sampler import SamplingConfig
+from dsv32_jax.train import checkpointing, losses, steps
+from dsv32_jax.train.grpo_loss import group_advantages
+from dsv32_jax.train.loop import run_loop
+from dsv32_jax.train.optimizer import make_tx
+from dsv32_jax.train.trainer import model_config
+
+CONSOLE_KEYS = ("reward_mean", "success", "eval_success", "turns", "kl", "opsm_masked_fraction",
+                "logprob_mismatch_max", "indexer_kl", "sft_loss", "grad_norm")
+
+
+def make_codec(name: str) -> chat.Codec:
+    if name == "tiny":
+        return chat.TinyCodec.printable()
+    if name == "bpe":
+        return chat.load_tokenizer()
+    raise ValueError(f"config.agent.codec must be 'tiny' or 'bpe', got {name!r}")
+
+
+def sft_batch(trajectories, width: int) -> dict:
+    """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token."""
+    b = len(trajectories)
+    out = {k: np.zeros((b, width), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    out["loss_mask"] = np.zeros((b, width), np.float32)
+    for i, (ids, mask) in enumerate(trajectories):
+        n = len(ids)
+        if n > width:
+            raise ValueError(f"config.agent.capacity={width}: a demonstration has {n} tokens")
+        out["tokens"][i, :n], out["segment_ids"][i, :n], out["positions"][i, :n] = ids, 1, np.arange(n)
+        out["targets"][i, :n - 1] = ids[1:]
+        out["loss_mask"][i, :n - 1] = mask[1:]
+    return out
+
+
+def sft_step(state, batch, *, graphdef, indexer_weight: float):
+    """Cold-start SFT: next-token loss on the assistant's tokens (+ the eq. 4 indexer KL)."""
+    model, optimizer = nnx.merge(graphdef, state)
+    model.options = model.options.replace(indexer_loss="sparse" if indexer_weight else None)
+
+    def loss_fn(model):
+        logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                            return_aux=True, mtp=False)
+        lm = losses.lm_loss(logits, batch)
+        kl, _ = losses.indexer_kl(aux, (batch["segment_ids"] > 0).astype(jnp.float32))
+        return lm + indexer_weight * kl, {"sft_loss": lm, "indexer_kl": kl}
+
+    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), metrics
+
+
+class AgentLearner:
+    def __init__(self, config, workdir: str):
+        self.config, self.workdir, self.a = config, workdir, config.agent
+        a = self.a
+        self.codec = make_codec(a.codec)
+        self.envs = [e.strip() for e in a.envs.split(",") if e.strip()]
+        self.env_kwargs = {name: dict(a.env_kwargs.get(name, {})) for name in self.envs}
+        self.cfg = model_config(config)
+        if self.cfg.vocab_size < self.codec.vocab_size:
+            raise ValueError(f"config.model: vocab_size {self.cfg.vocab_size} < the codec's {self.codec.vocab_size} "
+                             f"(config.agent.codec={a.codec!r})")
+        self.domains = {name: make_env(name).domain for name in self.envs}
+        self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
+        self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                       max_candidates=a.max_candidates, eos_id=self.codec.eos_id,
+                                       pad_id=self.codec.pad_id)
+        self.greedy = SamplingConfig(max_new_tokens=a.max_new_tokens, greedy=True, eos_id=self.codec.eos_id,
+                                     pad_id=self.codec.pad_id)
+        self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
+        self.batch_sharding = steps.leading_batch_sharding(self.mesh)
+        dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk)
+        if config.init_from:
+            import dsv32_jax
+            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
+        else:
+            model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
+        self.graphdef, state = nnx.split((model, optimizer))
+        self.model_graphdef = nnx.split(model)[0]
+        self.shardings = shd.state_shardings(state, self.mesh)
+        self.state = jax.device_put(state, self.shardings)
+        self.ref = None  # pi_ref: the policy after cold start (set at the first RL step)
+        self.step = 0
+        t, w = self.sampling.temperature, float(a.indexer_weight)
+        self._train = jax.jit(functools.partial(steps.grpo_trajectory_train_step, graphdef=self.graphdef,
+                                                temperature=t, eps=a.eps, delta=a.delta, indexer_weight=w),
+                              donate_argnums=0)
+        self._reference = jax.jit(functools.partial(steps.trajectory_reference_logprobs,
+                                                    graphdef=self.model_graphdef, temperature=t))
+        self._diagnostics = jax.jit(functools.partial(steps.trajectory_diagnostics, graphdef=self.model_graphdef,
+                                                      temperature=t))
+        self._sft = jax.jit(functools.partial(sft_step, graphdef=self.graphdef, indexer_weight=w), donate_argnums=0)
+
+    def _model(self):
+        return nnx.merge(self.graphdef, self.state)[0]
+
+    def _episode_kwargs(self):
+        return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
+                    context_budget=self.a.capacity, thinking=self.a.thinking)
+
+    # --------------------------------------------------------------- cold start
+    def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
+        """(ids, loss_mask) of oracle episodes, cycling over the environment mix."""
+        out = []
+        for i, seed in enumerate(seeds):
+            name = self.envs[i % len(self.envs)]
+            env = make_env(name, **self.env_kwargs[name])
+            kw = dict(self._episode_kwargs(), max_new_tokens=self.a.capacity, max_turns=16)  # not sampled
+            t = run_episode(env, seed, OraclePolicy(env, self.codec, seed, self.a.thinking), self.codec, **kw)
+            if not t.success:
+                raise RuntimeError(f"oracle episode of {name} seed {seed} failed: {t.info}")
+            out.append((t.segments[0].ids, t.segments[0].loss_mask))
+        return out
+
+    def cold_start(self, steps_: int, batch_size: int) -> list[float]:
+        """`steps_` SFT steps on fresh oracle demonstrations (seeds disjoint from RL's: 10^6 + ...)."""
+        history = []
+        for s in range(steps_):
+            seeds = [10**6 + s * batch_size + i for i in range(batch_size)]
+            batch = sft_batch(self.demonstrations(seeds), self.a.capacity)
+            with shd.use_mesh(self.mesh):
+                self.state, m = self._sft(self.state, jax.device_put(batch, self.batch_sharding))
+            history.append(float(m["sft_loss"]))
+        return history
+
+    # ------------------------------------------------------------------ rollout
+    def tasks(self, step: int):
+        rng = np.random.default_rng([self.config.seed, step])
+        picks = [(self.envs[int(rng.integers(len(self.envs)))], int(rng.integers(10**6)))
+                 for _ in range(self.a.tasks_per_step)]
+        rows = [picks[i] for i in np.repeat(np.arange(len(picks)), self.a.group_size)]
+        return rows, np.repeat(np.arange(len(picks)), self.a.group_size)
+
+    def run(self, rows, cfg: SamplingConfig, key_seed: int):
+        envs = [make_env(name, **self.env_kwargs[name]) for name, _ in rows]
+        with shd.use_mesh(self.mesh):
+            return BatchedRollout(self._model(), self.codec, cfg, self.a.capacity, seed=key_seed).run(
+                envs, [s for _, s in rows], **self._episode_kwargs())
+
+    def rollout(self, step: int):
+        rows, group_ids = self.tasks(step)
+        trajs, rec = self.run(rows, self.sampling, key_seed=self.config.seed * 100_003 + step)
+        rewards = np.array([t.reward for t in trajs], np.float32)
+        adv = group_advantages(rewards, group_ids)
+        width = -(-rec["tokens"].shape[1] // 64) * 64  # bucket the layout width: fewer recompiles
+        padw = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        batch = {"tokens": padw(rec["tokens"]), "positions": padw(rec["positions"]), "segments": padw(rec["segments"]),
+                 "gen": padw(rec["generated"]), "logp_old": padw(rec["logprobs"]), "kept_ids": padw(rec["kept_ids"]),
+                 "kept_mask": padw(rec["kept_mask"]), "routing": {k: padw(v) for k, v in rec["routing"].items()},
+                 "adv": adv, "beta": np.asarray([self.beta[name] for name, _ in rows], np.float32)}
+        stats = {"reward_mean": float(rewards.mean()), "success": float(np.mean([t.success for t in trajs])),
+                 "turns": float(np.mean([t.turns for t in trajs])),
+                 "format_errors": float(np.mean([str(t.info.get("error", "")).startswith("format") for t in trajs])),
+                 "model_tokens": float(batch["gen"].sum() / len(trajs))}
+        return batch, stats
+
+    def update(self, batch) -> dict:
+        with shd.use_mesh(self.mesh):
+            if self.ref is None:
+                self.ref = jax.tree.map(jnp.copy, self.state[0])
+            batch = jax.device_put(batch, self.batch_sharding)
+            batch["logp_ref"] = self._reference(self.ref, batch)
+            diag = self._diagnostics(self.state[0], batch)
+            n = batch["adv"].shape[0]
+            mb = n // self.a.minibatches
+            rng = np.random.default_rng([self.config.seed, self.step, 1])
+            history = []
+            for _ in range(self.a.epochs):
+                order = rng.permutation(n)
+                for j in range(self.a.minibatches):
+                    idx = jnp.asarray(order[j * mb:(j + 1) * mb])
+                    sub = jax.device_put(jax.tree.map(lambda x: x[idx], batch), self.batch_sharding)
+                    self.state, metrics = self._train(self.state, sub)
+                    history.append(metrics)
+        out = {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
+        out.update({k: float(v) for k, v in jax.device_get(diag).items()})
+        return out
+
+    def evaluate(self) -> dict:
+        """Greedy success per environment on fixed held-out seeds (10^7 + i)."""
+        out = {}
+        for name in self.envs:
+            rows = [(name, 10**7 + i) for i in range(self.a.eval_episodes)]
+            trajs, _ = self.run(rows, self.greedy, key_seed=0)
+            out[f"eval_success/{name}"] = float(np.mean([t.success for t in trajs]))
+        out["eval_success"] = float(np.mean([out[f"eval_success/{n}"] for n in self.envs]))
+        return out
+
+    # -------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, mngr, step: int, force: bool = False) -> bool:
+        arrays = {"params": self.state[0], "opt": self.state[1]}
+        if self.ref is not None:
+            arrays["ref"] = self.ref
+        return checkpointing.save(mngr, step, arrays=arrays,
+                                  json={"meta": {"step": step, "stage": "agent", "model_config": self.cfg.to_hf()}},
+                                  force=force)
+
+    def restore_checkpoint(self, mngr, step: int) -> None:
+        self.ref = jax.tree.map(jnp.copy, self.state[0])
+        r = checkpointing.restore(mngr, step, arrays={"params": (self.state[0], self.shardings[0]),
+                                                      "opt": (self.state[1], self.shardings[1]),
+                                                      "ref": (self.ref, self.shardings[0])}, json=("meta",))
+        self.step = int(r["meta"]["step"])
+
+    # ------------------------------------------------------------------- loop
+    def run_step(self) -> dict:
+        t0 = time.perf_counter()
+        metrics = {}
+        if self.step == 0 and self.a.cold_start_steps:
+            sft = self.cold_start(self.a.cold_start_steps, self.a.cold_start_batch)
+            metrics["sft_loss"] = sft[-1]
+            metrics.update({f"pre_{k}": v for k, v in self.evaluate().items()})
+        batch, stats = self.rollout(self.step)
+        t1 = time.perf_counter()
+        metrics.update(self.update(batch))
+        self.step += 1
+        metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
+        if self.step % self.a.eval_every == 0 or self.step == self.config.steps:
+            metrics.update(self.evaluate())
+        return metrics
+
+    def fit(self) -> list[dict]:
+        return run_loop(self, workdir=self.workdir, config=self.config, keys=CONSOLE_KEYS, desc="agent",
+                        show=lambda metrics: "eval_success" in metrics)
+
+
+def run_agent(config, workdir: str):
+    learner = AgentLearner(config, workdir)
+    history = learner.fit()
+    print(f"done: {learner.step} agentic GRPO steps in {workdir}", flush=True)
+    return history
