@@ -11,10 +11,10 @@ from dsv32_jax.train.config import default_config
 def _config(**agent):
     c = default_config()
     c.stage, c.steps, c.mesh, c.log_every = "agent", 1, "", 1000
-    c.model_overrides = {"index_topk": 16, "num_hidden_layers": 2}
+    c.model_overrides = {"index_topk": 16, "num_hidden_layers": 2, "vocab_size": 1536}
     c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.lr = "constant", 0, 3e-3
-    c.agent.update(dict(envs="lookup,calculator", tasks_per_step=2, group_size=2, max_turns=4, max_new_tokens=12,
-                        capacity=1536, eval_episodes=2, cold_start_steps=0, cold_start_batch=2, top_k=8,
+    c.agent.update(dict(envs="lookup,calculator", codec="bpe", tasks_per_step=2, group_size=2, max_turns=4,
+                        max_new_tokens=12, capacity=768, eval_episodes=2, cold_start_steps=0, cold_start_batch=2, top_k=8,
                         max_candidates=16))
     c.agent.kl_weights = {"code": 0.05}
     c.agent.update(agent)
