@@ -93,16 +93,12 @@ def sample_token(logits: jnp.ndarray, rng, cfg: SamplingConfig):
     return tok.astype(jnp.int32), logp, ids.astype(jnp.int32), keep
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _generate(graphdef, state, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
-    model = nnx.merge(graphdef, state)
-    b, p = prompts.shape
-    t = cfg.max_new_tokens
-    total = p + t
-    seg, pos = prompt_layout(prompt_lengths, p, total)
-    logits, cache, aux = model.decode(prompts, model.init_cache(b, total), 0, pos[:, :p], seg[:, :p])
-    moe = [k for k, v in aux["routing"].items() if v is not None]
-    dsa = [k for k, v in aux["topk"].items() if v is not None]
+def _decode_loop(model, last, cache, slot0, next_pos, row_seg, done, rng, cfg: SamplingConfig, widths: dict):
+    """Samples up to cfg.max_new_tokens tokens per row that is not `done`: step i samples from `last` (the logits
+    of each row's latest token), writes the token into cache slot slot0 + i at RoPE position next_pos + i with
+    segment row_seg (0 once the row is done: invisible), and records it. widths: {"routing"/"topk": {layer:
+    width}}. Returns (cache, steps run, Rollout with routing / top-k of the generated tokens [B, T, .])."""
+    b, t = last.shape[0], cfg.max_new_tokens
     k_cand = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
 
     def buf(shape, dtype, fill=0):
@@ -111,32 +107,52 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, cfg: SamplingConfig
     def put(x, v, i):
         return jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), i, axis=1)
 
-    routing = {k: put(buf((b, total, aux["routing"][k].shape[-1]), jnp.int32), aux["routing"][k], 0) for k in moe}
-    topk = {k: put(buf((b, total, aux["topk"][k].shape[-1]), jnp.int32, -1), aux["topk"][k], 0) for k in dsa}
-    init = dict(i=jnp.int32(0), last=logits[:, -1], cache=cache, done=jnp.zeros((b,), bool),
+    init = dict(i=jnp.int32(0), last=last, cache=cache, done=done,
                 tokens=buf((b, t), jnp.int32, cfg.pad_id), mask=buf((b, t), bool), logprobs=buf((b, t), jnp.float32),
                 kept_ids=buf((b, t, k_cand), jnp.int32), kept_mask=buf((b, t, k_cand), bool),
-                routing=routing, topk=topk)
+                routing={k: buf((b, t, w), jnp.int32) for k, w in widths["routing"].items()},
+                topk={k: buf((b, t, w), jnp.int32, -1) for k, w in widths["topk"].items()})
 
     def body(s):
         i = s["i"]
         tok, logp, ids, keep = sample_token(s["last"], jax.random.fold_in(rng, i), cfg)
-        live = ~s["done"]
-        tok = jnp.where(live, tok, cfg.pad_id)
+        alive = ~s["done"]
+        tok = jnp.where(alive, tok, cfg.pad_id)
         out = dict(s, i=i + 1, done=s["done"] | (tok == cfg.eos_id),
-                   tokens=put(s["tokens"], tok[:, None], i), mask=put(s["mask"], live[:, None], i),
-                   logprobs=put(s["logprobs"], jnp.where(live, logp, 0.0)[:, None], i),
+                   tokens=put(s["tokens"], tok[:, None], i), mask=put(s["mask"], alive[:, None], i),
+                   logprobs=put(s["logprobs"], jnp.where(alive, logp, 0.0)[:, None], i),
                    kept_ids=put(s["kept_ids"], ids[:, None], i), kept_mask=put(s["kept_mask"], keep[:, None], i))
-        logits, out["cache"], a = model.decode(tok[:, None], s["cache"], p + i, pos[:, p + i][:, None],
-                                               jnp.where(live, 1, 0)[:, None])
+        logits, out["cache"], a = model.decode(tok[:, None], s["cache"], slot0 + i, (next_pos + i)[:, None],
+                                               jnp.where(alive, row_seg, 0)[:, None])
         out["last"] = logits[:, -1]
-        out["routing"] = {k: put(s["routing"][k], a["routing"][k], p + i) for k in moe}
-        out["topk"] = {k: put(s["topk"][k], a["topk"][k], p + i) for k in dsa}
+        out["routing"] = {k: put(s["routing"][k], a["routing"][k], i) for k in s["routing"]}
+        out["topk"] = {k: put(s["topk"][k], a["topk"][k], i) for k in s["topk"]}
         return out
 
     s = jax.lax.while_loop(lambda s: (s["i"] < t) & ~jnp.all(s["done"]), body, init)
-    return Rollout(tokens=s["tokens"], mask=s["mask"], logprobs=s["logprobs"], kept_ids=s["kept_ids"],
-                   kept_mask=s["kept_mask"], routing=s["routing"], topk=s["topk"])
+    return s["cache"], s["i"], Rollout(tokens=s["tokens"], mask=s["mask"], logprobs=s["logprobs"],
+                                       kept_ids=s["kept_ids"], kept_mask=s["kept_mask"], routing=s["routing"],
+                                       topk=s["topk"])
+
+
+def _layer_widths(aux) -> dict:
+    return {name: {k: v.shape[-1] for k, v in aux[name].items() if v is not None} for name in ("routing", "topk")}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _generate(graphdef, state, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    b, p = prompts.shape
+    total = p + cfg.max_new_tokens
+    seg, pos = prompt_layout(prompt_lengths, p, total)
+    logits, cache, aux = model.decode(prompts, model.init_cache(b, total), 0, pos[:, :p], seg[:, :p])
+    widths = _layer_widths(aux)
+    _, _, r = _decode_loop(model, logits[:, -1], cache, p, prompt_lengths, jnp.ones((b,), jnp.int32),
+                           jnp.zeros((b,), bool), rng, cfg, widths)
+    # routing / selections of the prompt and the generated tokens, [B, P + T, .]
+    routing = {k: jnp.concatenate([aux["routing"][k].astype(jnp.int32), v], 1) for k, v in r.routing.items()}
+    topk = {k: jnp.concatenate([aux["topk"][k].astype(jnp.int32), v], 1) for k, v in r.topk.items()}
+    return dataclasses.replace(r, routing=routing, topk=topk)
 
 
 def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
@@ -167,47 +183,12 @@ def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, 
     piece position. Returns (new cache, number of decode steps run, Rollout of the generated tokens, routing and
     top-k of the piece slots)."""
     model = nnx.merge(graphdef, state)
-    b, p = pieces.shape
-    t = cfg.max_new_tokens
     logits, cache, aux = model.decode(pieces, cache, index, piece_pos, piece_seg)
-    moe = [k for k, v in aux["routing"].items() if v is not None]
-    dsa = [k for k, v in aux["topk"].items() if v is not None]
-    k_cand = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
-    next_pos = piece_pos[:, -1] + 1
-
-    def buf(shape, dtype, fill=0):
-        return jnp.full(shape, fill, dtype)
-
-    def put(x, v, i):
-        return jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), i, axis=1)
-
-    routing = {k: buf((b, t, aux["routing"][k].shape[-1]), jnp.int32) for k in moe}
-    topk = {k: buf((b, t, aux["topk"][k].shape[-1]), jnp.int32, -1) for k in dsa}
-    init = dict(i=jnp.int32(0), last=logits[:, -1], cache=cache, done=~live,
-                tokens=buf((b, t), jnp.int32, cfg.pad_id), mask=buf((b, t), bool), logprobs=buf((b, t), jnp.float32),
-                kept_ids=buf((b, t, k_cand), jnp.int32), kept_mask=buf((b, t, k_cand), bool),
-                routing=routing, topk=topk)
-
-    def body(s):
-        i = s["i"]
-        tok, logp, ids, keep = sample_token(s["last"], jax.random.fold_in(rng, i), cfg)
-        alive = ~s["done"]
-        tok = jnp.where(alive, tok, cfg.pad_id)
-        out = dict(s, i=i + 1, done=s["done"] | (tok == cfg.eos_id),
-                   tokens=put(s["tokens"], tok[:, None], i), mask=put(s["mask"], alive[:, None], i),
-                   logprobs=put(s["logprobs"], jnp.where(alive, logp, 0.0)[:, None], i),
-                   kept_ids=put(s["kept_ids"], ids[:, None], i), kept_mask=put(s["kept_mask"], keep[:, None], i))
-        logits, out["cache"], a = model.decode(tok[:, None], s["cache"], index + p + i, (next_pos + i)[:, None],
-                                               jnp.where(alive, row_seg, 0)[:, None])
-        out["last"] = logits[:, -1]
-        out["routing"] = {k: put(s["routing"][k], a["routing"][k], i) for k in moe}
-        out["topk"] = {k: put(s["topk"][k], a["topk"][k], i) for k in dsa}
-        return out
-
-    s = jax.lax.while_loop(lambda s: (s["i"] < t) & ~jnp.all(s["done"]), body, init)
-    rollout = Rollout(tokens=s["tokens"], mask=s["mask"], logprobs=s["logprobs"], kept_ids=s["kept_ids"],
-                      kept_mask=s["kept_mask"], routing=s["routing"], topk=s["topk"])
-    return s["cache"], s["i"], rollout, {k: aux["routing"][k] for k in moe}, {k: aux["topk"][k] for k in dsa}
+    widths = _layer_widths(aux)
+    cache, steps, rollout = _decode_loop(model, logits[:, -1], cache, index + pieces.shape[1], piece_pos[:, -1] + 1,
+                                         row_seg, ~live, rng, cfg, widths)
+    return (cache, steps, rollout, {k: aux["routing"][k] for k in widths["routing"]},
+            {k: aux["topk"][k] for k in widths["topk"]})
 
 
 class MultiTurnSampler:

@@ -31,6 +31,7 @@ from dsv32_jax.agent.rollout import BatchedRollout
 from dsv32_jax.envs import make_env
 from dsv32_jax.sampler import SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
+from dsv32_jax.train.grpo import minibatch_updates
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx
@@ -194,18 +195,9 @@ class AgentLearner:
             batch = jax.device_put(batch, self.batch_sharding)
             batch["logp_ref"] = self._reference(self.ref, batch)
             diag = self._diagnostics(self.state[0], batch)
-            n = batch["adv"].shape[0]
-            mb = n // self.a.minibatches
-            rng = np.random.default_rng([self.config.seed, self.step, 1])
-            history = []
-            for _ in range(self.a.epochs):
-                order = rng.permutation(n)
-                for j in range(self.a.minibatches):
-                    idx = jnp.asarray(order[j * mb:(j + 1) * mb])
-                    sub = jax.device_put(jax.tree.map(lambda x: x[idx], batch), self.batch_sharding)
-                    self.state, metrics = self._train(self.state, sub)
-                    history.append(metrics)
-        out = {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
+            self.state, out = minibatch_updates(self._train, self.state, batch, epochs=self.a.epochs,
+                                                minibatches=self.a.minibatches, sharding=self.batch_sharding,
+                                                rng=np.random.default_rng([self.config.seed, self.step, 1]))
         out.update({k: float(v) for k, v in jax.device_get(diag).items()})
         return out
 

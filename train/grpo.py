@@ -35,6 +35,21 @@ CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "
                 "grad_norm")
 
 
+def minibatch_updates(train, state, batch: dict, *, epochs: int, minibatches: int, sharding, rng):
+    """`epochs` passes over `batch` (rows shuffled by `rng`), `minibatches` updates each: state <- train(state,
+    minibatch). Returns the state and the metrics averaged over the updates."""
+    n = batch["adv"].shape[0]
+    mb = n // minibatches
+    history = []
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        for j in range(minibatches):
+            idx = jnp.asarray(order[j * mb:(j + 1) * mb])
+            state, metrics = train(state, jax.device_put(jax.tree.map(lambda x: x[idx], batch), sharding))
+            history.append(metrics)
+    return state, {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
+
+
 class GRPOLearner:
     def __init__(self, config, workdir: str):
         self.config, self.workdir = config, workdir
@@ -134,18 +149,9 @@ class GRPOLearner:
             batch = jax.device_put(batch, self.batch_sharding)
             batch["logp_ref"] = self.steps.reference(self.ref, batch)
             diag = self.steps.diagnostics(self.state[0], batch)
-            n = batch["adv"].shape[0]
-            mb = n // self.g.minibatches
-            rng = np.random.default_rng([self.config.seed, self.step, 1])
-            history = []
-            for _ in range(self.g.epochs):
-                order = rng.permutation(n)
-                for j in range(self.g.minibatches):
-                    idx = jnp.asarray(order[j * mb:(j + 1) * mb])
-                    sub = jax.device_put(jax.tree.map(lambda x: x[idx], batch), self.batch_sharding)
-                    self.state, metrics = self.steps.train(self.state, sub)
-                    history.append(metrics)
-        out = {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
+            self.state, out = minibatch_updates(self.steps.train, self.state, batch, epochs=self.g.epochs,
+                                                minibatches=self.g.minibatches, sharding=self.batch_sharding,
+                                                rng=np.random.default_rng([self.config.seed, self.step, 1]))
         out.update({k: float(v) for k, v in jax.device_get(diag).items()})
         return out
 

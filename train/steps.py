@@ -162,22 +162,21 @@ def grpo_diagnostics(model_state: nnx.State, batch: dict, *, graphdef, temperatu
             "routing_agreement": jnp.mean(jnp.stack(agree)) if agree else jnp.ones(())}
 
 
-def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: float, eps: float,
-                    delta: float, indexer_weight: float = 0.0) -> tuple[nnx.State, dict]:
-    """One GRPO minibatch update of (model, optimizer) with keep routing and the keep sampling mask. With
-    indexer_weight > 0 the lightning indexer keeps training during RL on the eq. (4) KL (its inputs detached, so
-    the policy gradient is unchanged), averaged over the sequences' real tokens (prompt and completion)."""
+def _grpo_update(state: nnx.State, batch: dict, logprobs_fn, mask, *, graphdef, temperature: float, eps: float,
+                 delta: float, indexer_weight: float) -> tuple[nnx.State, dict]:
+    """The GRPO update shared by single-turn and trajectory batches: logprobs_fn(model, batch, temperature,
+    replay=True) -> (logp, entropy, kept mass, aux) over `mask`'s positions; the eq. (4) indexer KL on the real
+    tokens when indexer_weight > 0."""
     model, optimizer = nnx.merge(graphdef, state)
     if indexer_weight:
         model.options = model.options.replace(indexer_loss="sparse")
 
     def loss_fn(model):
-        logp, entropy, mass, aux = forward_logprobs(model, batch, temperature, replay=True)
-        loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], batch["mask"],
-                                  batch["beta"], eps=eps, delta=delta)
-        m = batch["mask"]
-        metrics.update(entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
-                       kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
+        logp, entropy, mass, aux = logprobs_fn(model, batch, temperature, replay=True)
+        loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], mask, batch["beta"],
+                                  eps=eps, delta=delta)
+        metrics.update(entropy=jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0),
+                       kept_mass=jnp.sum(mass * mask) / jnp.maximum(jnp.sum(mask), 1.0))
         if indexer_weight:
             kl, _ = losses.indexer_kl(aux, (batch["segments"] > 0).astype(jnp.float32))
             metrics["indexer_kl"] = kl
@@ -189,6 +188,15 @@ def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: flo
     optimizer.update(model, grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return nnx.state((model, optimizer)), metrics
+
+
+def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: float, eps: float,
+                    delta: float, indexer_weight: float = 0.0) -> tuple[nnx.State, dict]:
+    """One GRPO minibatch update of (model, optimizer) with keep routing and the keep sampling mask. With
+    indexer_weight > 0 the lightning indexer keeps training during RL on the eq. (4) KL (its inputs detached, so
+    the policy gradient is unchanged), averaged over the sequences' real tokens (prompt and completion)."""
+    return _grpo_update(state, batch, forward_logprobs, batch["mask"], graphdef=graphdef, temperature=temperature,
+                        eps=eps, delta=delta, indexer_weight=indexer_weight)
 
 
 # ------------------------------------------------------------------------------------------ multi-turn trajectories
@@ -226,28 +234,8 @@ def grpo_trajectory_train_step(state: nnx.State, batch: dict, *, graphdef, tempe
     """One GRPO update over multi-turn trajectories: the same objective and stabilizers as `grpo_train_step`
     (eq. 5-9: token mean over each trajectory's sampled tokens across all its turns, unbiased KL, off-policy
     sequence masking, keep routing, keep sampling mask); tool results and prompts are context only."""
-    model, optimizer = nnx.merge(graphdef, state)
-    if indexer_weight:
-        model.options = model.options.replace(indexer_loss="sparse")
-
-    def loss_fn(model):
-        logp, entropy, mass, aux = trajectory_logprobs(model, batch, temperature, replay=True)
-        m = batch["gen"]
-        loss, metrics = grpo_loss(logp, batch["logp_old"], batch["logp_ref"], batch["adv"], m, batch["beta"],
-                                  eps=eps, delta=delta)
-        metrics.update(entropy=jnp.sum(entropy * m) / jnp.maximum(jnp.sum(m), 1.0),
-                       kept_mass=jnp.sum(mass * m) / jnp.maximum(jnp.sum(m), 1.0))
-        if indexer_weight:
-            kl, _ = losses.indexer_kl(aux, (batch["segments"] > 0).astype(jnp.float32))
-            metrics["indexer_kl"] = kl
-            loss = loss + indexer_weight * kl
-        metrics["loss"] = loss
-        return loss, metrics
-
-    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    return nnx.state((model, optimizer)), metrics
+    return _grpo_update(state, batch, trajectory_logprobs, batch["gen"], graphdef=graphdef, temperature=temperature,
+                        eps=eps, delta=delta, indexer_weight=indexer_weight)
 
 
 @dataclasses.dataclass(frozen=True)
