@@ -20,7 +20,7 @@ GROUPS = ("main", "indexer")
 GROUP_FIELDS = ("lr", "schedule", "warmup_steps", "decay_steps", "final_lr_fraction", "b1", "b2", "eps",
                 "weight_decay", "grad_clip")
 
-STAGES = ("dense", "warmup", "sparse", "grpo")
+STAGES = ("dense", "warmup", "sparse", "grpo", "agent")
 
 
 def in_indexer(path, _value) -> bool:
@@ -29,12 +29,12 @@ def in_indexer(path, _value) -> bool:
 
 def trainable_filter(stage: str):
     """dense: everything but the indexer (unused); warmup: the indexer only (eq. 3, the rest frozen);
-    sparse / grpo: every parameter (the indexer is fed detached inputs and learns only from its KL)."""
+    sparse / grpo / agent: every parameter (the indexer is fed detached inputs and learns only from its KL)."""
     if stage == "dense":
         return nnx.All(nnx.Param, nnx.Not(in_indexer))
     if stage == "warmup":
         return nnx.All(nnx.Param, in_indexer)
-    if stage in ("sparse", "grpo"):
+    if stage in ("sparse", "grpo", "agent"):
         return nnx.Param
     raise ValueError(f"config.stage must be one of {STAGES}, got {stage!r}")
 
