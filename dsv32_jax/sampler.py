@@ -225,6 +225,11 @@ class MultiTurnSampler:
         self.row_seg[row] += 1
         self.next_pos[row] = 0
 
+    def fits(self, pieces: list[list[int]]) -> bool:
+        """Whether `step(pieces, ...)` fits the remaining cache slots (the longest piece, bucketed, + max_new_tokens)."""
+        longest = max([len(p) for p in pieces] + [1])
+        return self.index + -(-longest // self.bucket) * self.bucket + self.cfg.max_new_tokens <= self.capacity
+
     def step(self, pieces: list[list[int]], live, rng) -> list[list[int]]:
         """pieces: per row, the ids to append (may be empty for finished rows); live [B] bool: rows that generate.
         Returns each live row's sampled ids (up to and including EOS, or cut at cfg.max_new_tokens)."""

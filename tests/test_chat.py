@@ -121,6 +121,18 @@ def test_tools_are_rendered_into_the_system_prompt():
     assert chat.encode([User("hi")], tools=[openai]).startswith(B + "\n\n## Tools\n\n")
 
 
+def test_compact_tools_prompt_keeps_only_the_schema_list():
+    tool = Tool("calc", "evaluate", {"type": "object", "properties": {"expr": {"type": "string"}}})
+    text = chat.encode([System("sys"), User("hi")], tools=[tool], tools_prompt="compact")
+    schema = '{"name": "calc", "description": "evaluate", "parameters": {"type": "object", "properties": {"expr": ' \
+             '{"type": "string"}}}}'
+    assert text == B + "sys\n\n## Tools\n<functions>\n" + schema + "\n</functions>\n" + U + "hi" + A + "<think>"
+    full = chat.encode([System("sys"), User("hi")], tools=[tool])
+    assert len(text) < len(full) - 1000 and full.endswith(text[text.index("<functions>"):])
+    with pytest.raises(ValueError, match="tools_prompt='short'"):
+        chat.encode([User("hi")], tools=[tool], tools_prompt="short")
+
+
 @pytest.mark.parametrize("msgs, match", [
     ([User("a"), ToolResult("x")], r"messages\[1\]: a tool result must follow an assistant message with tool calls"),
     ([User("a"), Assistant("b", tool_calls=[ToolCall("f"), ToolCall("g")]), ToolResult("x"), User("c")],

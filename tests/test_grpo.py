@@ -185,3 +185,33 @@ def test_rewards():
         rl_tasks.GenerativeRewardModel(lambda q: "", rl_tasks.default_rubric)(sample([5]))
     s = rl_tasks.to_sample("map", (14, 3, 13), (5,), "digits", [5, 1, 0, 0])
     assert s.response == (5,) and s.finished
+
+
+def test_letters_prompts_exercise_the_language_reward(tmp_path):
+    """grpo.letters=0.5: about half of the copy prompts are in letters; the learner's reward (outcome + 0.5 x
+    language consistency) scores a correct answer in the prompt's language above the same answer in the other."""
+    lrn = learner(tmp_path, 0, **{"grpo.tasks": "copy", "grpo.letters": 0.5, "grpo.language_weight": 0.5})
+    items, _ = lrn.sample_prompts(0)
+    langs = [lang for _, (_, _, lang) in items[::lrn.g.group_size]]
+    assert 0.2 < langs.count("letters") / len(langs) < 0.8, langs
+    for kind, (prompt, answer, lang) in items[::lrn.g.group_size]:
+        alphabet = rl_tasks.LETTERS if lang == "letters" else rl_tasks.DIGITS
+        assert set(prompt[1:-1]) <= set(alphabet) and set(answer) <= set(alphabet)
+        other = rl_tasks.DIGITS if lang == "letters" else rl_tasks.LETTERS
+        right = rl_tasks.to_sample(kind, prompt, answer, lang, list(answer) + [rl_tasks.EOS])
+        wrong = rl_tasks.to_sample(kind, prompt, answer, lang, [other[0]] * 3 + [rl_tasks.EOS])
+        assert lrn.rewards[kind](right) == 1.5 and lrn.rewards[kind](wrong) == 0.0
+    with pytest.raises(ValueError, match="config.grpo.letters"):
+        learner(tmp_path, 0, **{"grpo.letters": 1.5})
+
+
+def test_off_policy_sequence_mask_fires_in_the_learner(tmp_path):
+    """Two epochs x two minibatches at a high learning rate: the second epoch's minibatches are off-policy, and with
+    a small delta the off-policy sequence mask drops negative-advantage sequences there (masked fraction > 0 in the
+    learner's averaged metrics); the first update of every step is on-policy, so it never masks more than 3/4."""
+    lrn = learner(tmp_path, 1, **{"grpo.delta": 1e-4, "grpo.epochs": 2, "grpo.minibatches": 2,
+                                  "optimizer.lr": 3e-2})
+    batch, _ = lrn.rollout(0)
+    masked = lrn.update(batch)["opsm_masked_fraction"]
+    print("opsm_masked_fraction", masked)
+    assert 0.0 < masked <= 0.75

@@ -102,6 +102,9 @@ def test_batched_rollout_appends_only_new_context_and_rows_stop_at_different_tur
                 out.append(list(ids))
             return out
 
+        def fits(self, pieces):
+            return True
+
         def restart(self, row):
             raise AssertionError("no context strategy here: rows never restart")
 
@@ -135,3 +138,24 @@ def test_batched_rollout_with_the_model_records_every_generated_token():
         real = rec["segments"][i] > 0
         np.testing.assert_array_equal(rec["tokens"][i][real], t.ids)
         assert rec["generated"][i].sum() == t.completions[0].length
+
+
+def test_batched_rollout_ends_episodes_when_the_shared_cache_is_full():
+    """A cache too small for a second turn: the oracle's first tool call runs, then the rows' episodes end as
+    "context full" (no exception, no hung episode threads) instead of overflowing the sampler."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent.rollout import BatchedRollout
+    from dsv32_jax.envs import make_env
+
+    codec = chat.TinyCodec.printable()
+    model = Transformer(load_preset("tiny").replace(index_topk=8), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    scfg = SamplingConfig(max_new_tokens=8, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    envs = [make_env("lookup"), make_env("lookup")]
+    prompt = len(chat.encode_tokens([chat.System(envs[0].reset(0).system), chat.User(envs[0].render_task())], codec,
+                                    tools=[chat.Tool(**t.spec()) for t in envs[0].tools], thinking=False)[0])
+    capacity = -(-(prompt + 4) // 16) * 16 + 8 - 1  # one bucketed prompt + max_new_tokens does not fit
+    trajs, rec = BatchedRollout(model, codec, scfg, capacity=capacity).run(envs, [0, 1], thinking=False,
+                                                                          max_new_tokens=8)
+    for t in trajs:
+        assert t.reward == 0.0 and t.info["error"].startswith("context full"), t.info
+    assert rec["tokens"].shape[1] == 0  # nothing was sampled

@@ -49,9 +49,12 @@ def make_codec(name: str) -> chat.Codec:
     raise ValueError(f"config.agent.codec must be 'tiny' or 'bpe', got {name!r}")
 
 
-def sft_batch(trajectories, width: int) -> dict:
-    """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token."""
+def sft_batch(trajectories, width: int, bucket: int = 0) -> dict:
+    """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token.
+    `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to a multiple of `bucket`."""
     b = len(trajectories)
+    if bucket:
+        width = min(width, -(-max(len(ids) for ids, _ in trajectories) // bucket) * bucket)
     out = {k: np.zeros((b, width), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
     out["loss_mask"] = np.zeros((b, width), np.float32)
     for i, (ids, mask) in enumerate(trajectories):
@@ -130,7 +133,7 @@ class AgentLearner:
 
     def _episode_kwargs(self):
         return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
-                    context_budget=self.a.capacity, thinking=self.a.thinking)
+                    context_budget=self.a.capacity, thinking=self.a.thinking, tools_prompt=self.a.tools_prompt)
 
     # --------------------------------------------------------------- cold start
     def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
@@ -146,12 +149,13 @@ class AgentLearner:
             out.append((t.segments[0].ids, t.segments[0].loss_mask))
         return out
 
-    def cold_start(self, steps_: int, batch_size: int) -> list[float]:
-        """`steps_` SFT steps on fresh oracle demonstrations (seeds disjoint from RL's: 10^6 + ...)."""
+    def cold_start(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
+        """SFT steps `start` .. `start + steps_ - 1` on fresh oracle demonstrations (seeds disjoint from RL's:
+        10^6 + ...)."""
         history = []
-        for s in range(steps_):
+        for s in range(start, start + steps_):
             seeds = [10**6 + s * batch_size + i for i in range(batch_size)]
-            batch = sft_batch(self.demonstrations(seeds), self.a.capacity)
+            batch = sft_batch(self.demonstrations(seeds), self.a.capacity, bucket=64)
             with shd.use_mesh(self.mesh):
                 self.state, m = self._sft(self.state, jax.device_put(batch, self.batch_sharding))
             history.append(float(m["sft_loss"]))

@@ -88,6 +88,7 @@ def default_config() -> ml_collections.ConfigDict:
         max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32,
         length_target=-1,  # >= 0: length penalty beyond this many tokens (and for not emitting EOS)
         language_weight=0.0, grm_weight=0.0, eval_every=10,
+        letters=0.0,  # fraction of rev / copy prompts in letters (the second language of language_weight)
         indexer_weight=1.0))  # the eq. (4) indexer KL during RL (detached inputs: the policy gradient is unchanged)
 
     # Agentic GRPO (stage "agent", train/agent_grpo.py): multi-turn rollouts in tool environments (dsv32_jax/envs),
@@ -97,7 +98,7 @@ def default_config() -> ml_collections.ConfigDict:
         envs="lookup,calculator", codec="tiny", tasks_per_step=4, group_size=4, max_turns=4, max_new_tokens=64,
         capacity=2048, temperature=1.0, top_k=0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
         kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
-        eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False,
+        eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
         env_kwargs=ml_collections.ConfigDict()))
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other

@@ -67,6 +67,9 @@ class GRPOLearner:
         self.rewards = {k: rl_tasks.make_reward(k, g.length_target if g.length_target >= 0 else None,
                                                 g.language_weight, g.grm_weight) for k in self.tasks}
         self.beta = {k: float(g.kl_weights.get(k, g.kl_weight)) for k in self.tasks}
+        self.letters = float(g.get("letters", 0.0))
+        if not 0.0 <= self.letters <= 1.0:
+            raise ValueError(f"config.grpo.letters must be in [0, 1], got {self.letters}")
         self.prompt_width = max(len(rl_tasks.make_prompt(k, np.random.default_rng(0))[0]) for k in self.tasks)
         check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
@@ -113,7 +116,8 @@ class GRPOLearner:
         picks = []
         for _ in range(self.g.prompts_per_step):
             kind = self.tasks[int(rng.integers(len(self.tasks)))]
-            picks.append((kind, rl_tasks.make_prompt(kind, rng)))
+            letters = bool(self.letters and kind in ("rev", "copy") and rng.random() < self.letters)
+            picks.append((kind, rl_tasks.make_prompt(kind, rng, letters=letters)))
         group_ids = np.repeat(np.arange(len(picks)), self.g.group_size)
         return [picks[i] for i in group_ids], group_ids
 

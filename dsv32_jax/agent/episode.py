@@ -196,7 +196,8 @@ def _to_assistant(parsed: Mapping[str, Any]) -> chat.Assistant:
 def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_turns: int = 8,
                 max_new_tokens: int = 512, context_budget: int = 8192, strategy: str = "none",
                 thinking: bool = True, drop_thinking: chat.DropThinking = "after_user",
-                summarize: Summarizer | None = None, trigger: float = TRIGGER) -> Trajectory:
+                summarize: Summarizer | None = None, trigger: float = TRIGGER,
+                tools_prompt: chat.ToolsPrompt = "full") -> Trajectory:
     """Run one episode of ``env`` (``env.reset(seed)``) with ``policy``; see the module docstring."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
@@ -214,7 +215,7 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
 
     def encode(msgs: Sequence[chat.Message]) -> list[int]:
         return chat.encode_tokens(msgs, codec, tools=tools, thinking=thinking, add_generation_prompt=True,
-                                  drop_thinking=drop_thinking)[0]
+                                  drop_thinking=drop_thinking, tools_prompt=tools_prompt)[0]
 
     def fail(error: str) -> None:
         nonlocal reward, done
@@ -249,7 +250,7 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
         seg.loss_mask.extend([1] * len(gen))
         turns += 1
         if not gen or gen[-1] != codec.eos_id:
-            cut = "context full" if limit < max_new_tokens and len(gen) >= limit else "truncated"
+            cut = "context full" if not gen or (limit < max_new_tokens and len(gen) >= limit) else "truncated"
             fail(f"{cut}: completion of {len(gen)} tokens has no EOS (max_new_tokens={limit}, "
                  f"context_budget={context_budget})")
             break

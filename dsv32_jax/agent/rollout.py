@@ -6,7 +6,9 @@ segments) in its own thread; its policy hands the prompt to the driver and block
 is waiting, the driver appends each row's NEW context (the prompt's suffix after what the row's cache already holds:
 the tool results and the next generation prompt) to the cache and samples all rows' next completions in one jitted
 call; a row whose prompt does not extend its cached context (a context strategy rewrote the history) restarts in a
-fresh segment of the cache. Rows that finish their episode stop generating; the others go on.
+fresh segment of the cache. Rows that finish their episode stop generating; the others go on. When the next
+step would not fit the cache's `capacity` slots (shared by all rows: every step takes the longest row's piece plus
+`max_new_tokens`), the waiting rows get an empty completion, which ends their episodes as "context full".
 
 `BatchedRollout.run(envs, seeds)` returns the Trajectories and the sampler's slot layout (tokens, segments,
 positions, the generated-token mask, the sampler's log-probs, kept sets, routing and indexer selections): the
@@ -94,13 +96,21 @@ class BatchedRollout:
                         cached[row] = []
                     pieces[row] = prompt[len(cached[row]):]
                     live[row] = True
-                outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn))
-                turn += 1
+                if sampler.fits(pieces):
+                    outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn))
+                    turn += 1
+                else:  # the shared cache is full: these rows' completions are empty (run_episode: "context full")
+                    outs = [[] for _ in range(b)]
                 with self._cond:
                     for row, (prompt, limit) in pending.items():
                         cached[row] = prompt + outs[row]
                         self._results[row] = outs[row][:limit]
                     self._cond.notify_all()
+        except BaseException:
+            with self._cond:
+                self._abort = True
+                self._cond.notify_all()
+            raise
         finally:
             with self._cond:
                 if errors:

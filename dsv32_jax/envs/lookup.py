@@ -4,7 +4,7 @@ Per seed: 5-8 keys of 2-3 letters with values 0-99. The task asks for one key's 
 values; the values appear nowhere in the prompt, so answering without the tool succeeds at chance level
 (about 1/100 for a uniform guess in the value range).
 
-    task:   find the sum of the values of qd and mbx
+    task:   find the sum of the values of "qd" and "mbx"   (keys quoted: a BPE then splits them as in the tool call)
     call:   get {"key":"qd"} -> 41      get {"key":"zz"} -> error: no key "zz"
     answer: 58
 """
@@ -63,8 +63,8 @@ class LookupEnv(Env):
     def render_task(self, instance: LookupInstance | None = None) -> str:
         asked = (instance or self.instance).asked
         if len(asked) == 1:
-            return f"find the value of {asked[0]}"
-        return f"find the sum of the values of {asked[0]} and {asked[1]}"
+            return f'find the value of "{asked[0]}"'
+        return f'find the sum of the values of "{asked[0]}" and "{asked[1]}"'
 
     def score(self, answer: str) -> tuple[float, dict[str, Any]]:
         return integer_score(answer, self.instance.answer)
