@@ -2,7 +2,8 @@
 recipe's whole mesh without its devices; prints the memory per device.
 
     python bench/abstract_step.py --config=warmup_671b                 # lower against an AbstractMesh (any venv)
-    .venv-cuda/bin/python bench/abstract_step.py --config=warmup_671b --compile [--layers=2]
+    .venv-cuda/bin/python bench/abstract_step.py --config=warmup_671b --compile [--layers=2] [--microbatches=N]
+        [--breakdown=20]
         # compile for a deviceless H100 topology of the mesh's size (tools/gpu_compile's target config);
         # XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false is set (CUB sort needs a live GPU to compile)
 
@@ -10,19 +11,62 @@ Checks the batch against the mesh first (train.config.check_batch_mesh). Reports
 bytes per device from the sharding rules (exact), and with --compile XLA's memory analysis per device (arguments,
 outputs, temp: activations and everything else the step allocates) and how many times the SPMD partitioner had to
 replicate a tensor it could not reshard ("involuntary full rematerialization": a sharding gap to fix).
---layers=N builds the recipe's model with N layers (first dense, the rest MoE) for quick iterations.
+--layers=N builds the recipe's model with N layers (first dense, the rest MoE) for quick iterations;
+--microbatches=N overrides config.microbatches. --breakdown=N dumps the compiled step (XLA_FLAGS=--xla_dump_to) and
+lists XLA's N largest buffers per device from its buffer assignment: size, shape, HLO instruction and the JAX
+operation it came from (op_name), and whether it lives in the temp allocation (activations) or is an
+argument / output.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import math
 import os
+import re
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+
+VALUE = re.compile(r" value: <\d+ (\S+) @\S+> \(size=(\d+),offset=\d+\): (\S+)")
+ALLOCATION = re.compile(r"^allocation \d+: size \d+,(.*)$")
+
+
+def buffer_breakdown(dump_dir: str, top: int) -> list[str]:
+    """The `top` largest buffers of the dumped train step's buffer assignment, one line each: GiB, shape, kind
+    (temp / parameter / output), HLO instruction and the most frequent op_name in it (fusions: in the fused
+    computation)."""
+    [assignment] = glob.glob(os.path.join(dump_dir, "*lm_train_step*after_optimizations-buffer-assignment.txt"))
+    hlo = open(assignment.replace("-buffer-assignment.txt", ".txt")).read()
+    values, kind = {}, "temp"
+    for line in open(assignment):
+        if m := ALLOCATION.match(line):
+            kind = "parameter" if "parameter" in m.group(1) else "output" if "output" in m.group(1) else "temp"
+        elif m := VALUE.match(line):
+            name, size, shape = m.group(1), int(m.group(2)), m.group(3)
+            values.setdefault(name, (size, shape, kind))
+    computations = {m.group(1): m.start() for m in re.finditer(r"^%?(\S+) [(].*[{]$", hlo, re.M)}
+
+    def op_name(name):
+        m = re.search(rf"^\s*(?:ROOT )?%{re.escape(name)} = .*$", hlo, re.M)
+        if not m:
+            return "?"
+        line = m.group(0)
+        if (called := re.search(r"calls=%(\S+?)[,}\s]", line)) and called.group(1) in computations:
+            start = computations[called.group(1)]
+            line = hlo[start:hlo.find("\n}", start)]
+        names = collections.Counter(re.findall(r'op_name="([^"]+)"', line))
+        return names.most_common(1)[0][0] if names else "?"
+
+    rows = sorted(values.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"  {size / 2**30:9.3f} GiB  {kind:9s} {shape:32s} {name:36s} {op_name(name)}"
+            for name, (size, shape, kind) in rows]
 
 
 def main(argv=None) -> int:
@@ -30,12 +74,20 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="warmup_671b", help="experiment name under configs/")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the recipe's)")
     p.add_argument("--compile", action="store_true", help="compile for a deviceless H100 topology (.venv-cuda)")
+    p.add_argument("--microbatches", type=int, default=0, help="override config.microbatches (0: the recipe's)")
+    p.add_argument("--breakdown", type=int, default=0, help="with --compile: list the N largest XLA buffers")
     a = p.parse_args(argv)
+    if a.breakdown and not a.compile:
+        p.error("--breakdown needs --compile (it reads the compiled step's buffer assignment)")
+    dump_dir = tempfile.mkdtemp(prefix="abstract_step_") if a.breakdown else None
     if a.compile:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
         if "cub_radix_sort" not in flags:
-            os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_cub_radix_sort=false").strip()
+            flags += " --xla_gpu_enable_cub_radix_sort=false"
+        if dump_dir:
+            flags += f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=lm_train_step"
+        os.environ["XLA_FLAGS"] = flags.strip()
 
     import jax
     import jax.numpy as jnp
@@ -51,6 +103,8 @@ def main(argv=None) -> int:
     c = base_config(a.config)
     if a.layers:
         c.model_overrides = {"num_hidden_layers": a.layers, "first_k_dense_replace": min(1, a.layers)}
+    if a.microbatches:
+        c.microbatches = a.microbatches
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)
@@ -58,7 +112,8 @@ def main(argv=None) -> int:
     trainer = Trainer(c, os.path.join("/tmp", "abstract_step"), allocate=False)
     graphdef, state = trainer.abstract_state()
     per_device = shd.per_device_bytes(state, sizes)
-    print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len}, "
+    print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len} "
+          f"({c.microbatches} microbatches), "
           f"{trainer.cfg.num_hidden_layers} layers; parameters + optimizer state per device: {per_device / 2**30:.2f} "
           "GiB", flush=True)
     if a.compile:
@@ -78,7 +133,7 @@ def main(argv=None) -> int:
              for k in steps.LM_BATCH_KEYS}
     fn = steps.compile_lm_step(st_sh, bsh, graphdef=graphdef, stage=trainer.stage, trainable=trainer.filter,
                                weights=steps.LossWeights.from_config(c.loss), model_cfg=trainer.cfg,
-                               lr_schedule=learning_rate_schedule(c.optimizer))
+                               lr_schedule=learning_rate_schedule(c.optimizer), microbatches=c.microbatches)
     with shd.use_mesh(mesh):
         if a.compile:
             with jax.default_device(mesh.devices.flat[0]):
@@ -94,6 +149,9 @@ def main(argv=None) -> int:
     print(f"compiled in {time.perf_counter() - t1:.1f}s; per device: arguments {ma.argument_size_in_bytes / 2**30:.2f}"
           f" GiB, outputs {ma.output_size_in_bytes / 2**30:.2f} GiB (aliased {ma.alias_size_in_bytes / 2**30:.2f}), "
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
+    if dump_dir:
+        print(f"largest buffers per device (XLA buffer assignment, dump in {dump_dir}):")
+        print("\n".join(buffer_breakdown(dump_dir, a.breakdown)), flush=True)
     return 0
 
 
