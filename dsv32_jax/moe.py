@@ -1,5 +1,6 @@
 """DeepSeek-V3 FFNs: dense SwiGLU MLP, and the MoE with sigmoid router, auxiliary-loss-free correction bias
-(selection only), group-limited top-k, shared expert, and dropless routed experts via `jax.lax.ragged_dot`.
+(selection only), group-limited top-k, shared expert, and dropless routed experts via `jax.lax.ragged_dot` (on
+GPUs: the same grouped SwiGLU over blocks of rows, `blocked_swiglu`).
 
 The router returns the chosen expert ids, and accepts recorded ids to replay them ("keep routing", GRPO):
 the gate weights are then recomputed from the live scores for the given ids, so the router still learns.
@@ -49,6 +50,29 @@ def route(logits: jnp.ndarray, bias: jnp.ndarray, cfg: ModelConfig, replay_ids: 
     return weights * cfg.routed_scaling_factor, ids
 
 
+def _token_axes(mesh, n_tokens: int) -> tuple[str, ...]:
+    """The mesh axes that split the flattened tokens [B x T] (batch axes, then seq); () when they do not divide."""
+    axes = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
+    return axes if n_tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def _route_tokens(logits, bias, cfg: ModelConfig, replay_ids=None):
+    """`route` on each device's own tokens (shard_map over the token axes) when the mesh splits the tokens: left to
+    GSPMD, the top-k selections were computed on every token of the batch on every device."""
+    mesh = sharding.current_mesh()
+    axes = () if mesh is None else _token_axes(mesh, logits.shape[0])
+    if not axes:
+        return route(logits, bias, cfg, replay_ids)
+    tok = P(axes, None)
+    replay = () if replay_ids is None else (replay_ids,)
+
+    def local(logits, bias, *replay):
+        return route(logits, bias, cfg, *replay)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, P()) + (tok,) * len(replay), out_specs=(tok, tok),
+                         axis_names=set(axes), check_vma=False)(logits, bias, *replay)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); the product is formed in float32."""
 
@@ -89,23 +113,59 @@ class Experts(nnx.Module):
 
 def _grouped_swiglu(x, ids, weights, w, first_expert):
     """Experts [first_expert, first_expert + E_local) of w = (gate, up, down) applied to the tokens routed to them
-    (others contribute zero): tokens sorted by expert, one ragged_dot per projection. Returns float32 [N, D]."""
-    w_gate, w_up, w_down = w
+    (others contribute zero): tokens sorted by expert, then `ragged_swiglu` (the reference: one ragged_dot per
+    projection) or, lowered for GPUs, `blocked_swiglu` (the same function in bounded memory). Returns float32
+    [N, D]."""
     n, k = ids.shape
-    num_local = w_gate.shape[0]
+    num_local = w[0].shape[0]
     local = ids.reshape(-1) - first_expert
     local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others -> a trailing dummy group
     order = jnp.argsort(local, stable=True)
     group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
     xs = x[order // k]
+    ys = jax.lax.platform_dependent(xs, group_sizes, *w, cuda=blocked_swiglu, default=ragged_swiglu)
+    gate = weights.astype(jnp.float32).reshape(-1)[order]
+    return jnp.zeros((n, ys.shape[1]), jnp.float32).at[order // k].add(ys * gate[:, None])
 
-    def gmm(lhs, rhs):  # rows past sum(group_sizes) (the dummy group) come out as zeros
+
+def ragged_swiglu(xs, group_sizes, w_gate, w_up, w_down):
+    """Expert SwiGLU on rows sorted by group: rows [sum(sizes[:g]), sum(sizes[:g+1])) through expert g; rows past
+    sum(group_sizes) come out as zeros. float32 [M, D]. XLA:GPU expands each ragged_dot into a dense [G, M, K]
+    masked operand (for the 671B warm-up: 224 GiB per device), hence `blocked_swiglu` there."""
+    def gmm(lhs, rhs):
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
     h = jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
-    ys = gmm(h.astype(x.dtype), w_down)
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+    return gmm(h.astype(xs.dtype), w_down)
+
+
+def blocked_swiglu(xs, group_sizes, w_gate, w_up, w_down, *, block: int = 128, blocks_per_step: int = 8):
+    """`ragged_swiglu` in O(M x D) memory: each group's rows padded to whole blocks of `block` rows, every block
+    through its expert's SwiGLU, `blocks_per_step` blocks at a time (lax.map: only those blocks' expert weights
+    are gathered). At most ceil(M / block) + G blocks (a static bound)."""
+    m, d = xs.shape
+    g = w_gate.shape[0]
+    nb = -(-m // block) + g
+    ends = jnp.cumsum(group_sizes)
+    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for rows past sum(group_sizes)
+    valid = row_group < g
+    grp = jnp.minimum(row_group, g - 1)
+    blocks = -(-group_sizes // block)
+    block_end = jnp.cumsum(blocks)
+    dest = (block_end - blocks)[grp] * block + jnp.arange(m) - (ends - group_sizes)[grp]
+    dest = jnp.where(valid, dest, nb * block)  # dropped
+    padded = jnp.zeros((nb * block, d), xs.dtype).at[dest].set(xs, mode="drop").reshape(nb, block, d)
+    block_group = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), g - 1)
+
+    @jax.checkpoint  # the backward recomputes each block's gathered weights instead of keeping them all
+    def expert(args):
+        x, e = args
+        h = jax.nn.silu(jnp.dot(x, w_gate[e], preferred_element_type=jnp.float32))
+        h = h * jnp.dot(x, w_up[e], preferred_element_type=jnp.float32)
+        return jnp.dot(h.astype(x.dtype), w_down[e], preferred_element_type=jnp.float32)
+
+    out = jax.lax.map(expert, (padded, block_group), batch_size=blocks_per_step).reshape(nb * block, -1)
+    return jnp.where(valid[:, None], out[jnp.minimum(dest, nb * block - 1)], 0.0)
 
 
 def _expert_parallel(mesh, x, ids, weights, w):
@@ -159,7 +219,7 @@ class MoE(nnx.Module):
         xf = x.reshape(b * t, d)
         logits = jnp.dot(xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
         replay = None if replay_ids is None else replay_ids.reshape(b * t, -1)
-        weights, ids = route(logits, self.bias[...], self.cfg, replay)
+        weights, ids = _route_tokens(logits, self.bias[...], self.cfg, replay)
         y = self.experts(xf, ids, weights)
         if self.shared is not None:
             y = y + self.shared(xf).astype(jnp.float32)

@@ -65,11 +65,13 @@ class LossWeights:
         return cls(**{f.name: loss_cfg[f.name] for f in dataclasses.fields(cls)})
 
 
-def lm_objective(model, batch, totals, *, stage: str, weights: LossWeights, model_cfg):
+def lm_objective(model, batch, totals=None, *, stage: str, weights: LossWeights, model_cfg):
     """The stage's loss: warm-up = indexer KL (eq. 3); dense / sparse = LM loss (+ the indexer KL of eq. 4 in the
     sparse stage) + optional MTP and balance losses. Every average divides by `totals` (losses.batch_totals of the
-    step's whole batch), so a microbatch's loss and metrics are its share of the whole batch's.
+    step's whole batch; None: this batch's), so a microbatch's loss and metrics are its share of the whole batch's.
     Returns (loss, (metrics, routing aux, token mask))."""
+    if totals is None:
+        totals = losses.batch_totals(batch, model_cfg.num_nextn_predict_layers)
     logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                         return_aux=True)
     token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
