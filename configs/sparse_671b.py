@@ -25,6 +25,7 @@ def get_config():
     c.loss.balance_weight = 1e-4
     c.data.seq_len = 131072
     c.data.batch_size = 480
+    c.microbatches = 15  # 15 sequences per fsdp shard: one 128K sequence per shard per forward + backward
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
     c.index_chunk = 128
     c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)
