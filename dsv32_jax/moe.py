@@ -1,6 +1,6 @@
 """DeepSeek-V3 FFNs: dense SwiGLU MLP, and the MoE with sigmoid router, auxiliary-loss-free correction bias
 (selection only), group-limited top-k, shared expert, and dropless routed experts via `jax.lax.ragged_dot` (on
-GPUs: the same grouped SwiGLU over blocks of rows, `blocked_swiglu`).
+GPUs: the same function over blocks of rows, `blocked_experts`).
 
 The router returns the chosen expert ids, and accepts recorded ids to replay them ("keep routing", GRPO):
 the gate weights are then recomputed from the live scores for the given ids, so the router still learns.
@@ -113,59 +113,72 @@ class Experts(nnx.Module):
 
 def _grouped_swiglu(x, ids, weights, w, first_expert):
     """Experts [first_expert, first_expert + E_local) of w = (gate, up, down) applied to the tokens routed to them
-    (others contribute zero): tokens sorted by expert, then `ragged_swiglu` (the reference: one ragged_dot per
-    projection) or, lowered for GPUs, `blocked_swiglu` (the same function in bounded memory). Returns float32
-    [N, D]."""
-    n, k = ids.shape
-    num_local = w[0].shape[0]
+    (others contribute zero): `ragged_experts` (the reference) or, lowered for GPUs, `blocked_experts` (the same
+    function in bounded memory). Returns float32 [N, D]."""
+    return jax.lax.platform_dependent(x, ids, weights, *w, jnp.asarray(first_expert, jnp.int32),
+                                      cuda=blocked_experts, default=ragged_experts)
+
+
+def _sort_by_expert(ids, num_local: int, first_expert):
+    """Assignments (token, slot) flattened to N x k, sorted by local expert (others -> a trailing dummy group):
+    (order [N k], group_sizes [E_local])."""
     local = ids.reshape(-1) - first_expert
-    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others -> a trailing dummy group
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)
     order = jnp.argsort(local, stable=True)
-    group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return order, jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+
+
+def ragged_experts(x, ids, weights, w_gate, w_up, w_down, first_expert):
+    """Reference: tokens sorted by expert, one ragged_dot per projection, the outputs weighted and summed back to
+    their tokens. XLA:GPU expands each ragged_dot into a dense [E, N k, D] masked operand (the 671B warm-up: 224 GiB
+    per device), hence `blocked_experts` there."""
+    n, k = ids.shape
+    order, group_sizes = _sort_by_expert(ids, w_gate.shape[0], first_expert)
     xs = x[order // k]
-    ys = jax.lax.platform_dependent(xs, group_sizes, *w, cuda=blocked_swiglu, default=ragged_swiglu)
+
+    def gmm(lhs, rhs):  # rows past sum(group_sizes) (the dummy group) come out as zeros
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+
+    ys = gmm((jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)).astype(x.dtype), w_down)
     gate = weights.astype(jnp.float32).reshape(-1)[order]
     return jnp.zeros((n, ys.shape[1]), jnp.float32).at[order // k].add(ys * gate[:, None])
 
 
-def ragged_swiglu(xs, group_sizes, w_gate, w_up, w_down):
-    """Expert SwiGLU on rows sorted by group: rows [sum(sizes[:g]), sum(sizes[:g+1])) through expert g; rows past
-    sum(group_sizes) come out as zeros. float32 [M, D]. XLA:GPU expands each ragged_dot into a dense [G, M, K]
-    masked operand (for the 671B warm-up: 224 GiB per device), hence `blocked_swiglu` there."""
-    def gmm(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-
-    h = jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
-    return gmm(h.astype(xs.dtype), w_down)
-
-
-def blocked_swiglu(xs, group_sizes, w_gate, w_up, w_down, *, block: int = 128, blocks_per_step: int = 8):
-    """`ragged_swiglu` in O(M x D) memory: each group's rows padded to whole blocks of `block` rows, every block
-    through its expert's SwiGLU, `blocks_per_step` blocks at a time (lax.map: only those blocks' expert weights
-    are gathered). At most ceil(M / block) + G blocks (a static bound)."""
-    m, d = xs.shape
-    g = w_gate.shape[0]
-    nb = -(-m // block) + g
-    ends = jnp.cumsum(group_sizes)
-    row_group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for rows past sum(group_sizes)
-    valid = row_group < g
-    grp = jnp.minimum(row_group, g - 1)
+def blocked_experts(x, ids, weights, w_gate, w_up, w_down, first_expert, *, block: int = 128,
+                    blocks_per_step: int = 8):
+    """`ragged_experts` in O(N x D) memory: each expert's sorted rows cut into blocks of `block` rows (its last
+    block padded), at most ceil(N k / block) + E blocks; a lax.scan takes `blocks_per_step` blocks at a time,
+    gathers their tokens and experts' weights, and adds the weighted SwiGLU outputs into the [N, D] result. Each
+    step is rematerialized in the backward, which keeps only the (token, gate, expert) indices per step."""
+    n, k = ids.shape
+    g, d = w_gate.shape[0], x.shape[1]
+    order, group_sizes = _sort_by_expert(ids, g, first_expert)
+    steps = -(-(-(-n * k // block) + g) // blocks_per_step)
+    nb = steps * blocks_per_step
     blocks = -(-group_sizes // block)
     block_end = jnp.cumsum(blocks)
-    dest = (block_end - blocks)[grp] * block + jnp.arange(m) - (ends - group_sizes)[grp]
-    dest = jnp.where(valid, dest, nb * block)  # dropped
-    padded = jnp.zeros((nb * block, d), xs.dtype).at[dest].set(xs, mode="drop").reshape(nb, block, d)
-    block_group = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), g - 1)
+    j = jnp.arange(nb)
+    e = jnp.minimum(jnp.searchsorted(block_end, j, side="right"), g - 1)  # each block's expert
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    row = (starts[e] + (j - (block_end - blocks)[e]) * block)[:, None] + jnp.arange(block)  # sorted rows [nb, B]
+    valid = row < (starts + group_sizes)[e][:, None]
+    slot = order[jnp.where(valid, row, 0)]
+    token = (slot // k).reshape(steps, -1)
+    gate = jnp.where(valid, weights.astype(jnp.float32).reshape(-1)[slot], 0.0).reshape(steps, -1)
 
-    @jax.checkpoint  # the backward recomputes each block's gathered weights instead of keeping them all
-    def expert(args):
-        x, e = args
-        h = jax.nn.silu(jnp.dot(x, w_gate[e], preferred_element_type=jnp.float32))
-        h = h * jnp.dot(x, w_up[e], preferred_element_type=jnp.float32)
-        return jnp.dot(h.astype(x.dtype), w_down[e], preferred_element_type=jnp.float32)
+    @jax.checkpoint
+    def contribution(token, gate, e):  # [P x B] rows of P blocks -> their weighted outputs, float32
+        xb = x[token].reshape(blocks_per_step, block, d)
+        h = jax.nn.silu(jnp.einsum("pbd,pdi->pbi", xb, w_gate[e], preferred_element_type=jnp.float32))
+        h = h * jnp.einsum("pbd,pdi->pbi", xb, w_up[e], preferred_element_type=jnp.float32)
+        out = jnp.einsum("pbi,pid->pbd", h.astype(x.dtype), w_down[e], preferred_element_type=jnp.float32)
+        return out.reshape(-1, d) * gate[:, None]
 
-    out = jax.lax.map(expert, (padded, block_group), batch_size=blocks_per_step).reshape(nb * block, -1)
-    return jnp.where(valid[:, None], out[jnp.minimum(dest, nb * block - 1)], 0.0)
+    def step(y, inputs):
+        return y.at[inputs[0]].add(contribution(*inputs)), None
+
+    y, _ = jax.lax.scan(step, jnp.zeros((n, d), jnp.float32), (token, gate, e.reshape(steps, -1)))
+    return y
 
 
 def _expert_parallel(mesh, x, ids, weights, w):
