@@ -13,9 +13,8 @@ outputs, temp: activations and everything else the step allocates) and how many 
 replicate a tensor it could not reshard ("involuntary full rematerialization": a sharding gap to fix).
 --layers=N builds the recipe's model with N layers (first dense, the rest MoE) for quick iterations;
 --microbatches=N overrides config.microbatches. --breakdown=N dumps the compiled step (XLA_FLAGS=--xla_dump_to) and
-lists XLA's N largest buffers per device from its buffer assignment: size, shape, HLO instruction and the JAX
-operation it came from (op_name), and whether it lives in the temp allocation (activations) or is an
-argument / output.
+lists what is live at XLA's memory peak per device (its live-range dump), grouped by shape and the JAX operation
+each buffer came from (op_name): the N largest groups.
 """
 
 from __future__ import annotations
@@ -35,22 +34,23 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 VALUE = re.compile(r" value: <\d+ (\S+) @\S+> \(size=(\d+),offset=\d+\): (\S+)")
-ALLOCATION = re.compile(r"^allocation \d+: size \d+,(.*)$")
+PEAK = re.compile(r"^\s+(\S+?)(\{[\d,]*\})?: (\d+) bytes \(cumulative")
 
 
-def buffer_breakdown(dump_dir: str, top: int) -> list[str]:
-    """The `top` largest buffers of the dumped train step's buffer assignment, one line each: GiB, shape, kind
-    (temp / parameter / output), HLO instruction and the most frequent op_name in it (fusions: in the fused
-    computation)."""
-    [assignment] = glob.glob(os.path.join(dump_dir, "*lm_train_step*after_optimizations-buffer-assignment.txt"))
-    hlo = open(assignment.replace("-buffer-assignment.txt", ".txt")).read()
-    values, kind = {}, "temp"
-    for line in open(assignment):
-        if m := ALLOCATION.match(line):
-            kind = "parameter" if "parameter" in m.group(1) else "output" if "output" in m.group(1) else "temp"
-        elif m := VALUE.match(line):
-            name, size, shape = m.group(1), int(m.group(2)), m.group(3)
-            values.setdefault(name, (size, shape, kind))
+def peak_breakdown(dump_dir: str, top: int) -> list[str]:
+    """What is live at the compiled step's memory peak (XLA's live-range dump: arguments, outputs and temp
+    buffers), grouped by (shape, JAX operation): the `top` largest groups, one line each with the count, GiB and
+    the most frequent op_name of the HLO instruction (fusions: in the fused computation)."""
+    [ranges] = glob.glob(os.path.join(dump_dir, "*lm_train_step*after_optimizations-live-range.txt"))
+    stem = ranges[: -len("-live-range.txt")]
+    hlo = open(stem + ".txt").read()
+    shapes = {}
+    for line in open(stem + "-buffer-assignment.txt"):
+        if m := VALUE.match(line):
+            shapes.setdefault(m.group(1), m.group(3).split("{")[0])
+    text = open(ranges).read()
+    start = text.index("(peak):")
+    live = [m.groups() for m in map(PEAK.match, text[start:].splitlines()[1:]) if m]
     computations = {m.group(1): m.start() for m in re.finditer(r"^%?(\S+) [(].*[{]$", hlo, re.M)}
 
     def op_name(name):
@@ -59,14 +59,22 @@ def buffer_breakdown(dump_dir: str, top: int) -> list[str]:
             return "?"
         line = m.group(0)
         if (called := re.search(r"calls=%(\S+?)[,}\s]", line)) and called.group(1) in computations:
-            start = computations[called.group(1)]
-            line = hlo[start:hlo.find("\n}", start)]
+            begin = computations[called.group(1)]
+            line = hlo[begin:hlo.find("\n}", begin)]
         names = collections.Counter(re.findall(r'op_name="([^"]+)"', line))
-        return names.most_common(1)[0][0] if names else "?"
+        return names.most_common(1)[0][0].removeprefix("jit(lm_train_step)/") if names else "?"
 
-    rows = sorted(values.items(), key=lambda kv: -kv[1][0])[:top]
-    return [f"  {size / 2**30:9.3f} GiB  {kind:9s} {shape:32s} {name:36s} {op_name(name)}"
-            for name, (size, shape, kind) in rows]
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, _, size in live:
+        g = groups[(shapes.get(name, "?"), op_name(name) if "param" not in name else "(argument)")]
+        g[0] += 1
+        g[1] += int(size)
+    total = sum(g[1] for g in groups.values())
+    lines = [f"peak {text[text.index('Live ranges at'):start].split()[-1]}: {total / 2**30:.2f} GiB live in "
+             f"{len(live)} buffers; the largest groups (count x shape, GiB, JAX operation):"]
+    for (shape, op), (count, size) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {count:4d} x {shape:28s} {size / 2**30:8.2f}  {op}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -75,7 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the recipe's)")
     p.add_argument("--compile", action="store_true", help="compile for a deviceless H100 topology (.venv-cuda)")
     p.add_argument("--microbatches", type=int, default=0, help="override config.microbatches (0: the recipe's)")
-    p.add_argument("--breakdown", type=int, default=0, help="with --compile: list the N largest XLA buffers")
+    p.add_argument("--breakdown", type=int, default=0,
+                   help="with --compile: the N largest groups of buffers live at the memory peak")
     a = p.parse_args(argv)
     if a.breakdown and not a.compile:
         p.error("--breakdown needs --compile (it reads the compiled step's buffer assignment)")
@@ -150,8 +159,8 @@ def main(argv=None) -> int:
           f" GiB, outputs {ma.output_size_in_bytes / 2**30:.2f} GiB (aliased {ma.alias_size_in_bytes / 2**30:.2f}), "
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
     if dump_dir:
-        print(f"largest buffers per device (XLA buffer assignment, dump in {dump_dir}):")
-        print("\n".join(buffer_breakdown(dump_dir, a.breakdown)), flush=True)
+        print(f"memory peak per device (XLA dump in {dump_dir}):")
+        print("\n".join(peak_breakdown(dump_dir, a.breakdown)), flush=True)
     return 0
 
 
