@@ -2,7 +2,8 @@
 recipe's whole mesh without its devices; prints the memory per device.
 
     python bench/abstract_step.py --config=warmup_671b                 # lower against an AbstractMesh (any venv)
-    .venv-cuda/bin/python bench/abstract_step.py --config=warmup_671b --compile [--layers=2]
+    .venv-cuda/bin/python bench/abstract_step.py --config=warmup_671b --compile [--layers=2] [--microbatches=N]
+        [--breakdown=20]
         # compile for a deviceless H100 topology of the mesh's size (tools/gpu_compile's target config);
         # XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false is set (CUB sort needs a live GPU to compile)
 
@@ -10,19 +11,70 @@ Checks the batch against the mesh first (train.config.check_batch_mesh). Reports
 bytes per device from the sharding rules (exact), and with --compile XLA's memory analysis per device (arguments,
 outputs, temp: activations and everything else the step allocates) and how many times the SPMD partitioner had to
 replicate a tensor it could not reshard ("involuntary full rematerialization": a sharding gap to fix).
---layers=N builds the recipe's model with N layers (first dense, the rest MoE) for quick iterations.
+--layers=N builds the recipe's model with N layers (first dense, the rest MoE) for quick iterations;
+--microbatches=N overrides config.microbatches. --breakdown=N dumps the compiled step (XLA_FLAGS=--xla_dump_to) and
+lists what is live at XLA's memory peak per device (its live-range dump), grouped by shape and the JAX operation
+each buffer came from (op_name): the N largest groups.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import math
 import os
+import re
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+
+VALUE = re.compile(r" value: <\d+ (\S+) @\S+> \(size=(\d+),offset=\d+\): (\S+)")
+PEAK = re.compile(r"^\s+(\S+?)(\{[\d,]*\})?: (\d+) bytes \(cumulative")
+
+
+def peak_breakdown(dump_dir: str, top: int) -> list[str]:
+    """What is live at the compiled step's memory peak (XLA's live-range dump: arguments, outputs and temp
+    buffers), grouped by (shape, JAX operation): the `top` largest groups, one line each with the count, GiB and
+    the most frequent op_name of the HLO instruction (fusions: in the fused computation)."""
+    [ranges] = glob.glob(os.path.join(dump_dir, "*lm_train_step*after_optimizations-live-range.txt"))
+    stem = ranges[: -len("-live-range.txt")]
+    hlo = open(stem + ".txt").read()
+    shapes = {}
+    for line in open(stem + "-buffer-assignment.txt"):
+        if m := VALUE.match(line):
+            shapes.setdefault(m.group(1), m.group(3).split("{")[0])
+    text = open(ranges).read()
+    start = text.index("(peak):")
+    live = [m.groups() for m in map(PEAK.match, text[start:].splitlines()[1:]) if m]
+    computations = {m.group(1): m.start() for m in re.finditer(r"^%?(\S+) [(].*[{]$", hlo, re.M)}
+
+    def op_name(name):
+        m = re.search(rf"^\s*(?:ROOT )?%{re.escape(name)} = .*$", hlo, re.M)
+        if not m:
+            return "?"
+        line = m.group(0)
+        if (called := re.search(r"calls=%(\S+?)[,}\s]", line)) and called.group(1) in computations:
+            begin = computations[called.group(1)]
+            line = hlo[begin:hlo.find("\n}", begin)]
+        names = collections.Counter(re.findall(r'op_name="([^"]+)"', line))
+        return names.most_common(1)[0][0].removeprefix("jit(lm_train_step)/") if names else "?"
+
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, _, size in live:
+        g = groups[(shapes.get(name, "?"), op_name(name) if "param" not in name else "(argument)")]
+        g[0] += 1
+        g[1] += int(size)
+    total = sum(g[1] for g in groups.values())
+    lines = [f"peak {text[text.index('Live ranges at'):start].split()[-1]}: {total / 2**30:.2f} GiB live in "
+             f"{len(live)} buffers; the largest groups (count x shape, GiB, JAX operation):"]
+    for (shape, op), (count, size) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {count:4d} x {shape:28s} {size / 2**30:8.2f}  {op}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -30,12 +82,21 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="warmup_671b", help="experiment name under configs/")
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the recipe's)")
     p.add_argument("--compile", action="store_true", help="compile for a deviceless H100 topology (.venv-cuda)")
+    p.add_argument("--microbatches", type=int, default=0, help="override config.microbatches (0: the recipe's)")
+    p.add_argument("--breakdown", type=int, default=0,
+                   help="with --compile: the N largest groups of buffers live at the memory peak")
     a = p.parse_args(argv)
+    if a.breakdown and not a.compile:
+        p.error("--breakdown needs --compile (it reads the compiled step's buffer assignment)")
+    dump_dir = tempfile.mkdtemp(prefix="abstract_step_") if a.breakdown else None
     if a.compile:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         flags = os.environ.get("XLA_FLAGS", "")
         if "cub_radix_sort" not in flags:
-            os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_cub_radix_sort=false").strip()
+            flags += " --xla_gpu_enable_cub_radix_sort=false"
+        if dump_dir:
+            flags += f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=lm_train_step"
+        os.environ["XLA_FLAGS"] = flags.strip()
 
     import jax
     import jax.numpy as jnp
@@ -51,6 +112,8 @@ def main(argv=None) -> int:
     c = base_config(a.config)
     if a.layers:
         c.model_overrides = {"num_hidden_layers": a.layers, "first_k_dense_replace": min(1, a.layers)}
+    if a.microbatches:
+        c.microbatches = a.microbatches
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)
@@ -58,7 +121,8 @@ def main(argv=None) -> int:
     trainer = Trainer(c, os.path.join("/tmp", "abstract_step"), allocate=False)
     graphdef, state = trainer.abstract_state()
     per_device = shd.per_device_bytes(state, sizes)
-    print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len}, "
+    print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len} "
+          f"({c.microbatches} microbatches), "
           f"{trainer.cfg.num_hidden_layers} layers; parameters + optimizer state per device: {per_device / 2**30:.2f} "
           "GiB", flush=True)
     if a.compile:
@@ -78,7 +142,7 @@ def main(argv=None) -> int:
              for k in steps.LM_BATCH_KEYS}
     fn = steps.compile_lm_step(st_sh, bsh, graphdef=graphdef, stage=trainer.stage, trainable=trainer.filter,
                                weights=steps.LossWeights.from_config(c.loss), model_cfg=trainer.cfg,
-                               lr_schedule=learning_rate_schedule(c.optimizer))
+                               lr_schedule=learning_rate_schedule(c.optimizer), microbatches=c.microbatches)
     with shd.use_mesh(mesh):
         if a.compile:
             with jax.default_device(mesh.devices.flat[0]):
@@ -94,6 +158,9 @@ def main(argv=None) -> int:
     print(f"compiled in {time.perf_counter() - t1:.1f}s; per device: arguments {ma.argument_size_in_bytes / 2**30:.2f}"
           f" GiB, outputs {ma.output_size_in_bytes / 2**30:.2f} GiB (aliased {ma.alias_size_in_bytes / 2**30:.2f}), "
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
+    if dump_dir:
+        print(f"memory peak per device (XLA dump in {dump_dir}):")
+        print("\n".join(peak_breakdown(dump_dir, a.breakdown)), flush=True)
     return 0
 
 

@@ -1,9 +1,11 @@
 """The paper's sparse training stage: top-k 2048 sparse attention, all parameters trained, the indexer by the
 KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
 (943.7B tokens). Mesh: 2048 devices (256 nodes x 8): the 480 sequences split over fsdp:32 (15 per shard), each
-sequence over seq:16, heads / hidden units over tensor:4; parameters 128-way (fsdp x tensor): fp32 master weights +
-AdamW take ~60 GiB per device, which leaves too little for 128K-token activations (BENCHMARKS.md "The 671B
-recipes"): this recipe validates and lowers, it does not fit an 80 GB device yet."""
+sequence over seq:16, heads / hidden units over tensor:4; 15 microbatches (one sequence per fsdp shard per forward
++ backward). Does not fit an 80 GB device yet: parameters 128-way (fsdp x tensor), fp32 master weights + AdamW take
+60 GiB per device, and the 2- and 8-layer deviceless H100 compiles (22.2 / 36.4 GiB temp) extrapolate to ~221 GiB
+per device at 61 layers (BENCHMARKS.md, "The 671B recipes"): it needs parameters and optimizer state sharded over
+seq too."""
 from dsv32_jax.train.config import default_config
 
 
@@ -25,6 +27,7 @@ def get_config():
     c.loss.balance_weight = 1e-4
     c.data.seq_len = 131072
     c.data.batch_size = 480
+    c.microbatches = 15  # 15 sequences per fsdp shard: one 128K sequence per shard per forward + backward
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
     c.index_chunk = 128
     c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)

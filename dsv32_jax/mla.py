@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.layers import Dense, RMSNorm
 from dsv32_jax.options import RunOptions
 from dsv32_jax.rope import apply_rope_interleaved
-from dsv32_jax.sharding import SEQ_AXIS, current_mesh
+from dsv32_jax.sharding import BATCH_AXES, SEQ_AXIS, current_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -218,12 +219,18 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
     """Sequence (context) parallelism over the mesh axis "seq": each device keeps its slice of the queries (dim 1
     of every q_side array) and all-gathers the keys' side (the 576-d latent rows, the indexer keys and their
     segment ids: O(L) bytes, the only communication; its transpose in the backward is a reduce-scatter), then runs
-    `attend` on local queries against all keys. Other mesh axes (batch, heads) stay automatic."""
-    spec = P(None, SEQ_AXIS)
+    `attend` on local queries against all keys. The batch axes are manual too (rows are independent), so the
+    all-gather stays within each device's own sequences (left automatic, GSPMD gathered every sequence of the
+    batch); the heads' axis stays automatic."""
+    rows = q_side[0].shape[0]
+    batch = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    if rows % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    spec = P(batch or None, SEQ_AXIS)
 
     def local(q_side, kv_side):
         kv_side = jax.tree.map(lambda a: jax.lax.all_gather(a, SEQ_AXIS, axis=1, tiled=True), kv_side)
         return attend(*q_side, *kv_side)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec, axis_names={SEQ_AXIS},
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec, axis_names={SEQ_AXIS, *batch},
                          check_vma=False)(q_side, kv_side)

@@ -1,5 +1,6 @@
 """DeepSeek-V3 FFNs: dense SwiGLU MLP, and the MoE with sigmoid router, auxiliary-loss-free correction bias
-(selection only), group-limited top-k, shared expert, and dropless routed experts via `jax.lax.ragged_dot`.
+(selection only), group-limited top-k, shared expert, and dropless routed experts via `jax.lax.ragged_dot` (on
+GPUs: the same function over blocks of rows, `blocked_experts`).
 
 The router returns the chosen expert ids, and accepts recorded ids to replay them ("keep routing", GRPO):
 the gate weights are then recomputed from the live scores for the given ids, so the router still learns.
@@ -49,6 +50,29 @@ def route(logits: jnp.ndarray, bias: jnp.ndarray, cfg: ModelConfig, replay_ids: 
     return weights * cfg.routed_scaling_factor, ids
 
 
+def _token_axes(mesh, n_tokens: int) -> tuple[str, ...]:
+    """The mesh axes that split the flattened tokens [B x T] (batch axes, then seq); () when they do not divide."""
+    axes = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
+    return axes if n_tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def _route_tokens(logits, bias, cfg: ModelConfig, replay_ids=None):
+    """`route` on each device's own tokens (shard_map over the token axes) when the mesh splits the tokens: left to
+    GSPMD, the top-k selections were computed on every token of the batch on every device."""
+    mesh = sharding.current_mesh()
+    axes = () if mesh is None else _token_axes(mesh, logits.shape[0])
+    if not axes:
+        return route(logits, bias, cfg, replay_ids)
+    tok = P(axes, None)
+    replay = () if replay_ids is None else (replay_ids,)
+
+    def local(logits, bias, *replay):
+        return route(logits, bias, cfg, *replay)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, P()) + (tok,) * len(replay), out_specs=(tok, tok),
+                         axis_names=set(axes), check_vma=False)(logits, bias, *replay)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); the product is formed in float32."""
 
@@ -89,23 +113,72 @@ class Experts(nnx.Module):
 
 def _grouped_swiglu(x, ids, weights, w, first_expert):
     """Experts [first_expert, first_expert + E_local) of w = (gate, up, down) applied to the tokens routed to them
-    (others contribute zero): tokens sorted by expert, one ragged_dot per projection. Returns float32 [N, D]."""
-    w_gate, w_up, w_down = w
-    n, k = ids.shape
-    num_local = w_gate.shape[0]
+    (others contribute zero): `ragged_experts` (the reference) or, lowered for GPUs, `blocked_experts` (the same
+    function in bounded memory). Returns float32 [N, D]."""
+    return jax.lax.platform_dependent(x, ids, weights, *w, jnp.asarray(first_expert, jnp.int32),
+                                      cuda=blocked_experts, default=ragged_experts)
+
+
+def _sort_by_expert(ids, num_local: int, first_expert):
+    """Assignments (token, slot) flattened to N x k, sorted by local expert (others -> a trailing dummy group):
+    (order [N k], group_sizes [E_local])."""
     local = ids.reshape(-1) - first_expert
-    local = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others -> a trailing dummy group
+    local = jnp.where((local >= 0) & (local < num_local), local, num_local)
     order = jnp.argsort(local, stable=True)
-    group_sizes = jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return order, jnp.bincount(local, length=num_local + 1)[:num_local].astype(jnp.int32)
+
+
+def ragged_experts(x, ids, weights, w_gate, w_up, w_down, first_expert):
+    """Reference: tokens sorted by expert, one ragged_dot per projection, the outputs weighted and summed back to
+    their tokens. XLA:GPU expands each ragged_dot into a dense [E, N k, D] masked operand (the 671B warm-up: 224 GiB
+    per device), hence `blocked_experts` there."""
+    n, k = ids.shape
+    order, group_sizes = _sort_by_expert(ids, w_gate.shape[0], first_expert)
     xs = x[order // k]
 
     def gmm(lhs, rhs):  # rows past sum(group_sizes) (the dummy group) come out as zeros
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
 
-    h = jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)
-    ys = gmm(h.astype(x.dtype), w_down)
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32))
+    ys = gmm((jax.nn.silu(gmm(xs, w_gate)) * gmm(xs, w_up)).astype(x.dtype), w_down)
+    gate = weights.astype(jnp.float32).reshape(-1)[order]
+    return jnp.zeros((n, ys.shape[1]), jnp.float32).at[order // k].add(ys * gate[:, None])
+
+
+def blocked_experts(x, ids, weights, w_gate, w_up, w_down, first_expert, *, block: int = 128,
+                    blocks_per_step: int = 8):
+    """`ragged_experts` in O(N x D) memory: each expert's sorted rows cut into blocks of `block` rows (its last
+    block padded), at most ceil(N k / block) + E blocks; a lax.scan takes `blocks_per_step` blocks at a time,
+    gathers their tokens and experts' weights, and adds the weighted SwiGLU outputs into the [N, D] result. Each
+    step is rematerialized in the backward, which keeps only the (token, gate, expert) indices per step."""
+    n, k = ids.shape
+    g, d = w_gate.shape[0], x.shape[1]
+    order, group_sizes = _sort_by_expert(ids, g, first_expert)
+    steps = -(-(-(-n * k // block) + g) // blocks_per_step)
+    nb = steps * blocks_per_step
+    blocks = -(-group_sizes // block)
+    block_end = jnp.cumsum(blocks)
+    j = jnp.arange(nb)
+    e = jnp.minimum(jnp.searchsorted(block_end, j, side="right"), g - 1)  # each block's expert
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    row = (starts[e] + (j - (block_end - blocks)[e]) * block)[:, None] + jnp.arange(block)  # sorted rows [nb, B]
+    valid = row < (starts + group_sizes)[e][:, None]
+    slot = order[jnp.where(valid, row, 0)]
+    token = (slot // k).reshape(steps, -1)
+    gate = jnp.where(valid, weights.astype(jnp.float32).reshape(-1)[slot], 0.0).reshape(steps, -1)
+
+    @jax.checkpoint
+    def contribution(token, gate, e):  # [P x B] rows of P blocks -> their weighted outputs, float32
+        xb = x[token].reshape(blocks_per_step, block, d)
+        h = jax.nn.silu(jnp.einsum("pbd,pdi->pbi", xb, w_gate[e], preferred_element_type=jnp.float32))
+        h = h * jnp.einsum("pbd,pdi->pbi", xb, w_up[e], preferred_element_type=jnp.float32)
+        out = jnp.einsum("pbi,pid->pbd", h.astype(x.dtype), w_down[e], preferred_element_type=jnp.float32)
+        return out.reshape(-1, d) * gate[:, None]
+
+    def step(y, inputs):
+        return y.at[inputs[0]].add(contribution(*inputs)), None
+
+    y, _ = jax.lax.scan(step, jnp.zeros((n, d), jnp.float32), (token, gate, e.reshape(steps, -1)))
+    return y
 
 
 def _expert_parallel(mesh, x, ids, weights, w):
@@ -125,6 +198,9 @@ def _expert_parallel(mesh, x, ids, weights, w):
         return _grouped_swiglu(x, ids, weights, w, first_expert=0)  # uneven split: let GSPMD place it
 
     def body(x, ids, weights, w_gate, w_up, w_down):
+        # the weights' all-gather waits for this layer's tokens: depending on parameters only, XLA's scheduler
+        # started every layer's gather at the top of the step (the 61-layer warm-up: 52 x 0.9 GiB live at once)
+        x, w_gate, w_up, w_down = jax.lax.optimization_barrier((x, w_gate, w_up, w_down))
         if fsdp:  # FSDP: gather the model dim of the local experts' weights
             w_gate = jax.lax.all_gather(w_gate, fsdp, axis=1, tiled=True)
             w_up = jax.lax.all_gather(w_up, fsdp, axis=1, tiled=True)
@@ -159,7 +235,7 @@ class MoE(nnx.Module):
         xf = x.reshape(b * t, d)
         logits = jnp.dot(xf.astype(jnp.float32), self.router[...].astype(jnp.float32))
         replay = None if replay_ids is None else replay_ids.reshape(b * t, -1)
-        weights, ids = route(logits, self.bias[...], self.cfg, replay)
+        weights, ids = _route_tokens(logits, self.bias[...], self.cfg, replay)
         y = self.experts(xf, ids, weights)
         if self.shared is not None:
             y = y + self.shared(xf).astype(jnp.float32)

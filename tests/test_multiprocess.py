@@ -5,7 +5,8 @@ batch's rows split over the processes: data.shards = 2, each process reading its
 checkpoint written by the 2 processes (parameters, optimizer state, both shards' data positions) is resumed by 1
 process (sparse stage), continuing exactly like the uninterrupted run. Losses AND gradient norms are compared
 (Adam's first steps are nearly sign-only, so equal losses alone would not catch a wrong gradient); few steps, since
-float noise can later flip a near-tied routing / top-k choice."""
+float noise can later flip a near-tied routing / top-k choice. The sharded runs accumulate gradients over 2
+microbatches (config.microbatches), the 1-device run takes each batch whole: the same step."""
 
 import json
 import os
@@ -41,7 +42,8 @@ for stage in stages:
     config = load_config(f"{stage}_tiny", steps=steps, log_every=1000, mesh=mesh, init_from="", **{
         "data.seq_len": 32, "data.batch_size": 8, "data.shards": 2, "checkpoint.every": 2,
         "checkpoint.use_async": False, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3,
-        "loss.mtp_weight": 0.1, "loss.balance_weight": 1e-2, "loss.bias_update_speed": 1e-3})
+        "loss.mtp_weight": 0.1, "loss.balance_weight": 1e-2, "loss.bias_update_speed": 1e-3,
+        "microbatches": 1 if mesh == "fsdp:1" else 2})
     # 2 layers (a dense one and an MoE one) + the MTP layer: every kind of block, less to compile
     config.model_overrides = {"initializer_range": 0.3, "index_topk": 8, "num_hidden_layers": 2}
     trainer = Trainer(config, os.path.join(root, stage, mesh))

@@ -40,6 +40,11 @@ def default_config() -> ml_collections.ConfigDict:
     c.param_dtype = "float32"
     c.seed = 0
     c.steps = 100
+    # Gradient accumulation: each step's global batch (data.batch_size) runs as this many microbatches, one forward
+    # + backward at a time (train/steps.py:accumulate_grads), then ONE optimizer update: the same step as the
+    # un-split batch (losses averaged over the whole batch) with 1/microbatches of its activations. Each microbatch
+    # keeps data.batch_size / microbatches rows split over the batch mesh axes.
+    c.microbatches = 1
     c.attention = "sparse"  # "sparse" | "kernel" | "dense" (DSA attention implementation)
     c.attn_chunk = 64
     c.index_chunk = 128
@@ -111,8 +116,9 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
-    """Validates config.data.batch_size / seq_len against config.mesh before anything is built: the global batch is
-    split over the batch mesh axes (data x fsdp x expert) and must divide evenly, the sequence over the seq axis.
+    """Validates config.data.batch_size / seq_len / config.microbatches against config.mesh before anything is
+    built: the global batch is split over the batch mesh axes (data x fsdp x expert) and must divide evenly, and so
+    must each of its config.microbatches microbatches; the sequence over the seq axis.
     Returns the mesh sizes. Raises ValueError naming both the batch and the mesh."""
     import jax
 
@@ -132,12 +138,19 @@ def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
     for a in batch_axes:
         shards *= sizes[a]
     batch = config.data.batch_size
+    split = " x ".join(f"{a}:{sizes[a]}" for a in batch_axes)
     if batch % shards:
-        split = " x ".join(f"{a}:{sizes[a]}" for a in batch_axes)
         raise ValueError(
             f"config.data.batch_size={batch} cannot be split over the batch axes of config.mesh={spec!r} "
             f"({split} = {shards} shards): use a batch size that is a multiple of {shards}, or a mesh whose batch "
             f"axes multiply to a divisor of {batch} (put the other devices on tensor or seq)")
+    micro = config.get("microbatches", 1)
+    if not isinstance(micro, int) or micro < 1 or (batch // shards) % micro:
+        raise ValueError(
+            f"config.microbatches={micro!r} must be a positive integer that divides the {batch // shards} rows per "
+            f"shard of config.data.batch_size={batch} over the batch axes of config.mesh={spec!r} ({split} = {shards} "
+            "shards): every microbatch is split over the same shards (batch_size = a multiple of microbatches x "
+            f"{shards})")
     seq_shards = sizes.get("seq", 1)
     if config.data.seq_len % seq_shards:
         raise ValueError(f"config.data.seq_len={config.data.seq_len} cannot be split over seq:{seq_shards} of "

@@ -7,8 +7,21 @@ import jax
 import jax.numpy as jnp
 
 
-def masked_mean(x: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+def masked_mean(x: jnp.ndarray, mask: jnp.ndarray, total=None) -> jnp.ndarray:
+    """sum(x * mask) / max(sum(mask), 1); with `total` (a count over the whole step's batch, `batch_totals`) this
+    microbatch's share of the whole batch's mean instead: the shares add up to the un-split mean."""
+    return jnp.sum(x * mask) / (jnp.maximum(jnp.sum(mask), 1.0) if total is None else total)
+
+
+def batch_totals(batch, mtp_depths: int) -> dict:
+    """The denominators of a step's averages over its WHOLE batch (before any split into microbatches): real
+    tokens (indexer KL, captured mass), LM-loss tokens, each MTP depth's tokens, sequences (balance loss)."""
+    def count(mask):
+        return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+
+    return {"tokens": count(batch["segment_ids"] > 0), "lm": count(batch["loss_mask"]),
+            "mtp": [count(mtp_targets(batch, d)[1]) for d in range(mtp_depths)],
+            "sequences": jnp.asarray(batch["tokens"].shape[0], jnp.float32)}
 
 
 def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
@@ -17,8 +30,8 @@ def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
     return -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
-def lm_loss(logits, batch) -> jnp.ndarray:
-    return masked_mean(token_nll(logits, batch["targets"]), batch["loss_mask"])
+def lm_loss(logits, batch, total=None) -> jnp.ndarray:
+    return masked_mean(token_nll(logits, batch["targets"]), batch["loss_mask"], total)
 
 
 def _shift_left(x):
@@ -37,22 +50,23 @@ def mtp_targets(batch, depth: int):
     return targets, mask
 
 
-def mtp_loss(mtp_logits: list, batch) -> jnp.ndarray:
+def mtp_loss(mtp_logits: list, batch, totals=None) -> jnp.ndarray:
+    """Mean over depths of the masked token mean; totals: per depth, `batch_totals(...)["mtp"]`."""
     if not mtp_logits:
         return jnp.zeros((), jnp.float32)
     losses = []
     for depth, logits in enumerate(mtp_logits):
         targets, mask = mtp_targets(batch, depth)
-        losses.append(masked_mean(token_nll(logits, targets), mask))
+        losses.append(masked_mean(token_nll(logits, targets), mask, None if totals is None else totals[depth]))
     return jnp.mean(jnp.stack(losses))
 
 
-def indexer_kl(aux, token_mask) -> tuple[jnp.ndarray, dict]:
+def indexer_kl(aux, token_mask, total=None) -> tuple[jnp.ndarray, dict]:
     """Mean over layers of the token-averaged indexer KL; also per-layer values (and captured mass if present)."""
-    per_layer = {k: masked_mean(v, token_mask) for k, v in aux.get("indexer_kl", {}).items()}
+    per_layer = {k: masked_mean(v, token_mask, total) for k, v in aux.get("indexer_kl", {}).items()}
     metrics = {f"indexer_kl/{k}": v for k, v in per_layer.items()}
     for k, v in aux.get("indexer_captured", {}).items():
-        metrics[f"captured_mass/{k}"] = masked_mean(v, token_mask)
+        metrics[f"captured_mass/{k}"] = masked_mean(v, token_mask, total)
     if not per_layer:
         return jnp.zeros((), jnp.float32), metrics
     return jnp.mean(jnp.stack(list(per_layer.values()))), metrics
@@ -64,9 +78,12 @@ def expert_counts(ids: jnp.ndarray, token_mask: jnp.ndarray, num_experts: int) -
     return jnp.sum(one_hot * token_mask[..., None], axis=1)
 
 
-def balance_loss(aux, token_mask, num_experts: int, top_k: int) -> jnp.ndarray:
+def balance_loss(aux, token_mask, num_experts: int, top_k: int, num_sequences=None) -> jnp.ndarray:
     """Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): sum_i f_i P_i per sequence, averaged over sequences
-    and MoE layers; f_i = E / (K T) * count_i, P_i = mean_t s'_{i,t}."""
+    (num_sequences: the whole batch's, for a microbatch's share) and MoE layers; f_i = E / (K T) * count_i,
+    P_i = mean_t s'_{i,t}."""
+    if num_sequences is None:
+        num_sequences = token_mask.shape[0]
     losses = []
     n_tokens = jnp.maximum(jnp.sum(token_mask, axis=1, keepdims=True), 1.0)  # [B, 1]
     for key, ids in aux.get("routing", {}).items():
@@ -74,11 +91,16 @@ def balance_loss(aux, token_mask, num_experts: int, top_k: int) -> jnp.ndarray:
             continue
         f = num_experts / top_k * expert_counts(ids, token_mask, num_experts) / n_tokens
         p = jnp.sum(aux["router_prob"][key] * token_mask[..., None], axis=1) / n_tokens
-        losses.append(jnp.mean(jnp.sum(f * p, axis=-1)))
+        losses.append(jnp.sum(f * p) / num_sequences)
     return jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
 
 
-def bias_update(bias: jnp.ndarray, ids: jnp.ndarray, token_mask, speed: float) -> jnp.ndarray:
-    """Auxiliary-loss-free balancing: raise the bias of under-loaded experts by `speed`, lower over-loaded ones."""
-    load = jnp.sum(expert_counts(ids, token_mask, bias.shape[0]), axis=0)
+def expert_load(ids: jnp.ndarray, token_mask, num_experts: int) -> jnp.ndarray:
+    """Tokens routed to each expert over the batch: [E] float32 (adds up over microbatches)."""
+    return jnp.sum(expert_counts(ids, token_mask, num_experts), axis=0)
+
+
+def bias_update(bias: jnp.ndarray, load: jnp.ndarray, speed: float) -> jnp.ndarray:
+    """Auxiliary-loss-free balancing: raise the bias of under-loaded experts by `speed`, lower over-loaded ones;
+    load [E] = `expert_load` over the step's whole batch."""
     return bias + speed * jnp.sign(jnp.mean(load) - load)

@@ -65,14 +65,18 @@ class LossWeights:
         return cls(**{f.name: loss_cfg[f.name] for f in dataclasses.fields(cls)})
 
 
-def lm_objective(model, batch, *, stage: str, weights: LossWeights, model_cfg):
+def lm_objective(model, batch, totals=None, *, stage: str, weights: LossWeights, model_cfg):
     """The stage's loss: warm-up = indexer KL (eq. 3); dense / sparse = LM loss (+ the indexer KL of eq. 4 in the
-    sparse stage) + optional MTP and balance losses. Returns (loss, (metrics, routing aux, token mask))."""
+    sparse stage) + optional MTP and balance losses. Every average divides by `totals` (losses.batch_totals of the
+    step's whole batch; None: this batch's), so a microbatch's loss and metrics are its share of the whole batch's.
+    Returns (loss, (metrics, routing aux, token mask))."""
+    if totals is None:
+        totals = losses.batch_totals(batch, model_cfg.num_nextn_predict_layers)
     logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
                         return_aux=True)
     token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-    lm = losses.lm_loss(logits, batch)
-    kl, metrics = losses.indexer_kl(aux, token_mask)
+    lm = losses.lm_loss(logits, batch, totals["lm"])
+    kl, metrics = losses.indexer_kl(aux, token_mask, totals["tokens"])
     metrics.update(lm_loss=lm, indexer_kl=kl)
     if stage == "warmup":
         loss = kl
@@ -81,11 +85,12 @@ def lm_objective(model, batch, *, stage: str, weights: LossWeights, model_cfg):
         if stage == "sparse":
             loss = loss + weights.indexer_weight * kl
         if weights.mtp_weight and aux["mtp_logits"]:
-            mtp = losses.mtp_loss(aux["mtp_logits"], batch)
+            mtp = losses.mtp_loss(aux["mtp_logits"], batch, totals["mtp"])
             metrics["mtp_loss"] = mtp
             loss = loss + weights.mtp_weight * mtp
         if weights.balance_weight and model_cfg.has_moe:
-            bal = losses.balance_loss(aux, token_mask, model_cfg.n_routed_experts, model_cfg.num_experts_per_tok)
+            bal = losses.balance_loss(aux, token_mask, model_cfg.n_routed_experts, model_cfg.num_experts_per_tok,
+                                      totals["sequences"])
             metrics["balance_loss"] = bal
             loss = loss + weights.balance_weight * bal
     captured = [v for k, v in metrics.items() if k.startswith("captured_mass/")]
@@ -95,23 +100,67 @@ def lm_objective(model, batch, *, stage: str, weights: LossWeights, model_cfg):
     return loss, (metrics, {k: aux[k] for k in ("routing",) if k in aux}, token_mask)
 
 
+def split_microbatches(batch: dict, n: int) -> dict:
+    """[B, ...] -> [n, B/n, ...] with microbatch i = rows i::n. The batch is split over devices in contiguous
+    blocks of rows, and every block holds B/(n x shards) rows of each microbatch, so the split moves no data
+    (check_batch_mesh makes B divisible by n x shards); each microbatch stays split over the batch axes."""
+    def split(x):
+        x = jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+        return shd.constrain(x, (None, "batch", "seq")[:x.ndim])
+    return jax.tree.map(split, batch)
+
+
+def _microbatch_grads(graphdef, params, rest, batch, totals, *, objective, num_experts: int | None):
+    """Gradients (w.r.t. `params`: the trainable state) of one (micro)batch's share of the loss, its metrics and
+    (num_experts set) the expert loads per MoE layer [E] that the bias update needs. A pure function of arrays (the
+    model is merged inside), so it runs in a lax.scan body."""
+    def loss_fn(params):
+        return objective(nnx.merge(graphdef, params, rest), batch, totals)
+
+    grads, (metrics, aux, token_mask) = jax.grad(loss_fn, has_aux=True)(params)
+    loads = {} if num_experts is None else {
+        key: losses.expert_load(ids, token_mask, num_experts) for key, ids in aux["routing"].items() if ids is not None}
+    return grads, metrics, loads
+
+
+def accumulate_grads(model, batch: dict, totals: dict, microbatches: int, *, trainable, **kw):
+    """Sum over `microbatches` microbatches (a lax.scan, one forward + backward at a time) of _microbatch_grads
+    w.r.t. the `trainable` parameters: since each microbatch's loss is its share of the whole batch's (`totals`),
+    the sums are the un-split step's gradients, metrics and loads up to float rounding. Accumulated in float32,
+    returned in the gradients' dtype."""
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    one = functools.partial(_microbatch_grads, graphdef, params, rest, totals=totals, **kw)
+    if microbatches == 1:
+        return one(batch)
+    micro = split_microbatches(batch, microbatches)
+    shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)), shapes)
+
+    def body(acc, mb):
+        return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, one(mb)), None
+
+    acc, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda a, s: a.astype(s.dtype), acc, shapes)
+
+
 def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, trainable, weights: LossWeights,
-                  model_cfg, lr_schedule, indexer_lr_schedule=None) -> tuple[nnx.State, dict]:
+                  model_cfg, lr_schedule, indexer_lr_schedule=None, microbatches: int = 1) -> tuple[nnx.State, dict]:
     """One optimizer step on `batch`; state = nnx state of (model, optimizer). Only `trainable` (the stage's
-    filter) gets gradients. Returns the new state and scalar metrics (grad_norm: global L2 norm before clipping;
-    grad_norm/main, grad_norm/indexer: each optimizer group's, which its own clip sees; lr, lr_indexer: the
-    learning rates this update used)."""
+    filter) gets gradients, accumulated over `microbatches` splits of the batch (config.microbatches). Returns the
+    new state and scalar metrics (grad_norm: global L2 norm before clipping; grad_norm/main, grad_norm/indexer:
+    each optimizer group's, which its own clip sees; lr, lr_indexer: the learning rates this update used)."""
     model, optimizer = nnx.merge(graphdef, state)
-    grad_fn = nnx.grad(functools.partial(lm_objective, stage=stage, weights=weights, model_cfg=model_cfg),
-                       argnums=nnx.DiffState(0, trainable), has_aux=True)
-    grads, (metrics, aux, token_mask) = grad_fn(model, batch)
+    totals = losses.batch_totals(batch, model_cfg.num_nextn_predict_layers)
+    bias_update = bool(weights.bias_update_speed) and stage != "warmup"
+    grads, metrics, loads = accumulate_grads(
+        model, batch, totals, microbatches, trainable=trainable,
+        objective=functools.partial(lm_objective, stage=stage, weights=weights, model_cfg=model_cfg),
+        num_experts=model_cfg.n_routed_experts if bias_update else None)
     optimizer.update(model, grads)
-    if weights.bias_update_speed and stage != "warmup":
-        for key, ids in aux["routing"].items():
-            if ids is not None:
-                n = model_cfg.num_hidden_layers
-                ffn = (model.layers[key] if key < n else model.mtp[key - n].block).ffn
-                ffn.bias[...] = losses.bias_update(ffn.bias[...], ids, token_mask, weights.bias_update_speed)
+    for key, load in loads.items():
+        n = model_cfg.num_hidden_layers
+        ffn = (model.layers[key] if key < n else model.mtp[key - n].block).ffn
+        ffn.bias[...] = losses.bias_update(ffn.bias[...], load, weights.bias_update_speed)
     metrics["grad_norm"] = optax.tree.norm(grads)
     for group, norm in group_norms(grads).items():
         metrics[f"grad_norm/{group}"] = norm
@@ -123,7 +172,8 @@ def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, traina
 
 
 def compile_lm_step(state_shardings, batch_sharding: NamedSharding, **static):
-    """jit(lm_train_step) for one stage: `static` = lm_train_step's keyword arguments; the state is donated."""
+    """jit(lm_train_step) for one stage: `static` = lm_train_step's keyword arguments (microbatches included);
+    the state is donated."""
     batch_sh = {k: batch_sharding for k in LM_BATCH_KEYS}
     return jax.jit(functools.partial(lm_train_step, **static), in_shardings=(state_shardings, batch_sh),
                    out_shardings=(state_shardings, None), donate_argnums=0)

@@ -159,7 +159,8 @@ class Trainer:
             self.ts.shardings, self.batch_sharding, graphdef=self.ts.graphdef, stage=self.stage,
             trainable=self.filter, weights=steps.LossWeights.from_config(self.config.loss), model_cfg=self.cfg,
             lr_schedule=learning_rate_schedule(self.config.optimizer),
-            indexer_lr_schedule=learning_rate_schedule(group_config(self.config.optimizer, "indexer")))
+            indexer_lr_schedule=learning_rate_schedule(group_config(self.config.optimizer, "indexer")),
+            microbatches=self.config.get("microbatches", 1))
 
     def device_batch(self, batch: dict) -> dict:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
