@@ -177,7 +177,7 @@ class Trainer:
 
     @property
     def step(self) -> int:
-        return int(nnx.merge(self.ts.graphdef, self.ts.state)[1].step[...])
+        return int(self.ts.state[1]["step"][...])  # the optimizer's step counter, read without merging the state
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_manager(self) -> ocp.CheckpointManager:
