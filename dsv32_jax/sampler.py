@@ -225,10 +225,13 @@ class MultiTurnSampler:
         self.row_seg[row] += 1
         self.next_pos[row] = 0
 
+    def _width(self, pieces: list[list[int]]) -> int:
+        """Slots a step's pieces take: the longest piece rounded up to the bucket."""
+        return -(-max([len(p) for p in pieces] + [1]) // self.bucket) * self.bucket
+
     def fits(self, pieces: list[list[int]]) -> bool:
-        """Whether `step(pieces, ...)` fits the remaining cache slots (the longest piece, bucketed, + max_new_tokens)."""
-        longest = max([len(p) for p in pieces] + [1])
-        return self.index + -(-longest // self.bucket) * self.bucket + self.cfg.max_new_tokens <= self.capacity
+        """Whether `step(pieces, ...)` fits the remaining cache slots (the pieces' width + max_new_tokens)."""
+        return self.index + self._width(pieces) + self.cfg.max_new_tokens <= self.capacity
 
     def step(self, pieces: list[list[int]], live, rng) -> list[list[int]]:
         """pieces: per row, the ids to append (may be empty for finished rows); live [B] bool: rows that generate.
@@ -242,9 +245,8 @@ class MultiTurnSampler:
             if not pieces[i]:
                 raise ValueError(f"MultiTurnSampler.step: live row {i} has no new context (a prompt, or tool results "
                                  "and the generation prompt) to continue from")
-        longest = max([len(p) for p in pieces] + [1])
-        width = -(-longest // self.bucket) * self.bucket
-        if self.index + width + self.cfg.max_new_tokens > self.capacity:
+        width = self._width(pieces)
+        if not self.fits(pieces):
             raise ValueError(f"MultiTurnSampler: {self.index} slots used + {width} (piece) + "
                              f"{self.cfg.max_new_tokens} (max_new_tokens) exceed the capacity {self.capacity}")
         toks = np.full((self.b, width), self.cfg.pad_id, np.int32)
