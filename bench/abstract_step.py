@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the recipe's)")
     p.add_argument("--compile", action="store_true", help="compile for a deviceless H100 topology (.venv-cuda)")
     p.add_argument("--microbatches", type=int, default=0, help="override config.microbatches (0: the recipe's)")
+    p.add_argument("--scan_layers", choices=("recipe", "on", "off"), default="recipe",
+                   help="override config.scan_layers (blocks of one structure as one lax.scan)")
     p.add_argument("--breakdown", type=int, default=0,
                    help="with --compile: the N largest groups of buffers live at the memory peak")
     a = p.parse_args(argv)
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
         c.model_overrides = {"num_hidden_layers": a.layers, "first_k_dense_replace": min(1, a.layers)}
     if a.microbatches:
         c.microbatches = a.microbatches
+    if a.scan_layers != "recipe":
+        c.scan_layers = a.scan_layers == "on"
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
     per_device = shd.per_device_bytes(state, sizes)
     print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len} "
           f"({c.microbatches} microbatches), "
-          f"{trainer.cfg.num_hidden_layers} layers; parameters + optimizer state per device: {per_device / 2**30:.2f} "
+          f"{trainer.cfg.num_hidden_layers} layers{' (scanned)' if c.scan_layers else ''}; parameters + optimizer state per device: {per_device / 2**30:.2f} "
           "GiB", flush=True)
     if a.compile:
         from jax.experimental import topologies

@@ -124,6 +124,13 @@ class Transformer(nnx.Module):
         routing = routing or {}
         aux = {}
         h = constrain(h, ACTIVATION_AXES)
+        if cache is None and self.options.scan_layers:
+            for start, stop in layer_runs(self.layers):
+                h, run_aux = _scan_blocks(list(self.layers)[start:stop], h, pos, self.options,
+                                          [routing.get(i) for i in range(start, stop)], first=start)
+                for j, i in enumerate(range(start, stop)):
+                    _collect(aux, i, jax.tree.map(lambda x: x[j], run_aux))  # noqa: B023
+            return self.norm(h), aux
         call = _block_call(self.options.remat) if cache is None else _call_layer
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache["layers"][i]
@@ -193,6 +200,41 @@ def _block_call(policy: str):
         return jax.checkpoint(pure, policy=REMAT_POLICY_FNS[policy])(state, h, pos, replay_ids)
 
     return call
+
+
+def layer_runs(layers) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive blocks with one structure (graph definition): DeepSeek-V3's dense blocks,
+    then its MoE blocks."""
+    runs, prev = [], None
+    for i, layer in enumerate(layers):
+        graphdef = nnx.graphdef(layer)
+        if runs and graphdef == prev:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+        prev = graphdef
+    return runs
+
+
+def _scan_blocks(layers, h, pos, opts, replay, first: int):
+    """Blocks of one structure as a lax.scan over their stacked states (each step rematerialized with opts.remat);
+    returns (h, aux stacked along a leading layer axis)."""
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+    if any(r is None for r in replay) and not all(r is None for r in replay):
+        missing = [first + j for j, r in enumerate(replay) if r is None]
+        raise ValueError(f"routing replay: layers {missing} have no recorded routing but other layers of their "
+                         f"scanned run [{first}, {first + len(layers)}) do (scan_layers needs all or none)")
+    ids = None if replay[0] is None else jnp.stack(replay)
+
+    def body(h, xs):
+        state, replay_ids = xs
+        out, aux = nnx.merge(graphdef, state)(h, pos, opts, replay_ids, None)
+        return constrain(out, ACTIVATION_AXES), aux
+
+    if opts.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICY_FNS[opts.remat])
+    return jax.lax.scan(body, h, (stacked, ids))
 
 
 def _collect(aux: dict, key, layer_aux: dict) -> None:

@@ -191,8 +191,15 @@ def _expert_parallel(mesh, x, ids, weights, w):
     n_ep = mesh.shape["expert"]
     fsdp = "fsdp" if mesh.shape["fsdp"] > 1 else None
     tensor = "tensor" if mesh.shape["tensor"] > 1 else None
+    # the expert dimension as the parameters are stored: over "expert" (expert parallelism) and, when the rule
+    # table says so and the count divides, over "seq" too (ZeRO-3: gathered below, its gradient reduce-scattered)
+    stored = sharding.array_spec(("expert",), w[0].shape[:1], mesh.shape, sharding.current_rules())[0]
+    stored = () if stored is None else (stored,) if isinstance(stored, str) else tuple(stored)
+    zero = tuple(a for a in stored if a != "expert")
+    e_axes = (("expert",) if n_ep > 1 else ()) + zero
+    e_spec = e_axes[0] if len(e_axes) == 1 else (e_axes or None)
     tok = P(batch or None, None)
-    w_specs = (P("expert", fsdp, tensor), P("expert", fsdp, tensor), P("expert", tensor, fsdp))
+    w_specs = (P(e_spec, fsdp, tensor), P(e_spec, fsdp, tensor), P(e_spec, tensor, fsdp))
     n_tokens = x.shape[0]
     if n_tokens % math.prod(mesh.shape[a] for a in batch) or w[0].shape[0] % n_ep:
         return _grouped_swiglu(x, ids, weights, w, first_expert=0)  # uneven split: let GSPMD place it
@@ -201,6 +208,8 @@ def _expert_parallel(mesh, x, ids, weights, w):
         # the weights' all-gather waits for this layer's tokens: depending on parameters only, XLA's scheduler
         # started every layer's gather at the top of the step (the 61-layer warm-up: 52 x 0.9 GiB live at once)
         x, w_gate, w_up, w_down = jax.lax.optimization_barrier((x, w_gate, w_up, w_down))
+        for axis in zero:  # ZeRO over seq: this expert group's experts, in order
+            w_gate, w_up, w_down = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (w_gate, w_up, w_down))
         if fsdp:  # FSDP: gather the model dim of the local experts' weights
             w_gate = jax.lax.all_gather(w_gate, fsdp, axis=1, tiled=True)
             w_up = jax.lax.all_gather(w_up, fsdp, axis=1, tiled=True)

@@ -35,6 +35,10 @@ class RunOptions:
     index_chunk: int = 128
     # Per-block rematerialization policy (REMAT_POLICIES).
     remat: str = "none"
+    # Training / scoring forward: runs of consecutive decoder blocks of one structure (the MoE blocks of DeepSeek-V3)
+    # as one `lax.scan` over their stacked parameters instead of a Python loop: the compiled program holds one block
+    # body instead of 58, so XLA compiles the 671B step in bounded host memory and time. Same numbers either way.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:

@@ -35,7 +35,11 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "index_heads": "tensor",
     "mlp": "tensor",
     "moe_mlp": "tensor",
-    "expert": "expert",
+    # Routed experts (~97% of a DeepSeek-V3 model's parameters) are also split over the sequence-parallel axis:
+    # seq devices hold different tokens of the same sequences, so they would otherwise keep identical copies of
+    # every expert weight, gradient and AdamW moment (ZeRO-3 over seq; the MoE all-gathers them per layer, see
+    # dsv32_jax.moe._expert_parallel). Both axes in one dimension: "expert" outer, "seq" inner.
+    "expert": ("expert", SEQ_AXIS),
     "norm": None,
 }
 
@@ -96,8 +100,8 @@ def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT
 
 def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
     """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
-    used at most once per array, size-1 mesh axes are dropped, and a dimension that the product of its mesh axes
-    does not divide stays replicated (leaving those axes free for later dimensions)."""
+    used at most once per array, size-1 mesh axes are dropped, and a dimension is split over the longest leading
+    run of its mesh axes whose product divides it (none: replicated), leaving the rest free for later dimensions."""
     axes = tuple(axes or ())
     axes = axes + (None,) * (len(shape) - len(axes))
     used, out = set(), []
@@ -105,11 +109,10 @@ def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFA
         target = rules.get(name) if name is not None else None
         cand = (target,) if isinstance(target, str) else tuple(target or ())
         cand = tuple(a for a in cand if a not in used and mesh_shape.get(a, 1) > 1)
-        if cand and dim % math.prod(mesh_shape[a] for a in cand) == 0:
-            used.update(cand)
-            out.append(cand[0] if len(cand) == 1 else cand)
-        else:
-            out.append(None)
+        while cand and dim % math.prod(mesh_shape[a] for a in cand):
+            cand = cand[:-1]
+        used.update(cand)
+        out.append((cand[0] if len(cand) == 1 else cand) if cand else None)
     return P(*out)
 
 
@@ -176,6 +179,10 @@ def use_mesh(mesh: Mesh | None, rules: Mapping = DEFAULT_RULES):
 
 def current_mesh() -> Mesh | None:
     return _CONTEXT["mesh"]
+
+
+def current_rules() -> Mapping:
+    return _CONTEXT["rules"]
 
 
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:

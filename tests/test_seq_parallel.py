@@ -4,7 +4,9 @@ On 8 CPU devices (a subprocess; fsdp:2 x seq:4, the rows split over fsdp as in t
 seq_parallel and the MoE's routing keep manual), loss and gradients of the dense, warm-up (eq. 3) and sparse (eq. 4) objectives
 equal the single-device computation (fp32, relative error of the loss <= 1e-5, 1e-4 for the ~1e-4 warm-up KL;
 of each gradient leaf <= 1e-4, the indexer's coming from that KL), with packed documents; the compiled program
-all-gathers over "seq" and keeps the hidden states split along the tokens."""
+all-gathers over "seq" and keeps the hidden states split along the tokens. The parameters are placed by the rule
+table (routed experts split over seq as well: gathered per layer), and the sparse objective is also run with the
+MoE blocks scanned (RunOptions.scan_layers) against the looped single-device reference."""
 
 import os
 import subprocess
@@ -26,6 +28,7 @@ from dsv32_jax.train.steps import LossWeights, lm_objective
 STAGES = {"dense": dict(dsa=False, attention="dense"),
           "warmup": dict(dsa=False, attention="dense", indexer_loss="dense"),
           "sparse": dict(attention="sparse", indexer_loss="sparse")}
+RUNS = [(stage, stage, False) for stage in STAGES] + [("sparse-scan", "sparse", True)]
 seed = int(sys.argv[1])
 cfg = load_preset("tiny").replace(num_hidden_layers=2, index_topk=6)
 rng = np.random.default_rng(seed)
@@ -36,12 +39,14 @@ pos = np.tile(np.arange(t, dtype=np.int32), (b, 1)); pos[1, 13:] -= 13
 batch = {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": seg, "positions": pos,
          "loss_mask": np.ones((b, t), np.float32)}
 mesh = shd.make_mesh("fsdp:2,seq:4")
-for stage, kw in STAGES.items():
-    opts = RunOptions(**kw, attn_chunk=4, index_chunk=4)
+for name, stage, scan in RUNS:
+    opts = RunOptions(**STAGES[stage], attn_chunk=4, index_chunk=4)
     model = Transformer(cfg, rngs=nnx.Rngs(seed), options=opts)
     graphdef, state = nnx.split(model)
+    # the sharded run of "sparse-scan" scans the MoE blocks (experts stored split over seq); the reference loops
+    scan_graphdef = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed), options=opts.replace(scan_layers=scan)))[0]
 
-    def grads(state, batch):
+    def grads(state, batch, graphdef=graphdef):
         fn = nnx.grad(lambda m: lm_objective(m, batch, stage=stage, weights=LossWeights(), model_cfg=cfg),
                       argnums=nnx.DiffState(0, trainable_filter(stage)), has_aux=True)
         g, (metrics, _, _) = fn(nnx.merge(graphdef, state))
@@ -50,14 +55,15 @@ for stage, kw in STAGES.items():
     g1, l1 = jax.jit(grads)(state, batch)
     with shd.use_mesh(mesh):
         sharded = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp", "seq")))
-        fn = jax.jit(grads)
+        state = jax.device_put(state, shd.state_shardings(state, mesh))
+        fn = jax.jit(lambda s, b: grads(s, b, scan_graphdef))
         hlo = fn.lower(state, sharded).compile().as_text()
         g4, l4 = fn(state, sharded)
     assert "all-gather" in hlo, stage
     lerr = abs(float(l4) - float(l1)) / abs(float(l1))
     gerr = max(float(jnp.linalg.norm((a - c).ravel()) / max(jnp.linalg.norm(c.ravel()), 1e-30))
                for a, c in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)))
-    print(stage, float(l1), lerr, gerr)
+    print(name, float(l1), lerr, gerr)
     # the KL of an untrained indexer is ~1e-4: fp32 summation-order noise (~1e-9 absolute) is ~1e-5 of it, and of
     # the indexer's gradients (which come from that KL only); a sharding bug gives O(1) errors
     assert lerr <= (1e-4 if stage == "warmup" else 1e-5) and gerr <= 1e-4, (stage, lerr, gerr)
@@ -70,4 +76,4 @@ def test_sequence_parallel_matches_single_device(seed):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     lines = res.stdout.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["dense", "warmup", "sparse"], res.stdout
+    assert [ln.split()[0] for ln in lines] == ["dense", "warmup", "sparse", "sparse-scan"], res.stdout

@@ -72,7 +72,7 @@ moe = MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
 x = jax.random.normal(jax.random.key(1), (8, 6, cfg.hidden_size))
 loss = lambda m: jnp.sum(m(x)[0] ** 2)
 ref, g_ref = moe(x)[0], nnx.grad(loss)(moe)
-for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8"]:
+for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8", "seq:2,fsdp:2,tensor:2", "expert:2,seq:4"]:
     with shd.use_mesh(shd.make_mesh(spec)):
         y = jax.jit(lambda m, x: m(x)[0])(moe, x)
         g = nnx.grad(loss)(moe)
@@ -82,6 +82,10 @@ for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8"]:
                [(g.experts.w_gate[...], g_ref.experts.w_gate[...]), (g.experts.w_down[...], g_ref.experts.w_down[...]),
                 (g.router[...], g_ref.router[...])])
     assert "reduce_scatter" in hlo or "reduce-scatter" in hlo, "expert outputs must be reduce-scattered"
+    if "seq" in spec:  # experts stored split over seq (ZeRO): gathered over seq inside the layer
+        stored = shd.state_specs(nnx.state(moe), shd.parse_mesh_spec(spec))["experts"]["w_gate"]
+        assert stored[0] in ("seq", ("expert", "seq")), stored
+        assert hlo.count("all_gather") >= 3, "expert weights must be all-gathered over seq"
     print(spec, err, gerr)
     assert err < 1e-5 and gerr < 1e-5, (spec, err, gerr)
 """
@@ -91,4 +95,4 @@ def test_expert_parallel_moe_matches_single_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", EP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert len(res.stdout.strip().splitlines()) == 3
+    assert len(res.stdout.strip().splitlines()) == 5

@@ -51,6 +51,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of
     # the attention / indexer references are always rematerialized (bench/memory.py measures both).
     c.remat = "none"
+    # Decoder blocks of one structure as one lax.scan over stacked parameters (RunOptions.scan_layers): the same
+    # step, compiled once per block structure instead of once per layer (the 671B recipes: compile host memory).
+    c.scan_layers = False
     c.mesh = ""  # e.g. "fsdp:2,tensor:2,expert:2"; "" = all devices on fsdp
     c.peak_tflops = 0.0  # per device, for the MFU estimate (0 = look up the device kind)
 
