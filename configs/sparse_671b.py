@@ -2,10 +2,9 @@
 KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 480 sequences x 128K tokens
 (943.7B tokens). Mesh: 2048 devices (256 nodes x 8): the 480 sequences split over fsdp:32 (15 per shard), each
 sequence over seq:16, heads / hidden units over tensor:4; 15 microbatches (one sequence per fsdp shard per forward
-+ backward). Does not fit an 80 GB device yet: parameters 128-way (fsdp x tensor), fp32 master weights + AdamW take
-60 GiB per device, and the 2- and 8-layer deviceless H100 compiles (22.2 / 36.4 GiB temp) extrapolate to ~221 GiB
-per device at 61 layers (BENCHMARKS.md, "The 671B recipes"): it needs parameters and optimizer state sharded over
-seq too."""
++ backward); the routed experts' weights and AdamW moments split over fsdp x tensor x seq (2048-way), the rest
+128-way. Fits an 80 GB device: the full 61-layer step (MoE blocks scanned) compiled for a deviceless H100 topology
+needs 5.57 GiB of arguments + 28.56 GiB temp = 34.1 GiB per device (BENCHMARKS.md, "The 671B recipes")."""
 from dsv32_jax.train.config import default_config
 
 
@@ -31,5 +30,6 @@ def get_config():
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
     c.index_chunk = 128
     c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)
+    c.scan_layers = True  # the 58 MoE blocks as one lax.scan: one compiled block body
     c.checkpoint.every = 250
     return c

@@ -25,5 +25,6 @@ def get_config():
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
     c.index_chunk = 128
     c.remat = "full"  # a block keeps only its input for the backward (bench/memory.py)
+    c.scan_layers = True  # the 58 MoE blocks as one lax.scan: one compiled block body
     c.checkpoint.every = 100
     return c

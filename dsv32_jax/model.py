@@ -96,7 +96,10 @@ class Transformer(nnx.Module):
                          kv_segment=segments if kv_segment is None else kv_segment)
 
     def embed_tokens(self, tokens):
-        return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+        # the table's model dim is stored split over fsdp, which also splits the tokens' rows: gathered first (in
+        # the compute dtype), else GSPMD replicates the whole [B, T, D] lookup to reshard it
+        table = constrain(self.embed[...].astype(self.dtype), ("vocab", None))
+        return jnp.take(table, tokens, axis=0)
 
     def logits(self, h):
         return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))

@@ -50,6 +50,16 @@ def test_array_spec_replicates_indivisible_dims_and_keeps_axes_free():
     assert shd.array_spec(("vocab", "embed"), (256, 64), shd.parse_mesh_spec("fsdp:1")) == P(None, None)
 
 
+def test_routed_experts_are_stored_split_over_seq_too():
+    """ZeRO over the sequence-parallel axis: (expert, seq) on the expert dimension, the longest dividing prefix."""
+    w = (("expert", "embed", "moe_mlp"), (16, 64, 32))
+    assert shd.array_spec(*w, shd.parse_mesh_spec("fsdp:2,tensor:2,seq:4")) == P("seq", "fsdp", "tensor")
+    assert shd.array_spec(*w, shd.parse_mesh_spec("expert:2,seq:4")) == P(("expert", "seq"), None, None)
+    assert shd.array_spec(*w, shd.parse_mesh_spec("expert:4,seq:8")) == P("expert", None, None)  # 16 % 32
+    assert shd.array_spec(("batch", "seq", "embed"), (8, 32, 64), shd.parse_mesh_spec("fsdp:2,seq:4")) == \
+        P("fsdp", "seq", None)  # activations: seq on the tokens, as before
+
+
 @pytest.mark.parametrize("spec,msg", [("fsdp=2", "bad entry"), ("fsdp:0", "bad entry"), ("fsdp", "bad entry"),
                                       ("fsdp:1,fsdp:1", "twice"), ("cores:2", "bad entry")])
 def test_mesh_spec_errors(spec, msg):
