@@ -191,11 +191,12 @@ def test_every_config_builds_its_sharded_state_abstractly(path):
         total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(nnx.to_pure_dict(state)))
         print(f"{name}: {params / 1e9:.2f}B params, {per_device / 2**30:.2f} GiB/device on {config.mesh}")
         assert per_device < total / 8, "the rule table must actually shard the state"
-        if name == "warmup_671b":  # bf16 weights, AdamW state for the indexers only
-            assert per_device < 40 * 2**30, "671B warm-up state must leave room for activations on 80 GB"
-        elif name.endswith("671b"):  # fp32 master + AdamW for all 671B: ~60 GiB at 128-way parameter sharding; it
-            # fits a device, not with 128K-token activations (BENCHMARKS.md: the recipes do not fit yet)
-            assert per_device < 72 * 2**30, "671B state must fit an 80 GB device"
+        if name == "warmup_671b":  # bf16 weights, AdamW state for the indexers only: 1.14 GiB
+            assert per_device < 2 * 2**30, "671B warm-up state must leave room for activations on 80 GB"
+        elif name.endswith("671b"):  # fp32 master + AdamW for all 671B: 60 GiB at 128-way parameter sharding, 5.56
+            # GiB with the routed experts split over seq as well (2048-way); the step's temp memory is on top
+            # (BENCHMARKS.md, "The 671B recipes": 28.6 GiB for the full 61-layer step)
+            assert per_device < 8 * 2**30, "671B state must leave an 80 GB device room for 128K activations"
 
 
 @pytest.mark.slow
