@@ -84,9 +84,10 @@ loss = lambda m: jnp.sum(m(x)[0] ** 2)
 ref, g_ref = moe(x)[0], nnx.grad(loss)(moe)
 for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8", "seq:2,fsdp:2,tensor:2", "expert:2,seq:4"]:
     with shd.use_mesh(shd.make_mesh(spec)):
-        y = jax.jit(lambda m, x: m(x)[0])(moe, x)
-        g = nnx.grad(loss)(moe)
-        hlo = jax.jit(lambda m, x: m(x)[0]).lower(moe, x).as_text()
+        forward = jax.jit(lambda m, x: m(x)[0])
+        hlo = forward.lower(moe, x).as_text()
+        y = forward(moe, x)
+        g = jax.jit(nnx.grad(loss))(moe)
     err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
     gerr = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in
                [(g.experts.w_gate[...], g_ref.experts.w_gate[...]), (g.experts.w_down[...], g_ref.experts.w_down[...]),
