@@ -2,6 +2,8 @@
 view, hand-written golden expectations for each context strategy, thinking retention across tool calls, and success
 against context budget per strategy. Pure Python: no model, no jax."""
 
+import random
+
 import pytest
 
 from dsv32_jax import chat
@@ -342,3 +344,25 @@ def test_agent_imports_neither_jax_nor_numpy():
             roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             heavy = roots & {"jax", "numpy", "flax"}
             assert not heavy, f"agent/{name} imports {sorted(heavy)}"
+
+
+@pytest.mark.parametrize("kind", ["repeat", "recall", "quote"])
+def test_recall_examples_train_only_on_an_answer_copied_from_the_context(kind):
+    """The recall stage's data (dsv32_jax/agent/recall.py): the loss mask covers exactly the answer + EOS, and the
+    answer is a string of the user message (nothing but copying predicts it); deterministic per seed."""
+    from dsv32_jax.agent.recall import recall_examples, recall_messages
+
+    codec = chat.load_tokenizer()
+    examples = recall_examples(7, 6, codec, kinds=(kind,))
+    assert examples == recall_examples(7, 6, codec, kinds=(kind,))
+    assert examples != recall_examples(8, 6, codec, kinds=(kind,))
+    rng = random.Random(3)
+    for _ in range(20):
+        user, answer = recall_messages(rng, kind)
+        assert answer.content and answer.content in user.content
+    for ids, mask in examples:
+        trained = codec.decode([i for i, m in zip(ids, mask) if m])
+        assert trained.endswith(chat.EOS)
+        assert trained[:-len(chat.EOS)] in codec.decode(ids[:ids.index(codec.token_to_id(chat.ASSISTANT))])
+    with pytest.raises(ValueError, match="kind"):
+        recall_messages(rng, "nope")
