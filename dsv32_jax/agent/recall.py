@@ -9,7 +9,7 @@ stage (``config.agent.recall_steps``) gives a tiny model induction / associative
 
 Kinds (each a user message and the assistant's answer; the loss is on the answer's tokens, as in the cold start):
 
-    repeat:  user ``repeat "qz41kdv"``                         -> assistant ``qz41kdv``   (4-40 characters)
+    repeat:  user ``repeat "qz41kdv"``                         -> assistant ``qz41kdv``   (8-48 characters)
     recall:  user ``"ab"=12, "xyz"=7, "qd"=88. "xyz"``         -> assistant ``7``
     quote:   user ``mo tal "kq" ren bo``                       -> assistant ``kq``
 
@@ -41,7 +41,7 @@ def _token(rng: random.Random) -> str:
 def recall_messages(rng: random.Random, kind: str) -> list[chat.Message]:
     """One copying conversation of `kind` (see the module docstring)."""
     if kind == "repeat":
-        text = "".join(rng.choice(LETTERS + DIGITS) for _ in range(rng.randint(4, 40)))
+        text = "".join(rng.choice(LETTERS + DIGITS) for _ in range(rng.randint(8, 48)))
         user, answer = f'repeat "{text}"', text
     elif kind == "recall":
         keys: list[str] = []
