@@ -366,3 +366,23 @@ def test_recall_examples_train_only_on_an_answer_copied_from_the_context(kind):
         assert trained[:-len(chat.EOS)] in codec.decode(ids[:ids.index(codec.token_to_id(chat.ASSISTANT))])
     with pytest.raises(ValueError, match="kind"):
         recall_messages(rng, "nope")
+
+
+def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_loss_on_the_whole_copy():
+    """The "induction" kind (BENCHMARKS.md's positive control as data): BOS + n single-character tokens (the
+    characters lookup keys and values are made of) + the same n again, loss on exactly the second copy; mixes with
+    the chat kinds; deterministic per seed."""
+    from dsv32_jax.agent.recall import INDUCTION_CHARS, induction_alphabet, recall_examples
+
+    codec = chat.load_tokenizer()
+    alphabet = induction_alphabet(codec)
+    assert len(alphabet) == len(INDUCTION_CHARS)  # every key / value character is one BPE token
+    assert sorted(codec.decode([i]) for i in alphabet) == sorted(INDUCTION_CHARS)
+    examples = recall_examples(5, 4, codec, kinds=("induction", "recall"), induction_len=10)
+    assert examples == recall_examples(5, 4, codec, kinds=("induction", "recall"), induction_len=10)
+    for ids, mask in examples[0::2]:
+        assert len(ids) == len(mask) == 21 and ids[0] == codec.token_to_id(chat.BOS)
+        assert ids[1:11] == ids[11:] and set(ids[1:]) <= set(alphabet) and len(set(ids[1:])) > 1
+        assert mask == [0] * 11 + [1] * 10
+    for ids, mask in examples[1::2]:  # the chat kinds are unchanged
+        assert codec.token_to_id(chat.ASSISTANT) in ids and sum(mask) < len(ids) // 2

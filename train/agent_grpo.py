@@ -153,7 +153,8 @@ class AgentLearner:
     def recall_data(self, step: int, count: int) -> list[tuple[list[int], list[int]]]:
         """`count` copying conversations (dsv32_jax/agent/recall.py) for SFT step `step` (seeded by it)."""
         kinds = [k.strip() for k in self.a.recall_kinds.split(",") if k.strip()]
-        return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking)
+        return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking,
+                               induction_len=self.a.recall_induction_len)
 
     def _sft_update(self, examples) -> float:
         batch = sft_batch(examples, self.a.capacity, bucket=64)

@@ -13,6 +13,11 @@ Kinds (each a user message and the assistant's answer; the loss is on the answer
     recall:  user ``"ab"=12, "xyz"=7, "qd"=88. "xyz"``         -> assistant ``7``
     quote:   user ``mo tal "kq" ren bo``                       -> assistant ``kq``
 
+and one raw kind (no chat wrapping, loss on EVERY token of the copy; the data of BENCHMARKS.md's positive control):
+
+    induction: ``BOS s_1 .. s_n s_1 .. s_n`` where s_i are random single-character tokens (letters, digits, the
+               quote: the characters lookup keys and values are made of), n = ``INDUCTION_LEN`` (default 24)
+
 Keys, words and values are random (letters and digits of ``dsv32_jax.envs.CHARSET``), so nothing but copying from
 the context predicts them. Pure Python; deterministic per ``random.Random``.
 """
@@ -25,6 +30,9 @@ from typing import Sequence
 from dsv32_jax import chat
 
 KINDS = ("repeat", "recall", "quote")
+RAW_KINDS = ("induction",)
+INDUCTION_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789\""
+INDUCTION_LEN = 24
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
 
@@ -63,14 +71,40 @@ def recall_messages(rng: random.Random, kind: str) -> list[chat.Message]:
     return [chat.User(user), chat.Assistant(content=answer)]
 
 
+def induction_alphabet(codec: chat.Codec, chars: str = INDUCTION_CHARS) -> list[int]:
+    """The ids of `chars` that the codec encodes as one token each (all of them for the shipped BPE and TinyCodec)."""
+    ids = []
+    for c in chars:
+        enc = codec.encode(c)
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    if len(ids) < 2:
+        raise ValueError("recall: the codec has fewer than 2 single-character tokens for the induction kind")
+    return ids
+
+
+def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUCTION_LEN,
+                      alphabet: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """BOS + `length` random single-character tokens + the same tokens again; loss mask 1 on the second copy."""
+    alphabet = list(alphabet) if alphabet is not None else induction_alphabet(codec)
+    span = [rng.choice(alphabet) for _ in range(length)]
+    ids = [codec.token_to_id(chat.BOS)] + span + span
+    return ids, [0] * (1 + length) + [1] * length
+
+
 def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[str] = KINDS,
-                    thinking: bool = False) -> list[tuple[list[int], list[int]]]:
-    """`count` chat-encoded copying conversations (ids, loss mask on the answer), kinds cycled in order."""
+                    thinking: bool = False, induction_len: int = INDUCTION_LEN) -> list[tuple[list[int], list[int]]]:
+    """`count` copying examples (ids, loss mask), kinds cycled in order: chat-encoded conversations (mask on the
+    answer) or raw induction sequences (mask on the whole second copy)."""
     if not kinds:
         raise ValueError("recall: no kinds given")
     rng = random.Random(seed)
+    alphabet = induction_alphabet(codec) if "induction" in kinds else None
     out = []
     for i in range(count):
+        if kinds[i % len(kinds)] == "induction":
+            out.append(induction_example(rng, codec, induction_len, alphabet))
+            continue
         msgs = recall_messages(rng, kinds[i % len(kinds)])
         ids, mask = chat.encode_tokens(msgs, codec, thinking=thinking)
         out.append((list(ids), list(mask)))
