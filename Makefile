@@ -10,7 +10,7 @@ VENV_CUDA := .venv-cuda
 PY_CUDA := $(VENV_CUDA)/bin/python
 STAMP_CUDA := $(VENV_CUDA)/.installed
 
-.PHONY: all venv venv-cuda test test-slow test-all test-gpu-compile gpu-compile-table train golden clean
+.PHONY: all venv venv-cuda test test-slow test-all test-gpu-compile gpu-compile-table train agent-demo golden clean
 
 all: test
 
@@ -65,6 +65,12 @@ train: $(STAMP)
 	$(PY) -m dsv32_jax.train.plot runs/demo --out runs/demo/curves.png
 	$(PY) -m dsv32_jax.train.eval --workdirs=runs/demo/dense,runs/demo/warmup,runs/demo/sparse --seq_lens=128,512 \
 	  --batches=8 --out=runs/demo/eval
+
+# Agentic post-training on CPU (configs/agent_lookup.py): recall (copying) stage, cold start on the lookup
+# environment's demonstrations, GRPO over multi-turn tool trajectories; curves in runs/agent/lookup/curves.png.
+agent-demo: $(STAMP)
+	$(PY) -m dsv32_jax.train.main --config=configs/agent_lookup.py --workdir=runs/agent/lookup
+	$(PY) -m dsv32_jax.train.plot runs/agent/lookup --out runs/agent/lookup/curves.png
 
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:

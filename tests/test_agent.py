@@ -2,6 +2,8 @@
 view, hand-written golden expectations for each context strategy, thinking retention across tool calls, and success
 against context budget per strategy. Pure Python: no model, no jax."""
 
+import random
+
 import pytest
 
 from dsv32_jax import chat
@@ -342,3 +344,45 @@ def test_agent_imports_neither_jax_nor_numpy():
             roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             heavy = roots & {"jax", "numpy", "flax"}
             assert not heavy, f"agent/{name} imports {sorted(heavy)}"
+
+
+@pytest.mark.parametrize("kind", ["repeat", "recall", "quote"])
+def test_recall_examples_train_only_on_an_answer_copied_from_the_context(kind):
+    """The recall stage's data (dsv32_jax/agent/recall.py): the loss mask covers exactly the answer + EOS, and the
+    answer is a string of the user message (nothing but copying predicts it); deterministic per seed."""
+    from dsv32_jax.agent.recall import recall_examples, recall_messages
+
+    codec = chat.load_tokenizer()
+    examples = recall_examples(7, 6, codec, kinds=(kind,))
+    assert examples == recall_examples(7, 6, codec, kinds=(kind,))
+    assert examples != recall_examples(8, 6, codec, kinds=(kind,))
+    rng = random.Random(3)
+    for _ in range(20):
+        user, answer = recall_messages(rng, kind)
+        assert answer.content and answer.content in user.content
+    for ids, mask in examples:
+        trained = codec.decode([i for i, m in zip(ids, mask) if m])
+        assert trained.endswith(chat.EOS)
+        assert trained[:-len(chat.EOS)] in codec.decode(ids[:ids.index(codec.token_to_id(chat.ASSISTANT))])
+    with pytest.raises(ValueError, match="kind"):
+        recall_messages(rng, "nope")
+
+
+def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_loss_on_the_whole_copy():
+    """The "induction" kind (BENCHMARKS.md's positive control as data): BOS + n single-character tokens (the
+    characters lookup keys and values are made of) + the same n again, loss on exactly the second copy; mixes with
+    the chat kinds; deterministic per seed."""
+    from dsv32_jax.agent.recall import INDUCTION_CHARS, induction_alphabet, recall_examples
+
+    codec = chat.load_tokenizer()
+    alphabet = induction_alphabet(codec)
+    assert len(alphabet) == len(INDUCTION_CHARS)  # every key / value character is one BPE token
+    assert sorted(codec.decode([i]) for i in alphabet) == sorted(INDUCTION_CHARS)
+    examples = recall_examples(5, 4, codec, kinds=("induction", "recall"), induction_len=10)
+    assert examples == recall_examples(5, 4, codec, kinds=("induction", "recall"), induction_len=10)
+    for ids, mask in examples[0::2]:
+        assert len(ids) == len(mask) == 21 and ids[0] == codec.token_to_id(chat.BOS)
+        assert ids[1:11] == ids[11:] and set(ids[1:]) <= set(alphabet) and len(set(ids[1:])) > 1
+        assert mask == [0] * 11 + [1] * 10
+    for ids, mask in examples[1::2]:  # the chat kinds are unchanged
+        assert codec.token_to_id(chat.ASSISTANT) in ids and sum(mask) < len(ids) // 2

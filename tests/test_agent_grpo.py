@@ -30,9 +30,10 @@ def test_sft_batch_trains_only_on_the_assistant_tokens():
 
 
 def test_cold_start_then_one_grpo_step_over_trajectories(tmp_path):
-    lrn = AgentLearner(_config(), str(tmp_path))
+    lrn = AgentLearner(_config(recall_mix=0.5), str(tmp_path))
     assert lrn.beta == {"lookup": 0.0, "calculator": 0.05}  # the calculator's domain is "code"
-    sft = lrn.cold_start(4, 2)
+    assert np.isfinite(lrn.recall_stage(1, 2)).all()  # the recall stage: copying conversations
+    sft = lrn.cold_start(4, 2)  # one demonstration + one copying conversation a step
     print("cold-start SFT loss", sft)
     assert sft[-1] < sft[0]
     batch, stats = lrn.rollout(0)

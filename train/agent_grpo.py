@@ -27,6 +27,7 @@ from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import chat
 from dsv32_jax import sharding as shd
 from dsv32_jax.agent.episode import OraclePolicy, run_episode
+from dsv32_jax.agent.recall import recall_examples
 from dsv32_jax.agent.rollout import BatchedRollout
 from dsv32_jax.envs import make_env
 from dsv32_jax.sampler import SamplingConfig
@@ -149,16 +150,33 @@ class AgentLearner:
             out.append((t.segments[0].ids, t.segments[0].loss_mask))
         return out
 
+    def recall_data(self, step: int, count: int) -> list[tuple[list[int], list[int]]]:
+        """`count` copying conversations (dsv32_jax/agent/recall.py) for SFT step `step` (seeded by it)."""
+        kinds = [k.strip() for k in self.a.recall_kinds.split(",") if k.strip()]
+        return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking,
+                               induction_len=self.a.recall_induction_len)
+
+    def _sft_update(self, examples) -> float:
+        batch = sft_batch(examples, self.a.capacity, bucket=64)
+        with shd.use_mesh(self.mesh):
+            self.state, m = self._sft(self.state, jax.device_put(batch, self.batch_sharding))
+        return float(m["sft_loss"])
+
+    def recall_stage(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
+        """SFT steps `start` .. `start + steps_ - 1` on synthetic copying conversations (loss on the answers)."""
+        return [self._sft_update(self.recall_data(s, batch_size)) for s in range(start, start + steps_)]
+
     def cold_start(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
         """SFT steps `start` .. `start + steps_ - 1` on fresh oracle demonstrations (seeds disjoint from RL's:
-        10^6 + ...)."""
+        10^6 + ...); `config.agent.recall_mix` of each batch are copying conversations instead."""
         history = []
+        n_recall = int(round(self.a.recall_mix * batch_size))
         for s in range(start, start + steps_):
-            seeds = [10**6 + s * batch_size + i for i in range(batch_size)]
-            batch = sft_batch(self.demonstrations(seeds), self.a.capacity, bucket=64)
-            with shd.use_mesh(self.mesh):
-                self.state, m = self._sft(self.state, jax.device_put(batch, self.batch_sharding))
-            history.append(float(m["sft_loss"]))
+            seeds = [10**6 + s * batch_size + i for i in range(batch_size - n_recall)]
+            examples = self.demonstrations(seeds)
+            if n_recall:
+                examples += self.recall_data(10**6 + s, n_recall)
+            history.append(self._sft_update(examples))
         return history
 
     # ------------------------------------------------------------------ rollout
@@ -235,9 +253,14 @@ class AgentLearner:
     def run_step(self) -> dict:
         t0 = time.perf_counter()
         metrics = {}
+        if self.step == 0 and self.a.recall_steps:
+            metrics["recall_loss"] = self.recall_stage(self.a.recall_steps, self.a.recall_batch)[-1]
+            metrics["recall_s"] = time.perf_counter() - t0
         if self.step == 0 and self.a.cold_start_steps:
+            t_sft = time.perf_counter()
             sft = self.cold_start(self.a.cold_start_steps, self.a.cold_start_batch)
-            metrics["sft_loss"] = sft[-1]
+            metrics["sft_loss"], metrics["cold_start_s"] = sft[-1], time.perf_counter() - t_sft
+        if self.step == 0 and (self.a.cold_start_steps or self.a.recall_steps):
             metrics.update({f"pre_{k}": v for k, v in self.evaluate().items()})
         batch, stats = self.rollout(self.step)
         t1 = time.perf_counter()

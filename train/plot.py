@@ -12,7 +12,8 @@ from dsv32_jax.optional import require
 from dsv32_jax.train.metrics import read_jsonl
 
 PANELS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
-          "reward_mean", "accuracy", "response_length", "kl", "clip_fraction", "opsm_masked_fraction")
+          "reward_mean", "accuracy", "response_length", "kl", "clip_fraction", "opsm_masked_fraction",
+          "success", "eval_success", "turns", "format_errors")
 
 
 def find_runs(paths) -> dict[str, list[dict]]:

@@ -1,0 +1,111 @@
+"""Synthetic copying data: a stand-in for the pretrained checkpoint the paper's post-training starts from.
+
+The agentic cold start (train/agent_grpo.py) teaches the chat and tool-call format, but the tool environments also
+need the model to COPY: a quoted key from the task into the call's arguments, a number from a tool result into
+the answer. A tiny model trained from random initialization on a few thousand demonstrations does not learn that
+(BENCHMARKS.md, "Agentic post-training"); a pretrained LM has it from pre-training. This module generates
+conversations whose only content is copying, in the same chat encoding the environments use, so a short "recall"
+stage (``config.agent.recall_steps``) gives a tiny model induction / associative-recall heads first.
+
+Kinds (each a user message and the assistant's answer; the loss is on the answer's tokens, as in the cold start):
+
+    repeat:  user ``repeat "qz41kdv"``                         -> assistant ``qz41kdv``   (8-48 characters)
+    recall:  user ``"ab"=12, "xyz"=7, "qd"=88. "xyz"``         -> assistant ``7``
+    quote:   user ``mo tal "kq" ren bo``                       -> assistant ``kq``
+
+and one raw kind (no chat wrapping, loss on EVERY token of the copy; the data of BENCHMARKS.md's positive control):
+
+    induction: ``BOS s_1 .. s_n s_1 .. s_n`` where s_i are random single-character tokens (letters, digits, the
+               quote: the characters lookup keys and values are made of), n = ``INDUCTION_LEN`` (default 24)
+
+Keys, words and values are random (letters and digits of ``dsv32_jax.envs.CHARSET``), so nothing but copying from
+the context predicts them. Pure Python; deterministic per ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from dsv32_jax import chat
+
+KINDS = ("repeat", "recall", "quote")
+RAW_KINDS = ("induction",)
+INDUCTION_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789\""
+INDUCTION_LEN = 24
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+DIGITS = "0123456789"
+
+
+def _word(rng: random.Random, lo: int = 1, hi: int = 4, alphabet: str = LETTERS) -> str:
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
+
+
+def _token(rng: random.Random) -> str:
+    """A random word (letters) or number (0-999)."""
+    return str(rng.randint(0, 999)) if rng.random() < 0.3 else _word(rng)
+
+
+def recall_messages(rng: random.Random, kind: str) -> list[chat.Message]:
+    """One copying conversation of `kind` (see the module docstring)."""
+    if kind == "repeat":
+        text = "".join(rng.choice(LETTERS + DIGITS) for _ in range(rng.randint(8, 48)))
+        user, answer = f'repeat "{text}"', text
+    elif kind == "recall":
+        keys: list[str] = []
+        while len(keys) < rng.randint(2, 6):
+            k = _word(rng, 2, 3)
+            if k not in keys:
+                keys.append(k)
+        values = [rng.randint(0, 99) for _ in keys]
+        asked = rng.randrange(len(keys))
+        user = ", ".join(f'"{k}"={v}' for k, v in zip(keys, values)) + f'. "{keys[asked]}"'
+        answer = str(values[asked])
+    elif kind == "quote":
+        words = [_word(rng) for _ in range(rng.randint(1, 6))]
+        quoted = _word(rng, 1, 4, LETTERS + DIGITS)
+        words.insert(rng.randint(0, len(words)), f'"{quoted}"')
+        user, answer = " ".join(words), quoted
+    else:
+        raise ValueError(f"recall kind must be one of {KINDS}, got {kind!r}")
+    return [chat.User(user), chat.Assistant(content=answer)]
+
+
+def induction_alphabet(codec: chat.Codec, chars: str = INDUCTION_CHARS) -> list[int]:
+    """The ids of `chars` that the codec encodes as one token each (all of them for the shipped BPE and TinyCodec)."""
+    ids = []
+    for c in chars:
+        enc = codec.encode(c)
+        if len(enc) == 1 and enc[0] not in ids:
+            ids.append(enc[0])
+    if len(ids) < 2:
+        raise ValueError("recall: the codec has fewer than 2 single-character tokens for the induction kind")
+    return ids
+
+
+def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUCTION_LEN,
+                      alphabet: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """BOS + `length` random single-character tokens + the same tokens again; loss mask 1 on the second copy."""
+    alphabet = list(alphabet) if alphabet is not None else induction_alphabet(codec)
+    span = [rng.choice(alphabet) for _ in range(length)]
+    ids = [codec.token_to_id(chat.BOS)] + span + span
+    return ids, [0] * (1 + length) + [1] * length
+
+
+def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[str] = KINDS,
+                    thinking: bool = False, induction_len: int = INDUCTION_LEN) -> list[tuple[list[int], list[int]]]:
+    """`count` copying examples (ids, loss mask), kinds cycled in order: chat-encoded conversations (mask on the
+    answer) or raw induction sequences (mask on the whole second copy)."""
+    if not kinds:
+        raise ValueError("recall: no kinds given")
+    rng = random.Random(seed)
+    alphabet = induction_alphabet(codec) if "induction" in kinds else None
+    out = []
+    for i in range(count):
+        if kinds[i % len(kinds)] == "induction":
+            out.append(induction_example(rng, codec, induction_len, alphabet))
+            continue
+        msgs = recall_messages(rng, kinds[i % len(kinds)])
+        ids, mask = chat.encode_tokens(msgs, codec, thinking=thinking)
+        out.append((list(ids), list(mask)))
+    return out
