@@ -13,10 +13,18 @@ Kinds (each a user message and the assistant's answer; the loss is on the answer
     recall:  user ``"ab"=12, "xyz"=7, "qd"=88. "xyz"``         -> assistant ``7``
     quote:   user ``mo tal "kq" ren bo``                       -> assistant ``kq``
 
-and one raw kind (no chat wrapping, loss on EVERY token of the copy; the data of BENCHMARKS.md's positive control):
+and two raw kinds (no chat wrapping, loss on EVERY token of the copies):
 
     induction: ``BOS s_1 .. s_n s_1 .. s_n`` where s_i are random single-character tokens (letters, digits, the
                quote: the characters lookup keys and values are made of), n = ``INDUCTION_LEN`` (default 24)
+               (BENCHMARKS.md's positive control). The copy is always n + 1 positions back, so a model can solve it
+               with a fixed-offset head instead of an induction head: it does not transfer to the environments.
+    span:      1-4 marked spans at random distances, then each again after its marker, in a random order:
+               ``BOS f.. m_1 s.. f.. m_2 s'.. f.. m_2 s'.. f.. m_1 s..`` where the markers m_i and fillers f
+               are random ordinary vocabulary tokens and the spans are 1-``INDUCTION_LEN`` single-character tokens.
+               Predicting a copy needs content-based retrieval (find the earlier m_i, copy what followed, continue
+               the span from its own previous token): the skill behind copying a quoted key into a tool call and a
+               tool result into an answer, at the distances an episode has (up to ~200 tokens).
 
 Keys, words and values are random (letters and digits of ``dsv32_jax.envs.CHARSET``), so nothing but copying from
 the context predicts them. Pure Python; deterministic per ``random.Random``.
@@ -30,7 +38,7 @@ from typing import Sequence
 from dsv32_jax import chat
 
 KINDS = ("repeat", "recall", "quote")
-RAW_KINDS = ("induction",)
+RAW_KINDS = ("induction", "span")
 INDUCTION_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789\""
 INDUCTION_LEN = 24
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -92,6 +100,49 @@ def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUC
     return ids, [0] * (1 + length) + [1] * length
 
 
+def filler_ids(codec: chat.Codec, alphabet: Sequence[int]) -> list[int]:
+    """Ordinary (non-special) vocabulary ids outside `alphabet`: the fillers and markers of the span kind."""
+    special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
+    banned = special | set(alphabet) | {codec.pad_id, codec.eos_id}
+    ids = [i for i in range(codec.vocab_size) if i not in banned]
+    if len(ids) < 8:
+        raise ValueError(f"recall: the codec has only {len(ids)} ordinary tokens for the span kind (need 8)")
+    return ids
+
+
+def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTION_LEN,
+                 alphabet: Sequence[int] | None = None, fillers: Sequence[int] | None = None,
+                 max_items: int = 4, max_gap: int = 24) -> tuple[list[int], list[int]]:
+    """Marked spans at random distances, then copied after their markers (module docstring); loss mask 1 on every
+    token of the copies. Markers are distinct and never occur as fillers, so each copy has one source."""
+    alphabet = list(alphabet) if alphabet is not None else induction_alphabet(codec)
+    fillers = list(fillers) if fillers is not None else filler_ids(codec, alphabet)
+    n = rng.randint(1, max_items)
+    markers = rng.sample(fillers, n)
+    # half the spans short (1-4 tokens: keys, values), half up to max_span
+    spans = [[rng.choice(alphabet) for _ in range(rng.randint(1, rng.choice((min(4, max_span), max_span))))]
+             for _ in range(n)]
+
+    def filler(hi: int) -> list[int]:
+        out, k = [], rng.randint(0, hi)
+        while len(out) < k:
+            f = rng.choice(fillers)
+            if f not in markers:
+                out.append(f)
+        return out
+
+    ids, mask = [codec.token_to_id(chat.BOS)], [0]
+    for m, s in zip(markers, spans):
+        part = filler(max_gap) + [m] + s
+        ids += part
+        mask += [0] * len(part)
+    for i in rng.sample(range(n), n):
+        gap = filler(max_gap) + [markers[i]]
+        ids += gap + spans[i]
+        mask += [0] * len(gap) + [1] * len(spans[i])
+    return ids, mask
+
+
 def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[str] = KINDS,
                     thinking: bool = False, induction_len: int = INDUCTION_LEN) -> list[tuple[list[int], list[int]]]:
     """`count` copying examples (ids, loss mask), kinds cycled in order: chat-encoded conversations (mask on the
@@ -99,11 +150,15 @@ def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[st
     if not kinds:
         raise ValueError("recall: no kinds given")
     rng = random.Random(seed)
-    alphabet = induction_alphabet(codec) if "induction" in kinds else None
+    alphabet = induction_alphabet(codec) if set(kinds) & set(RAW_KINDS) else None
+    fillers = filler_ids(codec, alphabet) if "span" in kinds else None
     out = []
     for i in range(count):
         if kinds[i % len(kinds)] == "induction":
             out.append(induction_example(rng, codec, induction_len, alphabet))
+            continue
+        if kinds[i % len(kinds)] == "span":
+            out.append(span_example(rng, codec, induction_len, alphabet, fillers))
             continue
         msgs = recall_messages(rng, kinds[i % len(kinds)])
         ids, mask = chat.encode_tokens(msgs, codec, thinking=thinking)
