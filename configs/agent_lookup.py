@@ -40,10 +40,12 @@ def get_config():
     c.agent.max_turns = 3
     c.agent.tasks_per_step = 4
     c.agent.group_size = 8
-    c.agent.recall_steps = 150
+    c.agent.recall_steps = 800
     c.agent.recall_batch = 64
-    c.agent.recall_kinds = "induction"
-    c.agent.recall_induction_len = 24
+    c.agent.recall_kinds = "span"
+    c.agent.recall_induction_len = 8
+    c.agent.recall_span_items = 2
+    c.agent.recall_span_gap = 8
     c.agent.recall_mix = 0.25
     c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
     c.agent.cold_start_steps = 300

@@ -189,6 +189,15 @@ def test_calculator_demo_fits_default_max_steps_and_needs_several_calls():
     assert any(w.startswith("start with") for w in words) and any(w.startswith("compute") for w in words)
 
 
+def test_calculator_operation_count_is_configurable():
+    env = make_env("calculator", min_ops=2, max_ops=2, words_fraction=0.0, max_digits=2)
+    turns = {len(env.demonstration(seed)) - 1 for seed in range(100)}
+    assert turns == {2}  # two operations: the inner one, then the outer one on its result
+    assert all(replay(env, seed, env.demonstration(seed))[0] == 1.0 for seed in range(30))
+    with pytest.raises(ValueError, match="min_ops"):
+        make_env("calculator", min_ops=3, max_ops=2)
+
+
 # --- chance success without tools ---
 # Each bound is several standard deviations above the rate a guesser can reach, and far below the oracle's 1.0:
 # lookup: a uniform guess in the value range succeeds with p = 1/100 (one key) or 1/199 (a sum), mean ~0.0075 over

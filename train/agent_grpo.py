@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -114,13 +115,21 @@ class AgentLearner:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
         self.graphdef, state = nnx.split((model, optimizer))
+        # GRPO may run at its own learning rate (agent.rl_lr): the same optimizer state, another static graph
+        rl_opt = config.optimizer
+        if a.rl_lr:
+            if a.rl_lr < 0:
+                raise ValueError(f"config.agent.rl_lr must be >= 0 (0: config.optimizer.lr), got {a.rl_lr}")
+            rl_opt = ml_collections.ConfigDict(config.optimizer.to_dict())
+            rl_opt.lr = float(a.rl_lr)
+        self.rl_graphdef = nnx.split((model, nnx.Optimizer(model, make_tx(rl_opt, pdtype), wrt=nnx.Param)))[0]
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)
         self.state = jax.device_put(state, self.shardings)
         self.ref = None  # pi_ref: the policy after cold start (set at the first RL step)
         self.step = 0
         t, w = self.sampling.temperature, float(a.indexer_weight)
-        self._train = jax.jit(functools.partial(steps.grpo_trajectory_train_step, graphdef=self.graphdef,
+        self._train = jax.jit(functools.partial(steps.grpo_trajectory_train_step, graphdef=self.rl_graphdef,
                                                 temperature=t, eps=a.eps, delta=a.delta, indexer_weight=w),
                               donate_argnums=0)
         self._reference = jax.jit(functools.partial(steps.trajectory_reference_logprobs,
@@ -154,7 +163,8 @@ class AgentLearner:
         """`count` copying conversations (dsv32_jax/agent/recall.py) for SFT step `step` (seeded by it)."""
         kinds = [k.strip() for k in self.a.recall_kinds.split(",") if k.strip()]
         return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking,
-                               induction_len=self.a.recall_induction_len)
+                               induction_len=self.a.recall_induction_len, span_items=self.a.recall_span_items,
+                               span_gap=self.a.recall_span_gap)
 
     def _sft_update(self, examples) -> float:
         batch = sft_batch(examples, self.a.capacity, bucket=64)

@@ -107,13 +107,16 @@ def default_config() -> ml_collections.ConfigDict:
         capacity=2048, temperature=1.0, top_k=0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
         kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
         eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
+        rl_lr=0.0,  # > 0: the GRPO steps' learning rate (config.optimizer.lr stays the recall / cold-start SFT's)
         env_kwargs=ml_collections.ConfigDict(),
         # recall stage before the cold start (dsv32_jax/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;
         # `recall_mix`: the fraction of every cold-start batch that stays copying data
-        # ("induction": raw repeats of `recall_induction_len` single-character tokens, loss on all of the copy)
+        # ("induction": raw repeats of `recall_induction_len` single-character tokens, loss on all of the copy;
+        # "span": up to `recall_span_items` marked spans of 1-`recall_induction_len` tokens, each copied after its
+        # marker, with 0-`recall_span_gap` filler tokens before every marker)
         recall_steps=0, recall_batch=32, recall_kinds="repeat,recall,quote", recall_mix=0.0,
-        recall_induction_len=24))
+        recall_induction_len=24, recall_span_items=4, recall_span_gap=24))
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
     # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /

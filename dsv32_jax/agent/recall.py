@@ -144,11 +144,17 @@ def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTIO
 
 
 def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[str] = KINDS,
-                    thinking: bool = False, induction_len: int = INDUCTION_LEN) -> list[tuple[list[int], list[int]]]:
+                    thinking: bool = False, induction_len: int = INDUCTION_LEN, span_items: int = 4,
+                    span_gap: int = 24) -> list[tuple[list[int], list[int]]]:
     """`count` copying examples (ids, loss mask), kinds cycled in order: chat-encoded conversations (mask on the
-    answer) or raw induction sequences (mask on the whole second copy)."""
+    answer) or raw sequences (induction, span: mask on every copied token). `induction_len`: the induction kind's
+    length and the span kind's longest span; `span_items`, `span_gap`: the span kind's spans per sequence and
+    longest filler run."""
     if not kinds:
         raise ValueError("recall: no kinds given")
+    if span_items < 1 or span_gap < 0 or induction_len < 1:
+        raise ValueError(f"recall: need recall_induction_len >= 1, recall_span_items >= 1, recall_span_gap >= 0; "
+                         f"got {induction_len}, {span_items}, {span_gap}")
     rng = random.Random(seed)
     alphabet = induction_alphabet(codec) if set(kinds) & set(RAW_KINDS) else None
     fillers = filler_ids(codec, alphabet) if "span" in kinds else None
@@ -158,7 +164,7 @@ def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[st
             out.append(induction_example(rng, codec, induction_len, alphabet))
             continue
         if kinds[i % len(kinds)] == "span":
-            out.append(span_example(rng, codec, induction_len, alphabet, fillers))
+            out.append(span_example(rng, codec, induction_len, alphabet, fillers, span_items, span_gap))
             continue
         msgs = recall_messages(rng, kinds[i % len(kinds)])
         ids, mask = chat.encode_tokens(msgs, codec, thinking=thinking)

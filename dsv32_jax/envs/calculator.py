@@ -1,6 +1,6 @@
 """`calculator`: multi-step integer arithmetic with a `calc(expr)` tool (the code-interpreter pattern at its smallest).
 
-Per seed: 2-3 operations on 1-3 digit numbers, either as a parenthesized expression ("compute (17*23)+45") or stated
+Per seed: 2-3 operations (`min_ops`-`max_ops`) on 1-3 digit numbers (`max_digits`), either as a parenthesized expression ("compute (17*23)+45") or stated
 in words as a chain ("start with 17, multiply by 23, then add 45"). The demonstration evaluates one operation per
 call, innermost first (independent operations share a turn), so every task takes two or three tool turns.
 With `max_ops_per_call=1` the tool itself refuses longer expressions and multi-step use is required.
@@ -139,20 +139,23 @@ class CalculatorEnv(Env):
     instructions = "answer with the integer only. / is integer division rounding down."
 
     def __init__(self, max_steps: int = 4, max_digits: int = 3, words_fraction: float = 0.5,
-                 max_ops_per_call: int | None = None):
+                 max_ops_per_call: int | None = None, min_ops: int = 2, max_ops: int = 3):
         if not 1 <= max_digits <= 6:
             raise ValueError(f"calculator: max_digits must be in [1, 6], got {max_digits}")
         if not 0.0 <= words_fraction <= 1.0:
             raise ValueError(f"calculator: words_fraction must be in [0, 1], got {words_fraction}")
         if max_ops_per_call is not None and max_ops_per_call < 1:
             raise ValueError(f"calculator: max_ops_per_call must be >= 1 or None, got {max_ops_per_call}")
+        if not 1 <= min_ops <= max_ops <= 6:
+            raise ValueError(f"calculator: need 1 <= min_ops <= max_ops <= 6, got min_ops={min_ops} max_ops={max_ops}")
         self.max_digits, self.words_fraction, self.max_ops_per_call = max_digits, words_fraction, max_ops_per_call
+        self.min_ops, self.max_ops = min_ops, max_ops
         super().__init__(max_steps)
 
     def generate(self, seed: int) -> CalcInstance:
         rng = random.Random(seed)
         words = rng.random() < self.words_fraction
-        n_ops = rng.randint(2, 3)
+        n_ops = rng.randint(self.min_ops, self.max_ops)
         while True:
             tree = self._chain(rng, n_ops) if words else self._tree(rng, n_ops)
             try:

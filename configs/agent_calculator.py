@@ -1,0 +1,57 @@
+"""CPU learning demo of agentic post-training on the key-value lookup environment (`make agent-demo`).
+
+From random initialization, three phases in step 0 of stage "agent" (train/agent_grpo.py), then GRPO:
+1. recall stage (`agent.recall_steps`): 150 steps of 64 raw induction sequences (dsv32_jax/agent/recall.py, kind
+   "induction": 24 random single-character tokens, the characters of lookup keys and values, then the same 24
+   again, loss on the copy), the tiny model's stand-in for the pretrained checkpoint the paper's post-training
+   starts from. Held-out exact-copy accuracy 0 -> 1.00 by step 100 (BENCHMARKS.md, "Agentic post-training");
+   the chat-wrapped kinds (repeat / recall / quote) did not learn to copy in 300 steps, alone or after induction;
+2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format),
+   a quarter of each batch still induction data. With the induction start the assistant-token loss after 300 steps
+   is 0.272 (0.390 without) and the first token of the tool's result is copied into the answer (teacher-forced
+   accuracy 1.00, 0.10 without), but the key in the tool call is not (0.08), so greedy success on held-out tasks
+   is still 0/32: copying the quoted key needs retrieval by content, which plain induction does not teach;
+3. GRPO over multi-turn trajectories for `steps` steps, greedy success on 16 held-out tasks every `eval_every`.
+
+Model: the tiny preset with plain RoPE over 16 dims (the preset's YaRN factor 40 over 8 dims leaves almost no
+positional resolution at these lengths), dense FFNs in every layer (MoE layers cost 40% of a CPU step here), and
+`index_topk` 256, the length of a lookup episode (DSA selection is exercised by the other configs; this demo is
+about learning tool use). Single-key tasks, the compact tools prompt, non-thinking mode, the shipped BPE tokenizer.
+"""
+from dsv32_jax.train.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.stage = "agent"
+    c.model = "tiny"
+    c.model_overrides = {"vocab_size": 1536, "rope_type": "default", "qk_rope_head_dim": 16, "index_topk": 256,
+                         "first_k_dense_replace": 3}
+    c.steps = 40
+    c.optimizer.lr = 3e-3
+    c.optimizer.schedule = "constant"
+    c.optimizer.warmup_steps = 10
+    c.agent.envs = "calculator"
+    c.agent.env_kwargs = {"calculator": {"words_fraction": 0.0, "max_digits": 2, "min_ops": 2, "max_ops": 2}}
+    c.agent.codec = "bpe"
+    c.agent.tools_prompt = "compact"
+    c.agent.capacity = 512
+    c.agent.max_new_tokens = 40
+    c.agent.max_turns = 4
+    c.agent.tasks_per_step = 4
+    c.agent.group_size = 8
+    c.agent.recall_steps = 800
+    c.agent.recall_batch = 64
+    c.agent.recall_kinds = "span"
+    c.agent.recall_induction_len = 8
+    c.agent.recall_span_items = 2
+    c.agent.recall_span_gap = 8
+    c.agent.recall_mix = 0.25
+    c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
+    c.agent.cold_start_steps = 300
+    c.agent.cold_start_batch = 16
+    c.agent.eval_every = 10
+    c.agent.eval_episodes = 16
+    c.checkpoint.every = 10
+    c.log_every = 1
+    return c
