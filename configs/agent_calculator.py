@@ -1,22 +1,10 @@
-"""CPU learning demo of agentic post-training on the key-value lookup environment (`make agent-demo`).
+"""CPU agentic post-training on the calculator environment: the lookup demo's pipeline (configs/agent_lookup.py:
+span recall stage, cold start, GRPO over multi-turn trajectories) on two-operation expressions of 1-2 digit numbers
+("compute (39-3)-7": calc "39-3" -> 36, calc "36-7" -> 29, answer 29; two tool turns, the second call substitutes
+the first result). Status (BENCHMARKS.md, "Agentic post-training"): after 800 recall and 300 cold-start steps the
+greedy success on 32 held-out tasks is 0/32 (sampled 0-9%); the learning demo for this environment is still owed.
 
-From random initialization, three phases in step 0 of stage "agent" (train/agent_grpo.py), then GRPO:
-1. recall stage (`agent.recall_steps`): 150 steps of 64 raw induction sequences (dsv32_jax/agent/recall.py, kind
-   "induction": 24 random single-character tokens, the characters of lookup keys and values, then the same 24
-   again, loss on the copy), the tiny model's stand-in for the pretrained checkpoint the paper's post-training
-   starts from. Held-out exact-copy accuracy 0 -> 1.00 by step 100 (BENCHMARKS.md, "Agentic post-training");
-   the chat-wrapped kinds (repeat / recall / quote) did not learn to copy in 300 steps, alone or after induction;
-2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format),
-   a quarter of each batch still induction data. With the induction start the assistant-token loss after 300 steps
-   is 0.272 (0.390 without) and the first token of the tool's result is copied into the answer (teacher-forced
-   accuracy 1.00, 0.10 without), but the key in the tool call is not (0.08), so greedy success on held-out tasks
-   is still 0/32: copying the quoted key needs retrieval by content, which plain induction does not teach;
-3. GRPO over multi-turn trajectories for `steps` steps, greedy success on 16 held-out tasks every `eval_every`.
-
-Model: the tiny preset with plain RoPE over 16 dims (the preset's YaRN factor 40 over 8 dims leaves almost no
-positional resolution at these lengths), dense FFNs in every layer (MoE layers cost 40% of a CPU step here), and
-`index_topk` 256, the length of a lookup episode (DSA selection is exercised by the other configs; this demo is
-about learning tool use). Single-key tasks, the compact tools prompt, non-thinking mode, the shipped BPE tokenizer.
+    python -m dsv32_jax.train.main --config=configs/agent_calculator.py --workdir=runs/agent/calculator
 """
 from dsv32_jax.train.config import default_config
 
@@ -38,7 +26,7 @@ def get_config():
     c.agent.capacity = 512
     c.agent.max_new_tokens = 40
     c.agent.max_turns = 4
-    c.agent.tasks_per_step = 4
+    c.agent.tasks_per_step = 8
     c.agent.group_size = 8
     c.agent.recall_steps = 800
     c.agent.recall_batch = 64
@@ -50,6 +38,7 @@ def get_config():
     c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
     c.agent.cold_start_steps = 300
     c.agent.cold_start_batch = 16
+    c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
     c.agent.eval_episodes = 16
     c.checkpoint.every = 10

@@ -1,17 +1,17 @@
 """CPU learning demo of agentic post-training on the key-value lookup environment (`make agent-demo`).
 
 From random initialization, three phases in step 0 of stage "agent" (train/agent_grpo.py), then GRPO:
-1. recall stage (`agent.recall_steps`): 150 steps of 64 raw induction sequences (dsv32_jax/agent/recall.py, kind
-   "induction": 24 random single-character tokens, the characters of lookup keys and values, then the same 24
-   again, loss on the copy), the tiny model's stand-in for the pretrained checkpoint the paper's post-training
-   starts from. Held-out exact-copy accuracy 0 -> 1.00 by step 100 (BENCHMARKS.md, "Agentic post-training");
-   the chat-wrapped kinds (repeat / recall / quote) did not learn to copy in 300 steps, alone or after induction;
+1. recall stage (`agent.recall_steps`): 800 steps of 64 raw "span" sequences (dsv32_jax/agent/recall.py: 1-2 marked
+   spans of 1-8 single-character tokens, the characters of lookup keys and values, each copied again after its
+   marker at a random distance, loss on every copied token), the tiny model's stand-in for the pretrained
+   checkpoint the paper's post-training starts from. The earlier "induction" kind (a fixed-offset repeat) was
+   learned in 100 steps but did not transfer: a fixed offset is solvable by a positional head, the variable
+   distances of the span kind need content-based retrieval, which is what copying a quoted key into a tool call is;
 2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format),
-   a quarter of each batch still induction data. With the induction start the assistant-token loss after 300 steps
-   is 0.272 (0.390 without) and the first token of the tool's result is copied into the answer (teacher-forced
-   accuracy 1.00, 0.10 without), but the key in the tool call is not (0.08), so greedy success on held-out tasks
-   is still 0/32: copying the quoted key needs retrieval by content, which plain induction does not teach;
-3. GRPO over multi-turn trajectories for `steps` steps, greedy success on 16 held-out tasks every `eval_every`.
+   a quarter of each batch still span data. Greedy success on held-out tasks after it: 0.56 (18/32), from 0/32
+   with the induction start or none (BENCHMARKS.md, "Agentic post-training");
+3. GRPO over multi-turn trajectories for `steps` steps at `agent.rl_lr`, greedy success on 16 held-out tasks every
+   `eval_every`.
 
 Model: the tiny preset with plain RoPE over 16 dims (the preset's YaRN factor 40 over 8 dims leaves almost no
 positional resolution at these lengths), dense FFNs in every layer (MoE layers cost 40% of a CPU step here), and
@@ -38,7 +38,7 @@ def get_config():
     c.agent.capacity = 512
     c.agent.max_new_tokens = 40
     c.agent.max_turns = 3
-    c.agent.tasks_per_step = 4
+    c.agent.tasks_per_step = 8
     c.agent.group_size = 8
     c.agent.recall_steps = 800
     c.agent.recall_batch = 64
@@ -50,6 +50,7 @@ def get_config():
     c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
     c.agent.cold_start_steps = 300
     c.agent.cold_start_batch = 16
+    c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
     c.agent.eval_episodes = 16
     c.checkpoint.every = 10

@@ -419,3 +419,46 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
                 copies += 1
                 i = j
         assert copies >= 60 and len(distances) >= 20
+
+
+def test_near_miss_changes_one_string_argument_by_one_edit():
+    from dsv32_jax.agent import near_miss
+    from dsv32_jax.envs import ToolCall as EnvCall
+
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(60):
+        wrong = near_miss(EnvCall("get", {"key": "abc", "n": 3}), rng)
+        key = wrong.arguments["key"]
+        assert wrong.name == "get" and wrong.arguments["n"] == 3 and key != "abc"
+        assert key in {"bac", "acb", "bc", "ac", "aabc", "abbc"}  # a swap of neighbours, a drop or a doubling
+        seen.add(key)
+    assert len(seen) >= 4
+    assert near_miss(EnvCall("calc", {"n": 3, "expr": "x"}), rng) is None  # no string argument of >= 2 characters
+
+
+def test_recovery_demonstration_trains_the_retry_not_the_mistake():
+    """A wrong first call (loss mask 0), its tool error in the context, then the oracle's calls and answer (loss
+    mask 1 on exactly those completions); the episode succeeds."""
+    from dsv32_jax.agent import recovery_demonstration
+    from dsv32_jax.agent.episode import completion_text
+
+    codec = chat.load_tokenizer()
+    env = make_env("lookup", sum_fraction=0.0)
+    kw = dict(thinking=False, tools_prompt="compact", max_turns=16, max_new_tokens=512, context_budget=1024)
+    made = 0
+    for seed in range(12):
+        t = recovery_demonstration(env, seed, codec, random.Random(seed), **kw)
+        if t is None:
+            continue
+        made += 1
+        assert t.success and t.turns == len(env.demonstration(seed)) + 1
+        results = [m.content for m in t.history if isinstance(m, ToolResult)]
+        assert results[0].startswith("error: no key") and not results[1].startswith("error")
+        seg = t.segments[0]
+        masks = [seg.loss_mask[c.start:c.start + c.length] for c in t.completions]
+        assert masks[0] == [0] * t.completions[0].length and all(m == [1] * len(m) for m in masks[1:])
+        trained = [seg.ids[c.start:c.start + c.length] for c in t.completions[1:]]
+        assert trained == [codec.encode(completion_text(a, False)) for a in env.demonstration(seed)]
+        assert sum(seg.loss_mask) == sum(len(x) for x in trained)
+    assert made >= 10

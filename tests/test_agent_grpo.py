@@ -48,20 +48,19 @@ def test_cold_start_then_one_grpo_step_over_trajectories(tmp_path):
 
 
 def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
-    """config.agent.rl_lr: the GRPO update runs with it, the SFT updates with config.optimizer.lr (the optimizer
-    state is shared); a negative value is refused naming the field."""
+    """config.agent.rl_lr: the GRPO update runs with it, not with config.optimizer.lr (3e-3 here). Adam's first
+    step moves every parameter by about lr (the bias-corrected m / sqrt(v) is +-1), so after one GRPO update at
+    rl_lr = 1e-5 no parameter moves by more than ~1e-5 (at 3e-3 they would move ~300x more); a negative value is
+    refused naming the field."""
     import pytest
     import jax
 
     lrn = AgentLearner(_config(rl_lr=1e-5, group_size=2, tasks_per_step=1), str(tmp_path))
-    same = AgentLearner(_config(group_size=2, tasks_per_step=1), str(tmp_path / "b"))
     batch, _ = lrn.rollout(0)
     before = jax.tree.map(np.asarray, jax.device_get(lrn.state[0]))
     lrn.update(batch)
-    same.update(batch)  # same initial parameters (same seed), same batch, lr 3e-3
-    after, other = (jax.tree.map(np.asarray, jax.device_get(x.state[0])) for x in (lrn, same))
-    moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))]
-    moved_3e3 = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(before))]
-    assert 0 < max(moved) < 1e-4 < max(moved_3e3), (max(moved), max(moved_3e3))
+    after = jax.tree.map(np.asarray, jax.device_get(lrn.state[0]))
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+    assert 5e-6 < moved < 2e-5, moved
     with pytest.raises(ValueError, match="agent.rl_lr"):
         AgentLearner(_config(rl_lr=-1.0), str(tmp_path / "c"))

@@ -16,6 +16,7 @@ Config: `config.agent` (train/config.py). Entry point: stage "agent" of `python 
 from __future__ import annotations
 
 import functools
+import random
 import time
 
 import jax
@@ -27,7 +28,7 @@ from flax import nnx
 from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import chat
 from dsv32_jax import sharding as shd
-from dsv32_jax.agent.episode import OraclePolicy, run_episode
+from dsv32_jax.agent.episode import OraclePolicy, recovery_demonstration, run_episode
 from dsv32_jax.agent.recall import recall_examples
 from dsv32_jax.agent.rollout import BatchedRollout
 from dsv32_jax.envs import make_env
@@ -147,12 +148,19 @@ class AgentLearner:
 
     # --------------------------------------------------------------- cold start
     def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
-        """(ids, loss_mask) of oracle episodes, cycling over the environment mix."""
+        """(ids, loss_mask) of oracle episodes, cycling over the environment mix; `config.agent.recovery_fraction`
+        of them first make a near-miss call and recover from its error (episode.recovery_demonstration)."""
         out = []
         for i, seed in enumerate(seeds):
             name = self.envs[i % len(self.envs)]
             env = make_env(name, **self.env_kwargs[name])
             kw = dict(self._episode_kwargs(), max_new_tokens=self.a.capacity, max_turns=16)  # not sampled
+            rng = random.Random(seed)
+            if self.a.recovery_fraction and rng.random() < self.a.recovery_fraction:
+                t = recovery_demonstration(env, seed, self.codec, rng, **kw)  # None: no near miss for this task
+                if t is not None:
+                    out.append((t.segments[0].ids, t.segments[0].loss_mask))
+                    continue
             t = run_episode(env, seed, OraclePolicy(env, self.codec, seed, self.a.thinking), self.codec, **kw)
             if not t.success:
                 raise RuntimeError(f"oracle episode of {name} seed {seed} failed: {t.info}")

@@ -108,6 +108,9 @@ def default_config() -> ml_collections.ConfigDict:
         kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
         eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
         rl_lr=0.0,  # > 0: the GRPO steps' learning rate (config.optimizer.lr stays the recall / cold-start SFT's)
+        # fraction of cold-start demonstrations that first make a near-miss call, get the tool's error and call again
+        # (loss masked on the wrong call: the model learns to recover, not to err)
+        recovery_fraction=0.0,
         env_kwargs=ml_collections.ConfigDict(),
         # recall stage before the cold start (dsv32_jax/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dsv32_jax.agent.context import STRATEGIES, extractive_summary, format_call, manage, over_budget
 from dsv32_jax.agent.episode import (Completion, GuessPolicy, OraclePolicy, Policy, RandomPolicy, ScriptedPolicy,
-                                     Segment, Trajectory, run_episode)
+                                     Segment, Trajectory, near_miss, recovery_demonstration, run_episode)
 
 __all__ = ["STRATEGIES", "Completion", "GuessPolicy", "OraclePolicy", "Policy", "RandomPolicy", "ScriptedPolicy",
-           "Segment", "Trajectory", "extractive_summary", "format_call", "manage", "over_budget", "run_episode"]
+           "Segment", "Trajectory", "extractive_summary", "format_call", "manage", "near_miss", "over_budget",
+           "recovery_demonstration", "run_episode"]

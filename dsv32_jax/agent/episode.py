@@ -276,3 +276,41 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
     return Trajectory(messages=messages, history=history, reward=float(reward),
                       success=bool(info.get("success", False)) and "error" not in info, turns=turns, resets=resets,
                       segments=segments, completions=completions, info=info, peak_prompt_tokens=peak)
+
+
+def near_miss(call: ToolCall, rng: random.Random) -> ToolCall | None:
+    """`call` with its first string argument of >= 2 characters changed by one edit (two neighbours swapped, one
+    character dropped or one doubled): the mistakes a small model makes when it copies a key. None when the call
+    has no such argument."""
+    for name, value in call.arguments.items():
+        if isinstance(value, str) and len(value) >= 2:
+            i = rng.randrange(len(value) - 1)
+            edits = {value[:i] + value[i + 1] + value[i] + value[i + 2:], value[:i] + value[i + 1:],
+                     value[:i + 1] + value[i] + value[i + 1:]} - {value}
+            return ToolCall(call.name, {**call.arguments, name: rng.choice(sorted(edits))})
+    return None
+
+
+def recovery_demonstration(env: Env, seed: int, codec: chat.Codec, rng: random.Random,
+                           **episode_kwargs: Any) -> Trajectory | None:
+    """A demonstration that first repeats the oracle's first call with a near-miss argument (:func:`near_miss`),
+    gets the tool's error, then follows the oracle to the answer. The wrong call's tokens get loss mask 0, so SFT on
+    it teaches the recovery (reading an error result and calling again), not the mistake. None when the oracle's
+    first turn has no call with a string argument, the near miss does not produce an error result (e.g. it names
+    another valid key) or the longer episode does not succeed (the env's max_steps)."""
+    actions = env.demonstration(seed)
+    if not actions or not actions[0].tool_calls:
+        return None
+    wrong = near_miss(actions[0].tool_calls[0], rng)
+    if wrong is None:
+        return None
+    thinking = episode_kwargs.get("thinking", True)
+    script = [Action(tool_calls=[wrong], reasoning=actions[0].reasoning)] + list(actions)
+    t = run_episode(env, seed, ScriptedPolicy(codec, script, thinking), codec, **episode_kwargs)
+    results = [m for m in t.history if isinstance(m, chat.ToolResult)]
+    if not t.success or not results or not results[0].content.startswith("error"):
+        return None
+    first = t.completions[0]
+    seg = t.segments[first.segment]
+    seg.loss_mask[first.start:first.start + first.length] = [0] * first.length
+    return t
