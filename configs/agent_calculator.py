@@ -38,6 +38,7 @@ def get_config():
     c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
     c.agent.cold_start_steps = 300
     c.agent.cold_start_batch = 16
+    c.agent.recall_chars = "0123456789+-*/()"  # what calculator calls copy: digits and operators
     c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
     c.agent.eval_episodes = 16

@@ -419,6 +419,11 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
                 copies += 1
                 i = j
         assert copies >= 60 and len(distances) >= 20
+    codec = chat.load_tokenizer()  # `chars`: what the copies are made of (the calculator's digits and operators)
+    ops = set(induction_alphabet(codec, "0123456789+-*/()"))
+    assert len(ops) == 16
+    for ids, mask in recall_examples(3, 20, codec, kinds=("span",), chars="0123456789+-*/()"):
+        assert {i for i, m in zip(ids, mask) if m} <= ops
 
 
 def test_near_miss_changes_one_string_argument_by_one_edit():

@@ -29,7 +29,7 @@ from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import chat
 from dsv32_jax import sharding as shd
 from dsv32_jax.agent.episode import OraclePolicy, recovery_demonstration, run_episode
-from dsv32_jax.agent.recall import recall_examples
+from dsv32_jax.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.agent.rollout import BatchedRollout
 from dsv32_jax.envs import make_env
 from dsv32_jax.sampler import SamplingConfig
@@ -172,7 +172,7 @@ class AgentLearner:
         kinds = [k.strip() for k in self.a.recall_kinds.split(",") if k.strip()]
         return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking,
                                induction_len=self.a.recall_induction_len, span_items=self.a.recall_span_items,
-                               span_gap=self.a.recall_span_gap)
+                               span_gap=self.a.recall_span_gap, chars=self.a.recall_chars or INDUCTION_CHARS)
 
     def _sft_update(self, examples) -> float:
         batch = sft_batch(examples, self.a.capacity, bucket=64)

@@ -119,7 +119,8 @@ def default_config() -> ml_collections.ConfigDict:
         # "span": up to `recall_span_items` marked spans of 1-`recall_induction_len` tokens, each copied after its
         # marker, with 0-`recall_span_gap` filler tokens before every marker)
         recall_steps=0, recall_batch=32, recall_kinds="repeat,recall,quote", recall_mix=0.0,
-        recall_induction_len=24, recall_span_items=4, recall_span_gap=24))
+        recall_induction_len=24, recall_span_items=4, recall_span_gap=24,
+        recall_chars=""))  # the characters the raw kinds copy ("": recall.INDUCTION_CHARS, lookup's keys and values)
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
     # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /

@@ -145,18 +145,18 @@ def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTIO
 
 def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[str] = KINDS,
                     thinking: bool = False, induction_len: int = INDUCTION_LEN, span_items: int = 4,
-                    span_gap: int = 24) -> list[tuple[list[int], list[int]]]:
+                    span_gap: int = 24, chars: str = INDUCTION_CHARS) -> list[tuple[list[int], list[int]]]:
     """`count` copying examples (ids, loss mask), kinds cycled in order: chat-encoded conversations (mask on the
     answer) or raw sequences (induction, span: mask on every copied token). `induction_len`: the induction kind's
     length and the span kind's longest span; `span_items`, `span_gap`: the span kind's spans per sequence and
-    longest filler run."""
+    longest filler run; `chars`: the characters the raw kinds copy (each must be one token of the codec)."""
     if not kinds:
         raise ValueError("recall: no kinds given")
     if span_items < 1 or span_gap < 0 or induction_len < 1:
         raise ValueError(f"recall: need recall_induction_len >= 1, recall_span_items >= 1, recall_span_gap >= 0; "
                          f"got {induction_len}, {span_items}, {span_gap}")
     rng = random.Random(seed)
-    alphabet = induction_alphabet(codec) if set(kinds) & set(RAW_KINDS) else None
+    alphabet = induction_alphabet(codec, chars) if set(kinds) & set(RAW_KINDS) else None
     fillers = filler_ids(codec, alphabet) if "span" in kinds else None
     out = []
     for i in range(count):
