@@ -389,8 +389,8 @@ def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_l
 
 
 def test_recall_span_kind_copies_marked_spans_from_varying_distances():
-    """The "span" kind: every trained run (a copy) is preceded by a marker that occurs exactly once before it, and
-    equals the tokens that followed that earlier occurrence; the copy-to-source distance varies (a fixed-offset
+    """The "span" kind: every trained run (a copy) is preceded by a marker and equals the tokens that followed that
+    marker's last earlier occurrence (earlier ones are decoys followed by other tokens); the copy-to-source distance varies (a fixed-offset
     head cannot solve it, unlike the induction kind); works with both codecs; deterministic per seed."""
     from dsv32_jax.agent.recall import induction_alphabet, recall_examples
 
@@ -398,7 +398,7 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
         alphabet = set(induction_alphabet(codec))
         examples = recall_examples(11, 40, codec, kinds=("span",))
         assert examples == recall_examples(11, 40, codec, kinds=("span",))
-        distances, copies = set(), 0
+        distances, copies, decoys = set(), 0, 0
         for ids, mask in examples:
             assert len(ids) == len(mask) and ids[0] == codec.token_to_id(chat.BOS) and mask[0] == 0
             i = 0
@@ -412,13 +412,13 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
                 marker, copy = ids[i - 1], ids[i:j]
                 assert marker not in alphabet and set(copy) <= alphabet
                 earlier = [p for p in range(i - 1) if ids[p] == marker]
-                assert len(earlier) == 1, "a copy's marker must have exactly one earlier occurrence"
-                src = earlier[0] + 1
+                decoys += len(earlier) > 1
+                src = earlier[-1] + 1  # the marker's last occurrence before the copy
                 assert ids[src:src + len(copy)] == copy and not any(mask[src:src + len(copy)])
                 distances.add(i - src)
                 copies += 1
                 i = j
-        assert copies >= 60 and len(distances) >= 20
+        assert copies >= 60 and len(distances) >= 20 and decoys >= 10
     codec = chat.load_tokenizer()  # `chars`: what the copies are made of (the calculator's digits and operators)
     ops = set(induction_alphabet(codec, "0123456789+-*/()"))
     assert len(ops) == 16

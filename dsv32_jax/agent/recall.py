@@ -21,7 +21,8 @@ and two raw kinds (no chat wrapping, loss on EVERY token of the copies):
                with a fixed-offset head instead of an induction head: it does not transfer to the environments.
     span:      1-4 marked spans at random distances, then each again after its marker, in a random order:
                ``BOS f.. m_1 s.. f.. m_2 s'.. f.. m_2 s'.. f.. m_1 s..`` where the markers m_i and fillers f
-               are random ordinary vocabulary tokens and the spans are 1-``INDUCTION_LEN`` single-character tokens.
+               are random ordinary vocabulary tokens and the spans are 1-``INDUCTION_LEN`` single-character tokens;
+               half the sequences open with decoys (a marker + other characters): copy from the LAST occurrence.
                Predicting a copy needs content-based retrieval (find the earlier m_i, copy what followed, continue
                the span from its own previous token): the skill behind copying a quoted key into a tool call and a
                tool result into an answer, at the distances an episode has (up to ~200 tokens).
@@ -114,7 +115,8 @@ def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTIO
                  alphabet: Sequence[int] | None = None, fillers: Sequence[int] | None = None,
                  max_items: int = 4, max_gap: int = 24) -> tuple[list[int], list[int]]:
     """Marked spans at random distances, then copied after their markers (module docstring); loss mask 1 on every
-    token of the copies. Markers are distinct and never occur as fillers, so each copy has one source."""
+    token of the copies. Markers are distinct and never occur as fillers; half the sequences start with decoy
+    occurrences of the markers, so a copy's source is its marker's last occurrence before it."""
     alphabet = list(alphabet) if alphabet is not None else induction_alphabet(codec)
     fillers = list(fillers) if fillers is not None else filler_ids(codec, alphabet)
     n = rng.randint(1, max_items)
@@ -132,6 +134,14 @@ def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTIO
         return out
 
     ids, mask = [codec.token_to_id(chat.BOS)], [0]
+    # half the sequences open with decoys: markers followed by other characters. A copy then comes from its
+    # marker's LAST occurrence before it (as a tool call's key comes from the task's quote, not from the quotes of
+    # the tool schemas before it)
+    if rng.random() < 0.5:
+        for _ in range(rng.randint(1, 2 * n)):
+            decoy = [rng.choice(markers)] + [rng.choice(alphabet) for _ in range(rng.randint(1, 4))]
+            ids += filler(max_gap // 2) + decoy
+    mask += [0] * (len(ids) - len(mask))
     for m, s in zip(markers, spans):
         part = filler(max_gap) + [m] + s
         ids += part
