@@ -390,8 +390,9 @@ def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_l
 
 def test_recall_span_kind_copies_marked_spans_from_varying_distances():
     """The "span" kind: every trained run (a copy) is preceded by a marker and equals the tokens that followed that
-    marker's last earlier occurrence (earlier ones are decoys followed by other tokens); the copy-to-source distance varies (a fixed-offset
-    head cannot solve it, unlike the induction kind); works with both codecs; deterministic per seed."""
+    marker's last earlier occurrence (earlier ones are decoys followed by other tokens); the copy-to-source distance
+    varies (a fixed-offset head cannot solve it, unlike the induction kind); works with both codecs; deterministic
+    per seed."""
     from dsv32_jax.agent.recall import induction_alphabet, recall_examples
 
     for codec in (chat.load_tokenizer(), chat.TinyCodec.printable()):
