@@ -3,7 +3,8 @@ span recall stage, cold start, GRPO over multi-turn trajectories) on two-operati
 ("compute (39-3)-7": calc "39-3" -> 36, calc "36-7" -> 29, answer 29; two tool turns, the second call substitutes
 the first result). The lookup demo's config with the environment, its turns and the recall stage's characters
 changed. Status (BENCHMARKS.md, "Agentic post-training"): after 800 recall and 300 cold-start steps the
-greedy success on 32 held-out tasks is 0/32 (sampled 0-9%); the learning demo for this environment is still owed.
+greedy success on 32 held-out tasks is 3/32 (0/32 before the recall stage copied operators); the learning demo for
+this environment is still owed.
 
     python -m dsv32_jax.train.main --config=configs/agent_calculator.py --workdir=runs/agent/calculator
 """
