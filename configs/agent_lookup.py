@@ -3,14 +3,15 @@
 From random initialization, three phases in step 0 of stage "agent" (train/agent_grpo.py), then GRPO:
 1. recall stage (`agent.recall_steps`): 800 steps of 64 raw "span" sequences (dsv32_jax/agent/recall.py: 1-2 marked
    spans of 1-8 single-character tokens, the characters of lookup keys and values, each copied again after its
-   marker at a random distance, half the sequences with decoy markers, loss on every copied token), the tiny
-   model's stand-in for the pretrained checkpoint the paper's post-training starts from. The earlier "induction" kind (a fixed-offset repeat) was
-   learned in 100 steps but did not transfer: a fixed offset is solvable by a positional head, the variable
-   distances of the span kind need content-based retrieval, which is what copying a quoted key into a tool call is;
-2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format),
-   a quarter of each batch still span data. Greedy success on held-out tasks after it: 0.56-0.59 on 32 tasks,
-   0.75 (12/16) through `make agent-demo` (before the decoys), from 0/32 with the induction start or none (BENCHMARKS.md, "Agentic
-   post-training"); the issue's 0.8 is not reached yet;
+   marker at a random distance, half the sequences with decoy markers, loss on every copied token), the tiny model's
+   stand-in for the pretrained checkpoint the paper's post-training starts from. The earlier "induction" kind (a
+   fixed-offset repeat) was learned in 100 steps but did not transfer: a fixed offset is solvable by a positional
+   head, the variable distances of the span kind need content-based retrieval, which is what copying a quoted key
+   into a tool call is;
+2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format), a
+   quarter of each batch still span data. Greedy success on held-out tasks after it: 0.56-0.59 on 32 tasks, 0.75
+   (12/16) through `make agent-demo` (before the decoys), from 0/32 with the induction start or none (BENCHMARKS.md,
+   "Agentic post-training"); the issue's 0.8 is not reached yet;
 3. GRPO over multi-turn trajectories for `steps` steps at `agent.rl_lr`, greedy success on 16 held-out tasks every
    `eval_every`.
 

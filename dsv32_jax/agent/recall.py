@@ -104,7 +104,7 @@ def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUC
 def filler_ids(codec: chat.Codec, alphabet: Sequence[int]) -> list[int]:
     """Ordinary (non-special) vocabulary ids outside `alphabet`: the fillers and markers of the span kind."""
     special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
-    banned = special | set(alphabet) | {codec.pad_id, codec.eos_id}
+    banned = special | set(alphabet)  # pad, BOS, EOS and the chat markup are special tokens
     ids = [i for i in range(codec.vocab_size) if i not in banned]
     if len(ids) < 8:
         raise ValueError(f"recall: the codec has only {len(ids)} ordinary tokens for the span kind (need 8)")
@@ -170,13 +170,12 @@ def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[st
     fillers = filler_ids(codec, alphabet) if "span" in kinds else None
     out = []
     for i in range(count):
-        if kinds[i % len(kinds)] == "induction":
+        kind = kinds[i % len(kinds)]
+        if kind == "induction":
             out.append(induction_example(rng, codec, induction_len, alphabet))
-            continue
-        if kinds[i % len(kinds)] == "span":
+        elif kind == "span":
             out.append(span_example(rng, codec, induction_len, alphabet, fillers, span_items, span_gap))
-            continue
-        msgs = recall_messages(rng, kinds[i % len(kinds)])
-        ids, mask = chat.encode_tokens(msgs, codec, thinking=thinking)
-        out.append((list(ids), list(mask)))
+        else:
+            ids, mask = chat.encode_tokens(recall_messages(rng, kind), codec, thinking=thinking)
+            out.append((list(ids), list(mask)))
     return out

@@ -1,8 +1,9 @@
 """`calculator`: multi-step integer arithmetic with a `calc(expr)` tool (the code-interpreter pattern at its smallest).
 
-Per seed: 2-3 operations (`min_ops`-`max_ops`) on 1-3 digit numbers (`max_digits`), either as a parenthesized expression ("compute (17*23)+45") or stated
-in words as a chain ("start with 17, multiply by 23, then add 45"). The demonstration evaluates one operation per
-call, innermost first (independent operations share a turn), so every task takes two or three tool turns.
+Per seed: 2-3 operations (`min_ops`-`max_ops`) on 1-3 digit numbers (`max_digits`), either as a parenthesized
+expression ("compute (17*23)+45") or stated in words as a chain ("start with 17, multiply by 23, then add 45"). The
+demonstration evaluates one operation per call, innermost first (independent operations share a turn), so every task
+takes two or three tool turns.
 With `max_ops_per_call=1` the tool itself refuses longer expressions and multi-step use is required.
 
 Arithmetic (the tool and the task's answer alike): integers, + - * /, parentheses, unary minus. '/' is integer
@@ -147,7 +148,8 @@ class CalculatorEnv(Env):
         if max_ops_per_call is not None and max_ops_per_call < 1:
             raise ValueError(f"calculator: max_ops_per_call must be >= 1 or None, got {max_ops_per_call}")
         if not 1 <= min_ops <= max_ops <= 6:
-            raise ValueError(f"calculator: need 1 <= min_ops <= max_ops <= 6, got min_ops={min_ops} max_ops={max_ops}")
+            raise ValueError(f"calculator: need 1 <= min_ops <= max_ops <= 6, got min_ops={min_ops} "
+                             f"max_ops={max_ops}")
         self.max_digits, self.words_fraction, self.max_ops_per_call = max_digits, words_fraction, max_ops_per_call
         self.min_ops, self.max_ops = min_ops, max_ops
         super().__init__(max_steps)
