@@ -391,12 +391,14 @@ def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_l
 def test_recall_span_kind_copies_marked_spans_from_varying_distances():
     """The "span" kind: every trained run (a copy) is preceded by a marker and equals the tokens that followed that
     marker's last earlier occurrence (earlier ones are decoys followed by other tokens); the copy-to-source distance
-    varies (a fixed-offset head cannot solve it, unlike the induction kind); works with both codecs; deterministic
-    per seed."""
-    from dsv32_jax.agent.recall import induction_alphabet, recall_examples
+    varies (a fixed-offset head cannot solve it, unlike the induction kind); a copy is a string the codec encodes
+    to exactly those tokens, so the BPE's merges occur ("sew" -> "se" "w", as in a lookup key); works with both
+    codecs; deterministic per seed."""
+    from dsv32_jax.agent.recall import induction_alphabet, recall_examples, word_alphabet
 
     for codec in (chat.load_tokenizer(), chat.TinyCodec.printable()):
-        alphabet = set(induction_alphabet(codec))
+        alphabet = set(word_alphabet(codec))
+        merged = 0
         examples = recall_examples(11, 40, codec, kinds=("span",))
         assert examples == recall_examples(11, 40, codec, kinds=("span",))
         distances, copies, decoys = set(), 0, 0
@@ -412,6 +414,8 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
                     j += 1
                 marker, copy = ids[i - 1], ids[i:j]
                 assert marker not in alphabet and set(copy) <= alphabet
+                assert codec.encode(codec.decode(copy)) == copy
+                merged += any(len(codec.decode([t])) > 1 for t in copy)
                 earlier = [p for p in range(i - 1) if ids[p] == marker]
                 decoys += len(earlier) > 1
                 src = earlier[-1] + 1  # the marker's last occurrence before the copy
@@ -420,9 +424,10 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
                 copies += 1
                 i = j
         assert copies >= 60 and len(distances) >= 20 and decoys >= 10
+        assert merged >= 20 if isinstance(codec, chat.HFCodec) else merged == 0
     codec = chat.load_tokenizer()  # `chars`: what the copies are made of (the calculator's digits and operators)
-    ops = set(induction_alphabet(codec, "0123456789+-*/()"))
-    assert len(ops) == 16
+    assert len(set(induction_alphabet(codec, "0123456789+-*/()"))) == 16
+    ops = set(word_alphabet(codec, "0123456789+-*/()"))
     for ids, mask in recall_examples(3, 20, codec, kinds=("span",), chars="0123456789+-*/()"):
         assert {i for i, m in zip(ids, mask) if m} <= ops
 

@@ -116,8 +116,8 @@ def default_config() -> ml_collections.ConfigDict:
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;
         # `recall_mix`: the fraction of every cold-start batch that stays copying data
         # ("induction": raw repeats of `recall_induction_len` single-character tokens, loss on all of the copy;
-        # "span": up to `recall_span_items` marked spans of 1-`recall_induction_len` tokens, each copied after its
-        # marker, with 0-`recall_span_gap` filler tokens before every marker)
+        # "span": up to `recall_span_items` marked spans (strings of 1-`recall_induction_len` characters, encoded by
+        # the codec), each copied after its marker, with 0-`recall_span_gap` filler tokens before every marker)
         recall_steps=0, recall_batch=32, recall_kinds="repeat,recall,quote", recall_mix=0.0,
         recall_induction_len=24, recall_span_items=4, recall_span_gap=24,
         recall_chars=""))  # the characters the raw kinds copy ("": recall.INDUCTION_CHARS, lookup's keys and values)

@@ -21,8 +21,10 @@ and two raw kinds (no chat wrapping, loss on EVERY token of the copies):
                with a fixed-offset head instead of an induction head: it does not transfer to the environments.
     span:      1-4 marked spans at random distances, then each again after its marker, in a random order:
                ``BOS f.. m_1 s.. f.. m_2 s'.. f.. m_2 s'.. f.. m_1 s..`` where the markers m_i and fillers f
-               are random ordinary vocabulary tokens and the spans are 1-``INDUCTION_LEN`` single-character tokens;
-               half the sequences open with decoys (a marker + other characters): copy from the LAST occurrence.
+               are random ordinary vocabulary tokens and each span is a random string of 1-``INDUCTION_LEN``
+               characters ENCODED BY THE CODEC, so a BPE's merges ("se", "en", "12") occur in the copies as they
+               do in the environments' keys and numbers ("sew" -> "se" "w"); half the sequences open with decoys
+               (a marker + other characters): copy from the LAST occurrence.
                Predicting a copy needs content-based retrieval (find the earlier m_i, copy what followed, continue
                the span from its own previous token): the skill behind copying a quoted key into a tool call and a
                tool result into an answer, at the distances an episode has (up to ~200 tokens).
@@ -101,6 +103,17 @@ def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUC
     return ids, [0] * (1 + length) + [1] * length
 
 
+def word_alphabet(codec: chat.Codec, chars: str = INDUCTION_CHARS) -> list[int]:
+    """The ordinary vocabulary ids whose text is made of `chars` only: the single characters and the codec's merges
+    of them (every token an encoded string of `chars` can contain)."""
+    special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
+    allowed = set(chars)
+    ids = [i for i in range(codec.vocab_size) if i not in special and (t := codec.decode([i])) and set(t) <= allowed]
+    if len(ids) < 2:
+        raise ValueError(f"recall: the codec has fewer than 2 tokens made of {chars!r} for the span kind")
+    return ids
+
+
 def filler_ids(codec: chat.Codec, alphabet: Sequence[int]) -> list[int]:
     """Ordinary (non-special) vocabulary ids outside `alphabet`: the fillers and markers of the span kind."""
     special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
@@ -113,17 +126,21 @@ def filler_ids(codec: chat.Codec, alphabet: Sequence[int]) -> list[int]:
 
 def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTION_LEN,
                  alphabet: Sequence[int] | None = None, fillers: Sequence[int] | None = None,
-                 max_items: int = 4, max_gap: int = 24) -> tuple[list[int], list[int]]:
+                 max_items: int = 4, max_gap: int = 24, chars: str = INDUCTION_CHARS) -> tuple[list[int], list[int]]:
     """Marked spans at random distances, then copied after their markers (module docstring); loss mask 1 on every
-    token of the copies. Markers are distinct and never occur as fillers; half the sequences start with decoy
-    occurrences of the markers, so a copy's source is its marker's last occurrence before it."""
-    alphabet = list(alphabet) if alphabet is not None else induction_alphabet(codec)
+    token of the copies. A span is a random string of 1-`max_span` of `chars`, encoded by the codec (its tokens are
+    in `alphabet`, default word_alphabet(codec, chars)). Markers are distinct and never occur as fillers; half the
+    sequences start with decoy occurrences of the markers, so a copy's source is its marker's last occurrence."""
+    alphabet = list(alphabet) if alphabet is not None else word_alphabet(codec, chars)
     fillers = list(fillers) if fillers is not None else filler_ids(codec, alphabet)
     n = rng.randint(1, max_items)
     markers = rng.sample(fillers, n)
-    # half the spans short (1-4 tokens: keys, values), half up to max_span
-    spans = [[rng.choice(alphabet) for _ in range(rng.randint(1, rng.choice((min(4, max_span), max_span))))]
-             for _ in range(n)]
+
+    def word(hi: int) -> list[int]:
+        return codec.encode("".join(rng.choice(chars) for _ in range(rng.randint(1, hi))))
+
+    # half the spans short (1-4 characters: keys, values), half up to max_span
+    spans = [word(rng.choice((min(4, max_span), max_span))) for _ in range(n)]
 
     def filler(hi: int) -> list[int]:
         out, k = [], rng.randint(0, hi)
@@ -139,7 +156,7 @@ def span_example(rng: random.Random, codec: chat.Codec, max_span: int = INDUCTIO
     # the tool schemas before it)
     if rng.random() < 0.5:
         for _ in range(rng.randint(1, 2 * n)):
-            decoy = [rng.choice(markers)] + [rng.choice(alphabet) for _ in range(rng.randint(1, 4))]
+            decoy = [rng.choice(markers)] + word(4)
             ids += filler(max_gap // 2) + decoy
     mask += [0] * (len(ids) - len(mask))
     for m, s in zip(markers, spans):
@@ -166,15 +183,16 @@ def recall_examples(seed: int, count: int, codec: chat.Codec, kinds: Sequence[st
         raise ValueError(f"recall: need recall_induction_len >= 1, recall_span_items >= 1, recall_span_gap >= 0; "
                          f"got {induction_len}, {span_items}, {span_gap}")
     rng = random.Random(seed)
-    alphabet = induction_alphabet(codec, chars) if set(kinds) & set(RAW_KINDS) else None
-    fillers = filler_ids(codec, alphabet) if "span" in kinds else None
+    alphabet = induction_alphabet(codec, chars) if "induction" in kinds else None
+    words = word_alphabet(codec, chars) if "span" in kinds else None
+    fillers = filler_ids(codec, words) if "span" in kinds else None
     out = []
     for i in range(count):
         kind = kinds[i % len(kinds)]
         if kind == "induction":
             out.append(induction_example(rng, codec, induction_len, alphabet))
         elif kind == "span":
-            out.append(span_example(rng, codec, induction_len, alphabet, fillers, span_items, span_gap))
+            out.append(span_example(rng, codec, induction_len, words, fillers, span_items, span_gap, chars))
         else:
             ids, mask = chat.encode_tokens(recall_messages(rng, kind), codec, thinking=thinking)
             out.append((list(ids), list(mask)))
