@@ -41,7 +41,6 @@ from typing import Sequence
 from dsv32_jax import chat
 
 KINDS = ("repeat", "recall", "quote")
-RAW_KINDS = ("induction", "span")
 INDUCTION_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789\""
 INDUCTION_LEN = 24
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -103,11 +102,15 @@ def induction_example(rng: random.Random, codec: chat.Codec, length: int = INDUC
     return ids, [0] * (1 + length) + [1] * length
 
 
+def _special_ids(codec: chat.Codec) -> set[int]:
+    """pad, BOS, EOS and the chat markup: never copied, never fillers."""
+    return {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
+
+
 def word_alphabet(codec: chat.Codec, chars: str = INDUCTION_CHARS) -> list[int]:
     """The ordinary vocabulary ids whose text is made of `chars` only: the single characters and the codec's merges
     of them (every token an encoded string of `chars` can contain)."""
-    special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
-    allowed = set(chars)
+    special, allowed = _special_ids(codec), set(chars)
     ids = [i for i in range(codec.vocab_size) if i not in special and (t := codec.decode([i])) and set(t) <= allowed]
     if len(ids) < 2:
         raise ValueError(f"recall: the codec has fewer than 2 tokens made of {chars!r} for the span kind")
@@ -116,8 +119,7 @@ def word_alphabet(codec: chat.Codec, chars: str = INDUCTION_CHARS) -> list[int]:
 
 def filler_ids(codec: chat.Codec, alphabet: Sequence[int]) -> list[int]:
     """Ordinary (non-special) vocabulary ids outside `alphabet`: the fillers and markers of the span kind."""
-    special = {codec.token_to_id(t) for t in chat.SPECIAL_TOKENS}
-    banned = special | set(alphabet)  # pad, BOS, EOS and the chat markup are special tokens
+    banned = _special_ids(codec) | set(alphabet)
     ids = [i for i in range(codec.vocab_size) if i not in banned]
     if len(ids) < 8:
         raise ValueError(f"recall: the codec has only {len(ids)} ordinary tokens for the span kind (need 8)")
