@@ -9,12 +9,18 @@ From random initialization, three phases in step 0 of stage "agent" (train/agent
    fixed-offset repeat) was learned in 100 steps but did not transfer: a fixed offset is solvable by a positional
    head, the variable distances of the span kind need content-based retrieval, which is what copying a quoted key
    into a tool call is;
-2. cold start (`agent.cold_start_steps`): SFT on the lookup oracle's demonstrations (the DSML tool-call format), a
-   quarter of each batch still span data. Greedy success on held-out tasks after it: 0.56-0.59 on 32 tasks, 0.75
-   (12/16) through `make agent-demo` (before the decoys), from 0/32 with the induction start or none (BENCHMARKS.md,
-   "Agentic post-training"); the issue's 0.8 is not reached yet;
-3. GRPO over multi-turn trajectories for `steps` steps at `agent.rl_lr`, greedy success on 16 held-out tasks every
-   `eval_every`.
+2. cold start (`agent.cold_start_steps`): 400 SFT steps on the lookup oracle's demonstrations (the DSML tool-call
+   format), a quarter of each batch still span data; the last 100 (`agent.anneal_steps`) at a tenth of the rate
+   (`agent.anneal_lr`). At the constant rate greedy success swings between 0.5 and 0.72 from checkpoint to
+   checkpoint; the low-rate tail settles it at 1.0 (BENCHMARKS.md, "Agentic post-training");
+3. GRPO over multi-turn trajectories for `steps` steps at `agent.rl_lr`, greedy success on 32 held-out tasks every
+   `eval_every` (and before any training: `start_eval_success`, the chance level; after the cold start:
+   `pre_eval_success`).
+
+Keys are drawn from the 11 letters no merge of the shipped BPE contains (`KEY_LETTERS`), so a key is one token per
+letter in the task and in the tool call. With all 26 letters a quarter of the keys contain a merged token ("sew" ->
+"se" "w"), and this 0.5M-parameter model never learns to copy those rare tokens (0/8 of them in every run; 0.69
+overall after the same pipeline): that limit is the tiny model's copying, not tool use, so the demo leaves it out.
 
 Model: the tiny preset with plain RoPE over 16 dims (the preset's YaRN factor 40 over 8 dims leaves almost no
 positional resolution at these lengths), dense FFNs in every layer (MoE layers cost 40% of a CPU step here), and
@@ -23,6 +29,8 @@ about learning tool use). Single-key tasks, the compact tools prompt, non-thinki
 """
 from dsv32_jax.train.config import default_config
 
+KEY_LETTERS = "djkmqrvwxyz"
+
 
 def get_config():
     c = default_config()
@@ -30,12 +38,13 @@ def get_config():
     c.model = "tiny"
     c.model_overrides = {"vocab_size": 1536, "rope_type": "default", "qk_rope_head_dim": 16, "index_topk": 256,
                          "first_k_dense_replace": 3}
-    c.steps = 40
+    c.steps = 20
     c.optimizer.lr = 3e-3
     c.optimizer.schedule = "constant"
     c.optimizer.warmup_steps = 10
     c.agent.envs = "lookup"
-    c.agent.env_kwargs = {"lookup": {"sum_fraction": 0.0}}
+    # keys of the 11 letters no merge of the shipped BPE contains: every key is spelled one token a letter
+    c.agent.env_kwargs = {"lookup": {"sum_fraction": 0.0, "key_letters": KEY_LETTERS}}
     c.agent.codec = "bpe"
     c.agent.tools_prompt = "compact"
     c.agent.capacity = 512
@@ -51,11 +60,13 @@ def get_config():
     c.agent.recall_span_gap = 8
     c.agent.recall_mix = 0.25
     c.agent.indexer_weight = 0.0  # index_topk covers the episode: nothing to select
-    c.agent.cold_start_steps = 300
+    c.agent.cold_start_steps = 400
     c.agent.cold_start_batch = 16
+    c.agent.anneal_steps = 100  # the last 100 cold-start steps at a tenth of the rate
+    c.agent.anneal_lr = 3e-4
     c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
-    c.agent.eval_episodes = 16
+    c.agent.eval_episodes = 32
     c.checkpoint.every = 10
     c.log_every = 1
     return c

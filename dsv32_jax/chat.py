@@ -125,7 +125,7 @@ TOOLS_PROMPT = (
 )
 
 DropThinking = Literal["after_user", "every_turn", "never"]
-_DROP_MODES = ("after_user", "every_turn", "never")
+DROP_MODES = ("after_user", "every_turn", "never")
 
 
 class ChatFormatError(ValueError):
@@ -345,8 +345,8 @@ def _validate(msgs: Sequence[Message]) -> None:
 
 def _kept_slots(msgs: Sequence[Message], gen_slot: int | None, thinking: bool, drop: str) -> set[int]:
     """Indices of assistant turns (and the generation slot ``len(msgs)``) that keep their reasoning."""
-    if drop not in _DROP_MODES:
-        raise ChatFormatError(f"drop_thinking={drop!r}: expected one of {', '.join(_DROP_MODES)}")
+    if drop not in DROP_MODES:
+        raise ChatFormatError(f"drop_thinking={drop!r}: expected one of {', '.join(DROP_MODES)}")
     if not thinking:
         return set()
     slots = [i for i, m in enumerate(msgs) if isinstance(m, Assistant)] + ([gen_slot] if gen_slot is not None else [])

@@ -81,6 +81,20 @@ def test_oracle_episodes_with_the_bpe_tokenizer(name):
         check_training_view(traj, rec)
 
 
+def test_demo_lookup_keys_are_spelled_one_token_a_letter():
+    """configs/agent_lookup.py draws keys from letters no merge of the shipped BPE contains, so every key (quoted in
+    the task, and in the tool call) is one token per letter: the demo measures tool use, not copying rare merged
+    tokens (BENCHMARKS.md, "What limits lookup"). All 26 letters do give merged keys."""
+    from tests.test_train import load_config
+
+    bpe = chat.load_tokenizer()
+    kwargs = dict(load_config("agent_lookup").agent.env_kwargs["lookup"])
+    spelled = lambda k: len(bpe.encode(f'"{k}"')) == len(k) + 2 and len(bpe.encode(f'>{k}<')) == len(k) + 2  # noqa: E731
+    keys = {k for seed in range(200) for k in make_env("lookup", **kwargs).generate(seed).table}
+    assert len(keys) > 500 and all(spelled(k) for k in keys)
+    assert not all(spelled(k) for seed in range(50) for k in make_env("lookup").generate(seed).table)
+
+
 def test_chance_baselines_fail():
     env = make_env("lookup")
     guesses = [run_episode(env, s, GuessPolicy(CODEC, seed=s), CODEC, context_budget=100_000) for s in range(20)]

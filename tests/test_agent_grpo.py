@@ -3,6 +3,7 @@ lowers the assistant-token loss, a GRPO step over multi-turn trajectories runs w
 log-probs equal the trainer's at pi_old, and per-domain KL weights reach the batch."""
 
 import numpy as np
+import pytest
 
 from dsv32_jax.train.agent_grpo import AgentLearner, sft_batch
 from dsv32_jax.train.config import default_config
@@ -52,7 +53,6 @@ def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
     step moves every parameter by about lr (the bias-corrected m / sqrt(v) is +-1), so after one GRPO update at
     rl_lr = 1e-5 no parameter moves by more than ~1e-5 (at 3e-3 they would move ~300x more); a negative value is
     refused naming the field."""
-    import pytest
     import jax
 
     lrn = AgentLearner(_config(rl_lr=1e-5, group_size=2, tasks_per_step=1), str(tmp_path))
@@ -64,3 +64,77 @@ def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
     assert 5e-6 < moved < 2e-5, moved
     with pytest.raises(ValueError, match="agent.rl_lr"):
         AgentLearner(_config(rl_lr=-1.0), str(tmp_path / "c"))
+
+
+def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
+    """config.agent.drop_thinking: under "every_turn" (R1-style) every turn re-renders the history without the
+    earlier turns' reasoning, so a cold-start demonstration becomes one training example per turn, none of which
+    shows an earlier turn's reasoning, each training exactly that turn's completion; under the default
+    ("after_user", V3.2) the whole episode is one example whose last turn sees the first turn's reasoning. The same
+    setting reaches the rollouts' episodes. An unknown value is refused naming the field."""
+    from dsv32_jax.envs import make_env
+
+    seed = 7
+    env = make_env("lookup")
+    first_reasoning = env.demonstration(seed)[0].reasoning
+    kept = AgentLearner(_config(envs="lookup", thinking=True), str(tmp_path / "a"))
+    dropped = AgentLearner(_config(envs="lookup", thinking=True, drop_thinking="every_turn"), str(tmp_path / "b"))
+    (ids, mask), = kept.demonstrations([seed])
+    turns = dropped.demonstrations([seed])
+    assert len(turns) == len(env.demonstration(seed)) == 2
+    assert first_reasoning in kept.codec.decode(ids)
+    assert first_reasoning in dropped.codec.decode(turns[0][0]) and first_reasoning not in dropped.codec.decode(turns[1][0])
+    # the trained tokens: the same completions, split over the per-turn examples
+    trained = lambda i, m: [t for t, k in zip(i, m) if k]  # noqa: E731
+    assert trained(ids, mask) == trained(*turns[0]) + trained(*turns[1])
+    assert dropped._episode_kwargs()["drop_thinking"] == "every_turn"
+    # the evaluation's cost columns: an untrained model's completion is cut at max_new_tokens (12) without EOS,
+    # which ends the episode: one segment of the prompt plus those 12 tokens
+    kept.a.eval_episodes = 2
+    ev = kept.evaluate()
+    rows = [("lookup", 10**7 + i) for i in range(2)]
+    trajs, _ = kept.run(rows, kept.greedy, key_seed=0)
+    assert [len(t.segments) for t in trajs] == [1, 1] and ev["eval_model_tokens/lookup"] == 12
+    assert ev["eval_context_tokens/lookup"] == np.mean([len(t.segments[0].ids) for t in trajs]) > 100
+    with pytest.raises(ValueError, match="agent.drop_thinking"):
+        AgentLearner(_config(drop_thinking="sometimes"), str(tmp_path / "c"))
+
+
+def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
+    """config.agent.anneal_steps / anneal_lr: the last anneal_steps of the cold start take the anneal rate. With
+    Adam every parameter moves by about lr a step, so the annealed step (1e-6) moves nothing by more than ~1e-6 while
+    the steps before it (3e-3) move parameters by ~1e-3; out-of-range settings are refused naming the field."""
+    import jax
+
+    lrn = AgentLearner(_config(envs="lookup", cold_start_steps=3, anneal_steps=1, anneal_lr=1e-6), str(tmp_path))
+    params = lambda: jax.tree.map(np.asarray, jax.device_get(lrn.state[0]))  # noqa: E731
+    moved = lambda a, b: max(float(np.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    p0 = params()
+    lrn.cold_start(2, 2)
+    p2 = params()
+    lrn.cold_start(1, 2, start=2)
+    assert moved(p2, p0) > 1e-3 and 5e-7 < moved(params(), p2) < 2e-6, (moved(p2, p0), moved(params(), p2))
+    with pytest.raises(ValueError, match="agent.anneal_steps"):
+        AgentLearner(_config(cold_start_steps=3, anneal_steps=4), str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="agent.anneal_lr"):
+        AgentLearner(_config(cold_start_steps=3, anneal_steps=1, anneal_lr=-1.0), str(tmp_path / "c"))
+
+
+@pytest.mark.slow
+def test_lookup_tool_use_learned_from_chance(tmp_path):
+    """configs/agent_lookup.py end to end (the `make agent-demo` pipeline, its seed from the test's name): greedy
+    success on 32 held-out lookup tasks <= 0.2 before training (the model cannot call the tool), >= 0.8 after the
+    recall stage, the cold start with its annealed tail and 10 GRPO steps. About 15 minutes on 2 CPU cores.
+    Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 through `make agent-demo`, and this test's seed."""
+    from tests.learning import perturb_params, run_seed
+    from tests.test_train import load_config
+
+    config = load_config("agent_lookup", steps=10, log_every=1000, seed=run_seed("test_lookup_tool_use_learned"),
+                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": 10})
+    lrn = AgentLearner(config, str(tmp_path))
+    perturb_params(lrn.state[0])
+    history = lrn.fit()
+    first, last = history[0], history[-1]
+    print({k: v for k, v in first.items() if "success" in k}, last.get("eval_success"))
+    assert first["start_eval_success"] <= 0.2
+    assert first["pre_eval_success"] >= 0.8 and last["eval_success"] >= 0.8

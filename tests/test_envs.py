@@ -198,6 +198,19 @@ def test_calculator_operation_count_is_configurable():
         make_env("calculator", min_ops=3, max_ops=2)
 
 
+def test_lookup_key_letters_are_configurable():
+    """key_letters: every key of every table is made of those letters only (the default: all 26), the oracle still
+    solves the task, and a bad alphabet is refused naming the field."""
+    env = make_env("lookup", key_letters="djkmqrvwxyz")
+    keys = {k for seed in range(50) for k in env.generate(seed).table}
+    assert set("".join(keys)) == set("djkmqrvwxyz") and all(2 <= len(k) <= 3 for k in keys)
+    assert all(replay(env, seed, env.demonstration(seed))[0] == 1.0 for seed in range(20))
+    assert len(set("".join(k for s in range(50) for k in make_env("lookup").generate(s).table))) == 26
+    for bad in ("ab", "abC", "ab1"):
+        with pytest.raises(ValueError, match="key_letters"):
+            make_env("lookup", key_letters=bad)
+
+
 # --- chance success without tools ---
 # Each bound is several standard deviations above the rate a guesser can reach, and far below the oracle's 1.0:
 # lookup: a uniform guess in the value range succeeds with p = 1/100 (one key) or 1/199 (a sum), mean ~0.0075 over

@@ -98,6 +98,9 @@ class AgentLearner:
         if self.cfg.vocab_size < self.codec.vocab_size:
             raise ValueError(f"config.model: vocab_size {self.cfg.vocab_size} < the codec's {self.codec.vocab_size} "
                              f"(config.agent.codec={a.codec!r})")
+        if a.drop_thinking not in chat.DROP_MODES:
+            raise ValueError(f"config.agent.drop_thinking must be one of {', '.join(chat.DROP_MODES)}, "
+                             f"got {a.drop_thinking!r}")
         self.domains = {name: make_env(name).domain for name in self.envs}
         self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
         self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -116,14 +119,23 @@ class AgentLearner:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
         self.graphdef, state = nnx.split((model, optimizer))
-        # GRPO may run at its own learning rate (agent.rl_lr): the same optimizer state, another static graph
-        rl_opt = config.optimizer
-        if a.rl_lr:
-            if a.rl_lr < 0:
-                raise ValueError(f"config.agent.rl_lr must be >= 0 (0: config.optimizer.lr), got {a.rl_lr}")
-            rl_opt = ml_collections.ConfigDict(config.optimizer.to_dict())
-            rl_opt.lr = float(a.rl_lr)
-        self.rl_graphdef = nnx.split((model, nnx.Optimizer(model, make_tx(rl_opt, pdtype), wrt=nnx.Param)))[0]
+        # GRPO (agent.rl_lr) and the end of the cold start (agent.anneal_lr) may run at their own constant learning
+        # rates: the same optimizer state, other static graphs
+        for field in ("rl_lr", "anneal_lr"):
+            if a[field] < 0:
+                raise ValueError(f"config.agent.{field} must be >= 0 (0: config.optimizer.lr), got {a[field]}")
+        if not 0 <= a.anneal_steps <= a.cold_start_steps:
+            raise ValueError(f"config.agent.anneal_steps must be in [0, cold_start_steps={a.cold_start_steps}], "
+                             f"got {a.anneal_steps}")
+
+        def graphdef_at(lr):
+            if not lr:
+                return self.graphdef
+            opt = ml_collections.ConfigDict(config.optimizer.to_dict())
+            opt.lr, opt.schedule, opt.warmup_steps = float(lr), "constant", 0
+            return nnx.split((model, nnx.Optimizer(model, make_tx(opt, pdtype), wrt=nnx.Param)))[0]
+
+        self.rl_graphdef = graphdef_at(a.rl_lr)
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)
         self.state = jax.device_put(state, self.shardings)
@@ -138,13 +150,16 @@ class AgentLearner:
         self._diagnostics = jax.jit(functools.partial(steps.trajectory_diagnostics, graphdef=self.model_graphdef,
                                                       temperature=t))
         self._sft = jax.jit(functools.partial(sft_step, graphdef=self.graphdef, indexer_weight=w), donate_argnums=0)
+        self._sft_anneal = jax.jit(functools.partial(sft_step, graphdef=graphdef_at(a.anneal_lr), indexer_weight=w),
+                                   donate_argnums=0) if a.anneal_steps else self._sft
 
     def _model(self):
         return nnx.merge(self.graphdef, self.state)[0]
 
     def _episode_kwargs(self):
         return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
-                    context_budget=self.a.capacity, thinking=self.a.thinking, tools_prompt=self.a.tools_prompt)
+                    context_budget=self.a.capacity, thinking=self.a.thinking, tools_prompt=self.a.tools_prompt,
+                    drop_thinking=self.a.drop_thinking)
 
     # --------------------------------------------------------------- cold start
     def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
@@ -159,12 +174,13 @@ class AgentLearner:
             if self.a.recovery_fraction and rng.random() < self.a.recovery_fraction:
                 t = recovery_demonstration(env, seed, self.codec, rng, **kw)  # None: no near miss for this task
                 if t is not None:
-                    out.append((t.segments[0].ids, t.segments[0].loss_mask))
+                    out += [(g.ids, g.loss_mask) for g in t.segments]
                     continue
             t = run_episode(env, seed, OraclePolicy(env, self.codec, seed, self.a.thinking), self.codec, **kw)
             if not t.success:
                 raise RuntimeError(f"oracle episode of {name} seed {seed} failed: {t.info}")
-            out.append((t.segments[0].ids, t.segments[0].loss_mask))
+            # every segment: one per turn under drop_thinking="every_turn" (each turn re-renders the history)
+            out += [(g.ids, g.loss_mask) for g in t.segments]
         return out
 
     def recall_data(self, step: int, count: int) -> list[tuple[list[int], list[int]]]:
@@ -174,10 +190,11 @@ class AgentLearner:
                                induction_len=self.a.recall_induction_len, span_items=self.a.recall_span_items,
                                span_gap=self.a.recall_span_gap, chars=self.a.recall_chars or INDUCTION_CHARS)
 
-    def _sft_update(self, examples) -> float:
+    def _sft_update(self, examples, anneal: bool = False) -> float:
         batch = sft_batch(examples, self.a.capacity, bucket=64)
         with shd.use_mesh(self.mesh):
-            self.state, m = self._sft(self.state, jax.device_put(batch, self.batch_sharding))
+            step = self._sft_anneal if anneal else self._sft
+            self.state, m = step(self.state, jax.device_put(batch, self.batch_sharding))
         return float(m["sft_loss"])
 
     def recall_stage(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
@@ -186,7 +203,8 @@ class AgentLearner:
 
     def cold_start(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
         """SFT steps `start` .. `start + steps_ - 1` on fresh oracle demonstrations (seeds disjoint from RL's:
-        10^6 + ...); `config.agent.recall_mix` of each batch are copying conversations instead."""
+        10^6 + ...); `config.agent.recall_mix` of each batch are copying conversations instead. The last
+        `config.agent.anneal_steps` of the `cold_start_steps` run at `config.agent.anneal_lr`."""
         history = []
         n_recall = int(round(self.a.recall_mix * batch_size))
         for s in range(start, start + steps_):
@@ -194,7 +212,7 @@ class AgentLearner:
             examples = self.demonstrations(seeds)
             if n_recall:
                 examples += self.recall_data(10**6 + s, n_recall)
-            history.append(self._sft_update(examples))
+            history.append(self._sft_update(examples, anneal=s >= self.a.cold_start_steps - self.a.anneal_steps))
         return history
 
     # ------------------------------------------------------------------ rollout
@@ -242,12 +260,17 @@ class AgentLearner:
         return out
 
     def evaluate(self) -> dict:
-        """Greedy success per environment on fixed held-out seeds (10^7 + i)."""
+        """Greedy success per environment on fixed held-out seeds (10^7 + i), and what the episodes cost: the
+        tokens their contexts took in the decode cache (every segment: a re-rendered history is prefilled again)
+        and the model's own tokens."""
         out = {}
         for name in self.envs:
             rows = [(name, 10**7 + i) for i in range(self.a.eval_episodes)]
             trajs, _ = self.run(rows, self.greedy, key_seed=0)
             out[f"eval_success/{name}"] = float(np.mean([t.success for t in trajs]))
+            out[f"eval_context_tokens/{name}"] = float(np.mean([sum(len(g.ids) for g in t.segments) for t in trajs]))
+            out[f"eval_model_tokens/{name}"] = float(np.mean([sum(map(sum, (g.loss_mask for g in t.segments)))
+                                                              for t in trajs]))
         out["eval_success"] = float(np.mean([out[f"eval_success/{n}"] for n in self.envs]))
         return out
 
@@ -271,9 +294,12 @@ class AgentLearner:
     def run_step(self) -> dict:
         t0 = time.perf_counter()
         metrics = {}
+        if self.step == 0 and (self.a.cold_start_steps or self.a.recall_steps):
+            metrics.update({f"start_{k}": v for k, v in self.evaluate().items()})  # the chance level
         if self.step == 0 and self.a.recall_steps:
+            t_rec = time.perf_counter()
             metrics["recall_loss"] = self.recall_stage(self.a.recall_steps, self.a.recall_batch)[-1]
-            metrics["recall_s"] = time.perf_counter() - t0
+            metrics["recall_s"] = time.perf_counter() - t_rec
         if self.step == 0 and self.a.cold_start_steps:
             t_sft = time.perf_counter()
             sft = self.cold_start(self.a.cold_start_steps, self.a.cold_start_batch)

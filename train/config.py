@@ -107,7 +107,14 @@ def default_config() -> ml_collections.ConfigDict:
         capacity=2048, temperature=1.0, top_k=0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
         kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
         eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
+        # thinking retention (chat.encode): "after_user" (V3.2: reasoning dropped only before the last user
+        # message), "every_turn" (R1: every earlier turn's reasoning dropped), "never"; rollouts, demonstrations and
+        # evaluation alike
+        drop_thinking="after_user",
         rl_lr=0.0,  # > 0: the GRPO steps' learning rate (config.optimizer.lr stays the recall / cold-start SFT's)
+        # the last `anneal_steps` cold-start steps at `anneal_lr` (constant; 0: config.optimizer.lr): SFT at a
+        # constant high rate ends noisy, a short low-rate tail settles it
+        anneal_steps=0, anneal_lr=0.0,
         # fraction of cold-start demonstrations that first make a near-miss call, get the tool's error and call again
         # (loss masked on the wrong call: the model learns to recover, not to err)
         recovery_fraction=0.0,

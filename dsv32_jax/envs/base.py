@@ -279,12 +279,16 @@ def integer_score(answer: str, expected: int) -> tuple[float, dict[str, Any]]:
                                       "expected": expected, "answer": value}
 
 
-def unique_names(rng: random.Random, count: int, lengths: Sequence[int], taken: set[str] | None = None) -> list[str]:
-    """`count` distinct random lowercase names (lengths drawn from `lengths`), none of them in `taken`."""
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def unique_names(rng: random.Random, count: int, lengths: Sequence[int], taken: set[str] | None = None,
+                 letters: str = LETTERS) -> list[str]:
+    """`count` distinct random names of `letters` (lengths drawn from `lengths`), none of them in `taken`."""
     taken = set(taken or ())
     names: list[str] = []
     while len(names) < count:
-        name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.choice(list(lengths))))
+        name = "".join(rng.choice(letters) for _ in range(rng.choice(list(lengths))))
         if name not in taken:
             taken.add(name)
             names.append(name)

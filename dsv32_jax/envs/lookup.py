@@ -15,7 +15,7 @@ import dataclasses
 import random
 from typing import Any
 
-from dsv32_jax.envs.base import Action, Env, Tool, ToolCall, ToolError, integer_score, sanitize, unique_names
+from dsv32_jax.envs.base import LETTERS, Action, Env, Tool, ToolCall, ToolError, integer_score, sanitize, unique_names
 
 MAX_VALUE = 99
 
@@ -35,17 +35,21 @@ class LookupEnv(Env):
     domain = "search"
     instructions = "answer with the integer only."
 
-    def __init__(self, max_steps: int = 4, min_keys: int = 5, max_keys: int = 8, sum_fraction: float = 0.5):
+    def __init__(self, max_steps: int = 4, min_keys: int = 5, max_keys: int = 8, sum_fraction: float = 0.5,
+                 key_letters: str = LETTERS):
         if not 2 <= min_keys <= max_keys:
             raise ValueError(f"lookup: need 2 <= min_keys <= max_keys, got min_keys={min_keys} max_keys={max_keys}")
+        if len(set(key_letters)) < 3 or not set(key_letters) <= set(LETTERS):
+            raise ValueError(f"lookup: key_letters must be at least 3 distinct lowercase letters, got {key_letters!r}")
         if not 0.0 <= sum_fraction <= 1.0:
             raise ValueError(f"lookup: sum_fraction must be in [0, 1], got {sum_fraction}")
         self.min_keys, self.max_keys, self.sum_fraction = min_keys, max_keys, sum_fraction
+        self.key_letters = "".join(sorted(set(key_letters)))
         super().__init__(max_steps)
 
     def generate(self, seed: int) -> LookupInstance:
         rng = random.Random(seed)
-        keys = unique_names(rng, rng.randint(self.min_keys, self.max_keys), (2, 3))
+        keys = unique_names(rng, rng.randint(self.min_keys, self.max_keys), (2, 3), letters=self.key_letters)
         table = {k: rng.randint(0, MAX_VALUE) for k in keys}
         asked = tuple(rng.sample(keys, 2 if rng.random() < self.sum_fraction else 1))
         return LookupInstance(table, asked)
