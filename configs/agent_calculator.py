@@ -2,9 +2,10 @@
 span recall stage, cold start, GRPO over multi-turn trajectories) on two-operation expressions of 1-2 digit numbers
 ("compute (39-3)-7": calc "39-3" -> 36, calc "36-7" -> 29, answer 29; two tool turns, the second call substitutes
 the first result). The lookup demo's config with the environment, its turns and the recall stage's characters
-changed. Status (BENCHMARKS.md, "Agentic post-training"): after 800 recall and 300 cold-start steps the
-greedy success on 32 held-out tasks is 3/32 (0/32 before the recall stage copied operators); the learning demo for
-this environment is still owed.
+changed (the cold start with its annealed tail included). Status (BENCHMARKS.md, "Agentic post-training"): not
+learned yet. Two operations: 3/32 greedy after 800 recall and 300 cold-start steps, 3/32 after 100 more at the
+anneal rate. One operation (`min_ops=max_ops=1`): 0.69-0.72 after the annealed cold start, unchanged by 20 GRPO
+steps; the failures copy the second operand from the wrong place.
 
     python -m dsv32_jax.train.main --config=configs/agent_calculator.py --workdir=runs/agent/calculator
 """

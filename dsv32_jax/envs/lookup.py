@@ -1,6 +1,6 @@
 """`lookup`: a hidden key-value table behind a `get(key)` tool (the search-agent pattern at its smallest).
 
-Per seed: 5-8 keys of 2-3 letters with values 0-99. The task asks for one key's value or for the sum of two keys'
+Per seed: 5-8 keys of 2-3 letters (of `key_letters`, default all 26) with values 0-99. The task asks for one key's value or for the sum of two keys'
 values; the values appear nowhere in the prompt, so answering without the tool succeeds at chance level
 (about 1/100 for a uniform guess in the value range).
 
@@ -39,8 +39,10 @@ class LookupEnv(Env):
                  key_letters: str = LETTERS):
         if not 2 <= min_keys <= max_keys:
             raise ValueError(f"lookup: need 2 <= min_keys <= max_keys, got min_keys={min_keys} max_keys={max_keys}")
-        if len(set(key_letters)) < 3 or not set(key_letters) <= set(LETTERS):
-            raise ValueError(f"lookup: key_letters must be at least 3 distinct lowercase letters, got {key_letters!r}")
+        n = len(set(key_letters))
+        if n < 3 or not set(key_letters) <= set(LETTERS) or n**2 + n**3 < max_keys:
+            raise ValueError(f"lookup: key_letters must be at least 3 distinct lowercase letters, enough for "
+                             f"max_keys={max_keys} distinct 2-3 letter keys; got {key_letters!r}")
         if not 0.0 <= sum_fraction <= 1.0:
             raise ValueError(f"lookup: sum_fraction must be in [0, 1], got {sum_fraction}")
         self.min_keys, self.max_keys, self.sum_fraction = min_keys, max_keys, sum_fraction
