@@ -124,8 +124,9 @@ def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
 def test_lookup_tool_use_learned_from_chance(tmp_path):
     """configs/agent_lookup.py end to end (the `make agent-demo` pipeline, its seed from the test's name): greedy
     success on 32 held-out lookup tasks <= 0.2 before training (the model cannot call the tool), >= 0.8 after the
-    recall stage, the cold start with its annealed tail and 10 GRPO steps. About 15 minutes on 2 CPU cores.
-    Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 through `make agent-demo`, and this test's seed."""
+    recall stage, the cold start with its annealed tail and 10 GRPO steps. About 20 CPU minutes.
+    Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 (`make agent-demo`) 0.00 -> 1.00 after the cold start
+    and after GRPO; this test's seed (9473) 0.00 -> 0.97 -> 0.97."""
     from tests.learning import perturb_params, run_seed
     from tests.test_train import load_config
 
