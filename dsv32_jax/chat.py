@@ -63,7 +63,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Protocol, Sequence, Union
+from typing import Any, Literal, Mapping, Protocol, Sequence, Union, get_args
 
 __all__ = [
     "Assistant", "ChatFormatError", "Codec", "HFCodec", "SPECIAL_TOKENS", "System", "TinyCodec", "Tool", "ToolCall",
@@ -125,7 +125,7 @@ TOOLS_PROMPT = (
 )
 
 DropThinking = Literal["after_user", "every_turn", "never"]
-DROP_MODES = ("after_user", "every_turn", "never")
+DROP_MODES = get_args(DropThinking)
 
 
 class ChatFormatError(ValueError):
