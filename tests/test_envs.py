@@ -352,6 +352,52 @@ def test_trip_partial_credit():
         assert reward == 0.0 and info["reason"], bad
 
 
+
+def test_trip_name_letters_are_configurable():
+    """name_letters: every city and hotel name is made of those letters (default all 26), the oracle still solves
+    every task, and an alphabet too small for the hotel names (or not lowercase letters) is refused naming it."""
+    env = make_env("trip", name_letters="djkmqrvwxyz", legs=(2, 2))
+    insts = [env.generate(seed) for seed in range(50)]
+    names = [n for i in insts for n in i.cities + tuple(h.name for h in i.hotels)]
+    assert set("".join(names)) == set("djkmqrvwxyz") and all(len(i.legs) == 2 for i in insts)
+    assert all(replay(env, seed, env.demonstration(seed))[0] == 1.0 for seed in range(20))
+    assert len(set("".join(h.name for s in range(50) for h in make_env("trip").generate(s).hotels))) == 26
+    for bad in ("ab", "abC", "ab1", "abc"):  # "abc": 9 two-letter names < 4 cities x 3 hotels
+        with pytest.raises(ValueError, match="name_letters"):
+            make_env("trip", name_letters=bad)
+    # quote=True: the same instances and demonstrations, every city quoted in the task
+    quoted = make_env("trip", name_letters="djkmqrvwxyz", legs=(2, 2), quote=True)
+    for seed in range(10):
+        inst = quoted.generate(seed)
+        assert inst == insts[seed] and quoted.demonstration(seed) == env.demonstration(seed)
+        task = quoted.render_task(inst)
+        assert all(f'"{city}" for {n} night' in task for city, n in inst.legs), task
+        assert task.replace('"', "") == env.render_task(inst)
+
+
+def test_calculator_quote_renders_the_expression_as_the_call_does():
+    """quote=True: the task quotes the expression, so a BPE splits it exactly as the first tool call's argument
+    (unquoted, the space merges into the first digit where the BPE has that merge: " 2", " 5", not " 6"); the answer
+    and the demonstration are unchanged."""
+    from dsv32_jax.chat import load_tokenizer
+
+    codec = load_tokenizer()
+    plain = make_env("calculator", words_fraction=0.0, max_digits=2, min_ops=1, max_ops=1)
+    quoted = make_env("calculator", words_fraction=0.0, max_digits=2, min_ops=1, max_ops=1, quote=True)
+    same = 0
+    for seed in range(30):
+        expr = plain.demonstration(seed)[0].tool_calls[0].arguments["expr"]
+        assert quoted.generate(seed) == plain.generate(seed)
+        assert quoted.demonstration(seed) == plain.demonstration(seed)
+        assert quoted.render_task(quoted.generate(seed)) == f'compute "{expr}"'
+        call = codec.encode(expr)
+        task_q, task_p = codec.encode(f'compute "{expr}"'), codec.encode(f"compute {expr}")
+        assert task_q[-len(call) - 1:-1] == call  # the call's tokens, verbatim, before the closing quote
+        same += task_p[-len(call):] == call
+        assert replay(quoted, seed, quoted.demonstration(seed))[0] == 1.0
+    assert same < 25  # unquoted, the first digit is another token (" 2" vs "2") in about half the tasks
+
+
 # --- character set ---
 
 def test_every_string_stays_in_charset():

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from dsv32_jax import RunOptions, Transformer
@@ -85,6 +86,13 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
     grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), metrics
+
+
+def _log_progress(phase: str, i: int, total: int, history: list[float], every: int = 50) -> None:
+    """An INFO line every `every` SFT steps of step 0's recall stage / cold start (minutes without a bar step)."""
+    if (i + 1) % every == 0 or i + 1 == total:
+        logging.info("%s %d/%d: loss %.4f (mean of the last %d: %.4f)", phase, i + 1, total, history[-1],
+                     min(every, len(history)), float(np.mean(history[-every:])))
 
 
 class AgentLearner:
@@ -199,7 +207,11 @@ class AgentLearner:
 
     def recall_stage(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
         """SFT steps `start` .. `start + steps_ - 1` on synthetic copying conversations (loss on the answers)."""
-        return [self._sft_update(self.recall_data(s, batch_size)) for s in range(start, start + steps_)]
+        history = []
+        for s in range(start, start + steps_):
+            history.append(self._sft_update(self.recall_data(s, batch_size)))
+            _log_progress("recall", s - start, steps_, history)
+        return history
 
     def cold_start(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
         """SFT steps `start` .. `start + steps_ - 1` on fresh oracle demonstrations (seeds disjoint from RL's:
@@ -213,6 +225,7 @@ class AgentLearner:
             if n_recall:
                 examples += self.recall_data(10**6 + s, n_recall)
             history.append(self._sft_update(examples, anneal=s >= self.a.cold_start_steps - self.a.anneal_steps))
+            _log_progress("cold start", s - start, steps_, history)
         return history
 
     # ------------------------------------------------------------------ rollout
@@ -260,7 +273,8 @@ class AgentLearner:
         return out
 
     def evaluate(self) -> dict:
-        """Greedy success per environment on fixed held-out seeds (10^7 + i), and what the episodes cost: the
+        """Greedy success and mean verifier reward (partial credit: trip's fraction of checks) per environment on
+        fixed held-out seeds (10^7 + i), and what the episodes cost: the
         tokens their contexts took in the decode cache (every segment: a re-rendered history is prefilled again)
         and the model's own tokens."""
         out = {}
@@ -268,10 +282,12 @@ class AgentLearner:
             rows = [(name, 10**7 + i) for i in range(self.a.eval_episodes)]
             trajs, _ = self.run(rows, self.greedy, key_seed=0)
             out[f"eval_success/{name}"] = float(np.mean([t.success for t in trajs]))
+            out[f"eval_reward/{name}"] = float(np.mean([t.reward for t in trajs]))
             out[f"eval_context_tokens/{name}"] = float(np.mean([sum(len(g.ids) for g in t.segments) for t in trajs]))
             out[f"eval_model_tokens/{name}"] = float(np.mean([sum(map(sum, (g.loss_mask for g in t.segments)))
                                                               for t in trajs]))
         out["eval_success"] = float(np.mean([out[f"eval_success/{n}"] for n in self.envs]))
+        out["eval_reward"] = float(np.mean([out[f"eval_reward/{n}"] for n in self.envs]))
         return out
 
     # -------------------------------------------------------------- checkpoints

@@ -4,7 +4,9 @@ Per seed: 2-3 operations (`min_ops`-`max_ops`) on 1-3 digit numbers (`max_digits
 expression ("compute (17*23)+45") or stated in words as a chain ("start with 17, multiply by 23, then add 45"). The
 demonstration evaluates one operation per call, innermost first (independent operations share a turn), so every task
 takes two or three tool turns.
-With `max_ops_per_call=1` the tool itself refuses longer expressions and multi-step use is required.
+With `max_ops_per_call=1` the tool itself refuses longer expressions and multi-step use is required. `quote=True`
+quotes the expression ('compute "(17*23)+45"'): a BPE then splits its first number as in the tool call (unquoted, the
+space merges into the first digit: " 1" "7" in the task, "1" "7" in the call), as the lookup environment's keys are.
 
 Arithmetic (the tool and the task's answer alike): integers, + - * /, parentheses, unary minus. '/' is integer
 division rounding toward minus infinity, Python's `//` (-7/2 = -4). Division by zero, a malformed expression, one
@@ -140,7 +142,7 @@ class CalculatorEnv(Env):
     instructions = "answer with the integer only. / is integer division rounding down."
 
     def __init__(self, max_steps: int = 4, max_digits: int = 3, words_fraction: float = 0.5,
-                 max_ops_per_call: int | None = None, min_ops: int = 2, max_ops: int = 3):
+                 max_ops_per_call: int | None = None, min_ops: int = 2, max_ops: int = 3, quote: bool = False):
         if not 1 <= max_digits <= 6:
             raise ValueError(f"calculator: max_digits must be in [1, 6], got {max_digits}")
         if not 0.0 <= words_fraction <= 1.0:
@@ -151,7 +153,7 @@ class CalculatorEnv(Env):
             raise ValueError(f"calculator: need 1 <= min_ops <= max_ops <= 6, got min_ops={min_ops} "
                              f"max_ops={max_ops}")
         self.max_digits, self.words_fraction, self.max_ops_per_call = max_digits, words_fraction, max_ops_per_call
-        self.min_ops, self.max_ops = min_ops, max_ops
+        self.min_ops, self.max_ops, self.quote = min_ops, max_ops, bool(quote)
         super().__init__(max_steps)
 
     def generate(self, seed: int) -> CalcInstance:
@@ -192,7 +194,7 @@ class CalculatorEnv(Env):
     def render_task(self, instance: CalcInstance | None = None) -> str:
         instance = instance or self.instance
         if not instance.words:
-            return f"compute {render(instance.tree)}"
+            return f'compute "{render(instance.tree)}"' if self.quote else f"compute {render(instance.tree)}"
         steps, tree = [], instance.tree
         while not isinstance(tree, int):
             steps.append(f"{_WORDS[tree[0]]} {tree[2]}")

@@ -11,6 +11,11 @@ even knowing their names, rarely succeeds). Hard to solve without the tools, eas
             {"name":"qe","city":"kal","price":45,"rating":4}
     answer: {"plan":[{"city":"kal","hotel":"qe","nights":2},{"city":"ruv","hotel":"mo","nights":1}]}
 
+City and hotel names are drawn from `name_letters` (default all 26 letters; the CPU demo uses letters no merge of the
+shipped BPE contains, so a name is one token a letter wherever it appears); `quote=True` quotes the cities in the task
+('plan a trip: "qkj" for 3 nights, ...'), so a BPE splits them as in the calls (unquoted, a leading space merges
+into the first letter where the BPE has that merge).
+
 The verifier checks, for each leg of the trip, the city (in order), the nights, that the hotel is in that city and
 its rating; and the plan's length and total cost. The reward is the fraction of those checks that hold (0 for an
 answer that is not the JSON object above); success only when all hold.
@@ -24,7 +29,7 @@ import json
 import random
 from typing import Any, Sequence
 
-from dsv32_jax.envs.base import Action, Env, Tool, ToolCall, ToolError, compact_json, sanitize, unique_names
+from dsv32_jax.envs.base import LETTERS, Action, Env, Tool, ToolCall, ToolError, compact_json, sanitize, unique_names
 
 PRICE_STEP = 5
 
@@ -81,7 +86,7 @@ class TripEnv(Env):
 
     def __init__(self, max_steps: int = 4, cities: tuple[int, int] = (3, 4), hotels: tuple[int, int] = (2, 3),
                  legs: tuple[int, int] = (2, 3), nights: tuple[int, int] = (1, 3), price: tuple[int, int] = (20, 95),
-                 max_feasible_fraction: float = 1 / 3):
+                 max_feasible_fraction: float = 1 / 3, name_letters: str = LETTERS, quote: bool = False):
         for field, (lo, hi), least in (("cities", cities, 2), ("hotels", hotels, 2), ("legs", legs, 1),
                                        ("nights", nights, 1), ("price", price, PRICE_STEP)):
             if not least <= lo <= hi:
@@ -90,6 +95,11 @@ class TripEnv(Env):
             raise ValueError(f"trip: legs {legs} can visit more cities than the fewest generated, cities={cities}")
         if not 0.0 < max_feasible_fraction <= 1.0:
             raise ValueError(f"trip: max_feasible_fraction must be in (0, 1], got {max_feasible_fraction}")
+        n = len(set(name_letters))
+        if n < 3 or not set(name_letters) <= set(LETTERS) or n**2 < cities[1] * hotels[1]:
+            raise ValueError(f"trip: name_letters must be at least 3 distinct lowercase letters, enough for "
+                             f"{cities[1] * hotels[1]} distinct 2-letter hotel names; got {name_letters!r}")
+        self.name_letters, self.quote = "".join(sorted(set(name_letters))), bool(quote)
         self.ranges = {"cities": cities, "hotels": hotels, "legs": legs, "nights": nights, "price": price}
         self.max_feasible_fraction = max_feasible_fraction
         super().__init__(max_steps)
@@ -109,9 +119,9 @@ class TripEnv(Env):
 
     def _draw(self, rng: random.Random) -> TripInstance:
         r = self.ranges
-        cities = unique_names(rng, rng.randint(*r["cities"]), (3,))
+        cities = unique_names(rng, rng.randint(*r["cities"]), (3,), letters=self.name_letters)
         per_city = [rng.randint(*r["hotels"]) for _ in cities]
-        names = iter(unique_names(rng, sum(per_city), (2,)))
+        names = iter(unique_names(rng, sum(per_city), (2,), letters=self.name_letters))
         lo, hi = r["price"][0] // PRICE_STEP, r["price"][1] // PRICE_STEP
         hotels = tuple(Hotel(next(names), city, PRICE_STEP * rng.randint(lo, hi), rng.randint(1, 5))
                        for city, n in zip(cities, per_city) for _ in range(n))
@@ -143,7 +153,8 @@ class TripEnv(Env):
 
     def render_task(self, instance: TripInstance | None = None) -> str:
         t = instance or self.instance
-        legs = ", then ".join(f"{city} for {n} night{'s' if n > 1 else ''}" for city, n in t.legs)
+        q = '"' if self.quote else ""
+        legs = ", then ".join(f"{q}{city}{q} for {n} night{'s' if n > 1 else ''}" for city, n in t.legs)
         return f"plan a trip: {legs}. total budget {t.budget}, every hotel rated at least {t.min_rating}"
 
     def score(self, answer: str) -> tuple[float, dict[str, Any]]:
