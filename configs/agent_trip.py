@@ -1,6 +1,6 @@
 """CPU agentic post-training on the trip-planning environment: the lookup demo's pipeline (configs/agent_lookup.py:
 span recall stage, cold start, GRPO over multi-turn trajectories) on two-city trips ('plan a trip: "qkj" for 3 nights,
-then "vqw" for 1 night. total budget 185, every hotel rated at least 3": list_hotels for both cities in one turn, then
+then "vqw" for 1 night. total budget 185, every hotel rated at least 3': list_hotels for both cities in one turn, then
 a JSON plan). The verifier's reward is the fraction of its checks that hold (per leg: city, nights, hotel in that
 city, rating; the plan's length and its total cost within the budget), so the cold start gets partial credit and
 GRPO has a signal to improve on: `eval_reward` / `eval_success` after the cold start (`pre_eval_*`) against after
