@@ -12,13 +12,7 @@ operations ("compute (39-3)-7", `min_ops=max_ops=2`, two tool turns): 3/32 (unqu
 
     python -m dsv32_jax.train.main --config=configs/agent_calculator.py --workdir=runs/agent/calculator
 """
-import importlib.util
-import os
-
-_path = os.path.join(os.path.dirname(__file__), "agent_lookup.py")
-_spec = importlib.util.spec_from_file_location("agent_lookup", _path)
-agent_lookup = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(agent_lookup)
+from dsv32_jax.configs import agent_lookup
 
 
 def get_config():

@@ -12,13 +12,7 @@ as in the lookup demo.
 
     python -m dsv32_jax.train.main --config=configs/agent_trip.py --workdir=runs/agent/trip
 """
-import importlib.util
-import os
-
-_path = os.path.join(os.path.dirname(__file__), "agent_lookup.py")
-_spec = importlib.util.spec_from_file_location("agent_lookup", _path)
-agent_lookup = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(agent_lookup)
+from dsv32_jax.configs import agent_lookup
 
 
 def get_config():
