@@ -6,6 +6,9 @@ city, rating; the plan's length and its total cost within the budget), so the co
 GRPO has a signal to improve on: `eval_reward` / `eval_success` after the cold start (`pre_eval_*`) against after
 GRPO (BENCHMARKS.md, "Agentic post-training").
 
+Status: not learned yet. After 800 recall and 200 + 100 cold-start steps (the last 100 with quoted cities) greedy
+reward 0.02, success 0/32: the answers are not yet JSON plans, so every GRPO group has zero reward variance.
+
 City and hotel names of the 11 letters no merge of the shipped BPE contains (as the lookup demo's keys); episodes
 are ~620 BPE tokens (134 of them the model's), so `index_topk` covers them (1,024) and the indexer is not trained,
 as in the lookup demo.
