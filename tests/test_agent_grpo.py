@@ -120,22 +120,6 @@ def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
         AgentLearner(_config(cold_start_steps=3, anneal_steps=1, anneal_lr=-1.0), str(tmp_path / "c"))
 
 
-def _learning_run(tmp_path, config_name: str, test_name: str, steps: int, eval_every: int) -> list[dict]:
-    """configs/<config_name>.py end to end through AgentLearner.fit (recall stage, cold start, `steps` GRPO steps),
-    its seed from the test's name; the initial parameters perturbed by DSV32_TEST_PERTURB."""
-    from tests.learning import perturb_params, run_seed
-    from tests.test_train import load_config
-
-    config = load_config(config_name, steps=steps, log_every=1000, seed=run_seed(test_name),
-                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": eval_every})
-    lrn = AgentLearner(config, str(tmp_path))
-    perturb_params(lrn.state[0])
-    history = lrn.fit()
-    print({k: v for k, v in history[0].items() if "eval_success" in k or "eval_reward" in k},
-          {k: v for k, v in history[-1].items() if k.startswith("eval_")})
-    return history
-
-
 @pytest.mark.slow
 def test_lookup_tool_use_learned_from_chance(tmp_path):
     """configs/agent_lookup.py end to end (the `make agent-demo` pipeline, its seed from the test's name): greedy
@@ -144,7 +128,15 @@ def test_lookup_tool_use_learned_from_chance(tmp_path):
     Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 (`make agent-demo`) 0.00 -> 1.00 after the cold start
     and after GRPO; this test's seed (9473) 0.00 -> 0.97 -> 0.97, and with DSV32_TEST_PERTURB=1e-6 0.00 -> 0.94 -> 0.97
     (16 minutes alone on 2 cores)."""
-    history = _learning_run(tmp_path, "agent_lookup", "test_lookup_tool_use_learned", steps=10, eval_every=10)
+    from tests.learning import perturb_params, run_seed
+    from tests.test_train import load_config
+
+    config = load_config("agent_lookup", steps=10, log_every=1000, seed=run_seed("test_lookup_tool_use_learned"),
+                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": 10})
+    lrn = AgentLearner(config, str(tmp_path))
+    perturb_params(lrn.state[0])
+    history = lrn.fit()
     first, last = history[0], history[-1]
+    print({k: v for k, v in first.items() if "success" in k}, last.get("eval_success"))
     assert first["start_eval_success"] <= 0.2
     assert first["pre_eval_success"] >= 0.8 and last["eval_success"] >= 0.8

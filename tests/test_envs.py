@@ -352,7 +352,6 @@ def test_trip_partial_credit():
         assert reward == 0.0 and info["reason"], bad
 
 
-
 def test_trip_name_letters_are_configurable():
     """name_letters: every city and hotel name is made of those letters (default all 26), the oracle still solves
     every task, and an alphabet too small for the hotel names (or not lowercase letters) is refused naming it."""
