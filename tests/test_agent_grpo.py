@@ -140,3 +140,18 @@ def test_lookup_tool_use_learned_from_chance(tmp_path):
     print({k: v for k, v in first.items() if "success" in k}, last.get("eval_success"))
     assert first["start_eval_success"] <= 0.2
     assert first["pre_eval_success"] >= 0.8 and last["eval_success"] >= 0.8
+
+
+def test_evaluate_reports_the_mean_verifier_reward(tmp_path):
+    """evaluate(): eval_reward/<env> is the mean of the episodes' verifier rewards (trip's partial credit), not their
+    success rate, and eval_reward averages it over the environments."""
+    from types import SimpleNamespace
+
+    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=2), str(tmp_path))
+    rewards = {"trip": [0.5, 0.25], "lookup": [1.0, 0.0]}
+    seg = SimpleNamespace(ids=[1, 2, 3], loss_mask=[0, 1, 1])
+    lrn.run = lambda rows, cfg, key_seed: ([SimpleNamespace(reward=r, success=r == 1.0, segments=[seg])
+                                            for r in rewards[rows[0][0]]], None)
+    ev = lrn.evaluate()
+    assert ev["eval_reward/trip"] == 0.375 and ev["eval_success/trip"] == 0.0
+    assert ev["eval_reward/lookup"] == 0.5 and ev["eval_reward"] == (0.375 + 0.5) / 2
