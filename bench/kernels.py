@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import datetime
 import json
 import os
@@ -30,7 +31,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if importlib.util.find_spec("dsv32_jax") is None:  # not installed: the source tree (without dsv32_jax.kernels,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # which needs the install)
 
 from dsv32_jax import kernels  # noqa: E402
 from dsv32_jax import attention  # noqa: E402
@@ -63,6 +65,7 @@ class Row:
     unit: str
     xla_ms: float | None
     xla_scaled: bool = False
+    check: str = ""  # the kernel's output against the XLA reference's, at these shapes
 
     def speedup(self):
         return None if self.xla_ms is None else self.xla_ms / self.kernel_ms
@@ -80,52 +83,101 @@ def timed(fn, *args, warmup, iters):
     return statistics.median(times) * 1e3, out
 
 
+def rel(a, b) -> float:
+    """max |a - b| / max |b| in float32 (the tests' relative error)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+
+
+def same_scores(idx, ref_idx, scores) -> float:
+    """Fraction of rows whose selected score multisets equal the reference's (ties may pick other indices)."""
+    def picked(i):
+        return jnp.sort(jnp.where(i >= 0, jnp.take_along_axis(scores, jnp.maximum(i, 0), -1), -jnp.inf), -1)
+    return float(jnp.mean(jnp.all(picked(idx) == picked(ref_idx), -1)))
+
+
 def causal_pairs(length, queries):
     first = length - queries
     return sum(first + t + 1 for t in range(queries))
 
 
-def bench_length(length, sh: Shapes, args, key) -> list[Row]:
+def bench_length(length, sh: Shapes, args, key, emit) -> None:
+    """Times every op at key length `length`; emit(Row) as each finishes. An op that fails (compile error, out of
+    memory) emits a row with the error in `check` and the rest still run. Arrays go into the jitted functions as
+    arguments: closed over, they are constants that XLA constant-folds (minutes at L = 32K on an H200)."""
     impl, w, it = args.impl, args.warmup, args.iters
     t = min(sh.queries, length)
-    rows = []
     ks = jax.random.split(key, 8)
     q_index = jnp.arange(length - t, length, dtype=jnp.int32)[None]
     starts, ends = jnp.zeros_like(q_index), q_index + 1
     ref_rows = min(args.ref_rows, t)
+    sl = slice(t - ref_rows, t)
+    seg = jnp.zeros((1, length), jnp.int32)
+    flops = 2 * sh.index_heads * sh.index_dim * causal_pairs(length, t)
+    state = {}
+
+    def guarded(op, body):
+        try:
+            emit(body())
+        except Exception as e:  # noqa: BLE001 -- a benchmark row per op, whatever breaks
+            emit(Row(op, length, float("nan"), None, "", None, check=f"FAILED {type(e).__name__}: {str(e)[:300]}"))
 
     # ---- indexer: hadamard_quant + logits
     qi = jax.random.normal(ks[0], (1, t, sh.index_heads, sh.index_dim), jnp.bfloat16)
     ki = jax.random.normal(ks[1], (1, length, sh.index_dim), jnp.bfloat16)
     wi = jax.random.normal(ks[2], (1, t, sh.index_heads), jnp.float32) * sh.index_heads**-0.5
     q8, k8, kscale, w8 = quantize_indexer(qi, ki, wi)
-    hq = jax.jit(lambda x: kernels.hadamard_quant(x, impl=impl))
-    ms, _ = timed(hq, qi, warmup=w, iters=it)
-    ref_ms, _ = timed(jax.jit(lambda x: kernels.hadamard_quant(x, impl="reference")), qi, warmup=w, iters=it)
-    rows.append(Row("hadamard_quant(q)", length, ms, qi.size * 2 * sh.index_dim / ms / 1e9, "TFLOP/s", ref_ms))
 
-    logits_fn = jax.jit(lambda a, b, c, d, s, e: kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl))
-    ms, logits = timed(logits_fn, q8, k8, kscale, w8, starts, ends, warmup=w, iters=it)
-    flops = 2 * sh.index_heads * sh.index_dim * causal_pairs(length, t)
-    ref_fn = jax.jit(lambda a, b, c, d, s, e: indexer_logits_reference(a, b, c, d, s, e))
-    sl = slice(t - ref_rows, t)
-    ref_ms, _ = timed(ref_fn, q8[:, sl], k8, kscale, w8[:, sl], starts[:, sl], ends[:, sl], warmup=w, iters=it)
-    rows.append(Row("indexer_logits", length, ms, flops / ms / 1e9, "TFLOP/s", ref_ms * t / ref_rows,
-                    ref_rows < t))
+    def hadamard():
+        hq = jax.jit(lambda x: kernels.hadamard_quant(x, impl=impl))
+        ms, (codes, scale) = timed(hq, qi, warmup=w, iters=it)
+        ref_ms, (r_codes, r_scale) = timed(jax.jit(lambda x: kernels.hadamard_quant(x, impl="reference")), qi,
+                                           warmup=w, iters=it)
+        mism = float(jnp.mean(codes.astype(jnp.float32) != r_codes.astype(jnp.float32)))
+        check = f"scales {'equal' if bool(jnp.all(scale == r_scale)) else 'DIFFER'}, code mismatch {mism:.1e}"
+        return Row("hadamard_quant(q)", length, ms, qi.size * 2 * sh.index_dim / ms / 1e9, "TFLOP/s", ref_ms,
+                   check=check)
 
-    # ---- top-k over the causal logits
-    scores = logits[0]
-    tk = jax.jit(lambda x: kernels.topk(x, sh.topk, impl=impl))
-    ms, _ = timed(tk, scores, warmup=w, iters=it)
-    ref_ms, _ = timed(jax.jit(lambda x: topk_reference(x, sh.topk)), scores, warmup=w, iters=it)
-    rows.append(Row("topk", length, ms, scores.size * 4 / ms / 1e6, "GB/s", ref_ms))
+    def logits_row():
+        logits_fn = jax.jit(lambda a, b, c, d, s, e: kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl))
+        ms, logits = timed(logits_fn, q8, k8, kscale, w8, starts, ends, warmup=w, iters=it)
+        state["scores"] = logits[0]
+        ref_fn = jax.jit(lambda a, b, c, d, s, e: indexer_logits_reference(a, b, c, d, s, e))
+        ref_ms, ref = timed(ref_fn, q8[:, sl], k8, kscale, w8[:, sl], starts[:, sl], ends[:, sl], warmup=w, iters=it)
+        out = logits[:, sl]
+        finite = jnp.isfinite(ref)
+        same_mask = bool(jnp.all(jnp.isneginf(out) == jnp.isneginf(ref)))
+        err = rel(jnp.where(finite, out, 0), jnp.where(finite, ref, 0))
+        return Row("indexer_logits", length, ms, flops / ms / 1e9, "TFLOP/s", ref_ms * t / ref_rows, ref_rows < t,
+                   check=f"rel {err:.1e} on {ref_rows} rows, -inf mask {'equal' if same_mask else 'DIFFERS'}")
 
-    # ---- indexer_topk (fp8 composition, chunked over queries)
-    seg = jnp.zeros((1, length), jnp.int32)
-    it_fn = jax.jit(lambda a, b, c: kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
-                                                                q_chunk=sh.q_chunk, impl=impl))
-    ms, idx = timed(it_fn, qi, ki, wi, warmup=w, iters=it)
-    rows.append(Row("indexer_topk(fp8)", length, ms, flops / ms / 1e9, "TFLOP/s", None))
+    def topk_row():
+        scores = state["scores"]
+        tk = jax.jit(lambda x: kernels.topk(x, sh.topk, impl=impl))
+        ms, idx = timed(tk, scores, warmup=w, iters=it)
+        ref_ms, ref_idx = timed(jax.jit(lambda x: topk_reference(x, sh.topk)), scores, warmup=w, iters=it)
+        return Row("topk", length, ms, scores.size * 4 / ms / 1e6, "GB/s", ref_ms,
+                   check=f"rows with the reference's scores {same_scores(idx, ref_idx, scores):.4f}")
+
+    def indexer_topk_row():
+        it_fn = jax.jit(lambda a, b, c, qx, sg: kernels.indexer_topk(a, b, c, qx, sg[:, :t], sg, sh.topk, fp8=True,
+                                                                     q_chunk=sh.q_chunk, impl=impl))
+        ms, idx = timed(it_fn, qi, ki, wi, q_index, seg, warmup=w, iters=it)
+        check = ""
+        if "idx_ref" in state:  # the reference top-k of the kernel logits above: same selection, chunked
+            check = f"rows with the reference selection's scores {same_scores(idx[0], state['idx_ref'], state['scores']):.4f}"
+        return Row("indexer_topk(fp8)", length, ms, flops / ms / 1e9, "TFLOP/s", None, check=check)
+
+    guarded("hadamard_quant(q)", hadamard)
+    guarded("indexer_logits", logits_row)
+    if "scores" in state:
+        guarded("topk", topk_row)
+        try:
+            state["idx_ref"] = jax.jit(lambda x: topk_reference(x, sh.topk))(state["scores"])
+        except Exception:  # noqa: BLE001
+            pass
+    guarded("indexer_topk(fp8)", indexer_topk_row)
+    state.clear()
 
     # ---- sparse MLA forward / backward on random unique-ish indices (no locality, as FlashMLA's perf tests)
     q = jax.random.normal(ks[3], (1, t, sh.heads, sh.d_qk), jnp.bfloat16)
@@ -144,33 +196,56 @@ def bench_length(length, sh: Shapes, args, key) -> list[Row]:
         f = mla(which)
         return jax.jit(jax.grad(lambda a, c, i: f(a, c, i)[0].astype(jnp.float32).sum(), argnums=(0, 1)))
 
-    fwd_ms, _ = timed(jax.jit(mla(impl)), q, kv, sel, warmup=w, iters=it)
-    ref_fwd, _ = timed(jax.jit(mla("reference")), q, kv, sel, warmup=w, iters=it)
-    rows.append(Row("sparse_mla fwd", length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", ref_fwd))
-    both_ms, _ = timed(fwd_bwd(impl), q, kv, sel, warmup=w, iters=it)
-    ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
-    bwd_ms = max(both_ms - fwd_ms, 1e-6)
-    rows.append(Row("sparse_mla bwd", length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", ref_both - ref_fwd))
+    def fwd_row():
+        fwd_ms, out = timed(jax.jit(mla(impl)), q, kv, sel, warmup=w, iters=it)
+        ref_fwd, ref = timed(jax.jit(mla("reference")), q, kv, sel, warmup=w, iters=it)
+        state["fwd"], state["ref_fwd"] = fwd_ms, ref_fwd
+        c = slice(0, min(t, args.check_rows))  # against the fp32 reference on the first queries
+        ref32 = jax.jit(mla("reference"))(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
+        check = (f"out rel {rel(out[0][:, c], ref32[0]):.1e}, lse rel {rel(out[1][:, c], ref32[1]):.1e} "
+                 f"(bf16 in; fp32 reference, {c.stop} queries)")
+        return Row("sparse_mla fwd", length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", ref_fwd, check=check)
+
+    def bwd_row():
+        both_ms, _ = timed(fwd_bwd(impl), q, kv, sel, warmup=w, iters=it)
+        ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
+        bwd_ms = max(both_ms - state["fwd"], 1e-6)
+        # the bf16 reference accumulates dkv in bf16 (~T*k/L adds per row): check against fp32 autodiff instead, on
+        # the first queries (both sides on the same subset)
+        c = slice(0, min(t, args.check_rows))
+        dq, dkv = fwd_bwd(impl)(q[:, c], kv, sel[:, c])
+        rdq, rdkv = fwd_bwd("reference")(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
+        check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
+                 f"fwd+bwd {both_ms:.3f} ms")
+        return Row("sparse_mla bwd", length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", ref_both - state["ref_fwd"],
+                   check=check)
+
+    guarded("sparse_mla fwd", fwd_row)
+    if "fwd" in state:
+        guarded("sparse_mla bwd", bwd_row)
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
-    layer = jax.jit(lambda a, b, c, qq, cc: kernels.sparse_mla(
-        qq, cc, kernels.indexer_topk(a, b, c, q_index, seg[:, :t], seg, sh.topk, fp8=True,
-                                            q_chunk=sh.q_chunk, impl=impl), scale, sh.d_v, impl=impl)[0])
-    ms, _ = timed(layer, qi, ki, wi, q, kv, warmup=w, iters=it)
-    dense = jax.jit(lambda a, c, qi_: attention.dense_mqa(a, c, qi_, qi_ * 0, seg, scale, sh.d_v, q_chunk=64)[0])
-    dense_ms, _ = timed(dense, q[:, sl], kv, q_index[:, sl], warmup=w, iters=it)
-    rows.append(Row("DSA layer fwd", length, ms, (flops + fwd_flops) / ms / 1e9, "TFLOP/s",
-                    dense_ms * t / ref_rows, ref_rows < t))
-    return rows
+    def layer_row():
+        layer = jax.jit(lambda a, b, c, qq, cc, qx, sg: kernels.sparse_mla(
+            qq, cc, kernels.indexer_topk(a, b, c, qx, sg[:, :t], sg, sh.topk, fp8=True,
+                                         q_chunk=sh.q_chunk, impl=impl), scale, sh.d_v, impl=impl)[0])
+        ms, _ = timed(layer, qi, ki, wi, q, kv, q_index, seg, warmup=w, iters=it)
+        dense = jax.jit(lambda a, c, qi_, sg: attention.dense_mqa(a, c, qi_, qi_ * 0, sg, scale, sh.d_v, q_chunk=64)[0])
+        dense_ms, _ = timed(dense, q[:, sl], kv, q_index[:, sl], seg, warmup=w, iters=it)
+        return Row("DSA layer fwd", length, ms, (flops + fwd_flops) / ms / 1e9, "TFLOP/s", dense_ms * t / ref_rows,
+                   ref_rows < t)
+
+    guarded("DSA layer fwd", layer_row)
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| op | L | kernel ms | rate | XLA ref ms | speed-up |", "|---|---|---|---|---|---|"]
+    lines = ["| op | L | kernel ms | rate | XLA ref ms | speed-up | kernel vs reference |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         rate = "-" if r.rate is None else f"{r.rate:.1f} {r.unit}"
         ref = "-" if r.xla_ms is None else ("~" if r.xla_scaled else "") + f"{r.xla_ms:.3f}"
         sp = "-" if r.speedup() is None else f"{r.speedup():.2f}x"
-        lines.append(f"| {r.op} | {r.length} | {r.kernel_ms:.3f} | {rate} | {ref} | {sp} |")
+        lines.append(f"| {r.op} | {r.length} | {r.kernel_ms:.3f} | {rate} | {ref} | {sp} | {r.check} |")
     return "\n".join(lines)
 
 
@@ -181,6 +256,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ref-rows", type=int, default=256, help="queries for the memory-bound XLA references")
+    p.add_argument("--check-rows", type=int, default=512, help="queries checked against the fp32 reference")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, one iteration, impl=interpret (or --impl=interpret_tpu for the TPU kernels)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
@@ -190,25 +266,35 @@ def main(argv=None):
     if args.smoke:
         sh, lengths = SMOKE, [40]
         args.impl = args.impl if args.impl in ("interpret", "interpret_tpu") else "interpret"
-        args.warmup, args.iters, args.ref_rows = 0, 1, 4
+        args.warmup, args.iters, args.ref_rows, args.check_rows = 0, 1, 4, 4
     device = jax.devices()[0]
     header = (f"device: {getattr(device, 'device_kind', device.platform)}; jax {jax.__version__}; "
               f"impl {args.impl or 'auto'}; {datetime.date.today().isoformat()}; shapes {dataclasses.asdict(sh)}")
     print(header)
     rows = []
+
+    def write(final=False):
+        if not args.out:
+            return
+        md = header + "\n\n" + table(rows) + ("" if final else "\n\n(incomplete: the run was still going)")
+        for suffix, text in ((".json", json.dumps({"header": header, "rows": [dataclasses.asdict(r) for r in rows]},
+                                                   indent=1)), (".md", md + "\n")):
+            tmp = args.out + suffix + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, args.out + suffix)
+
+    def emit(r):
+        print(f"  {r.op:18s} L={r.length:7d} kernel {r.kernel_ms:9.3f} ms  "
+              f"{'' if r.rate is None else f'{r.rate:8.1f} {r.unit}'}  "
+              f"xla {'-' if r.xla_ms is None else f'{r.xla_ms:9.3f} ms'}  {r.check}", flush=True)
+        rows.append(r)
+        write()
+
     for i, length in enumerate(lengths):
-        for r in bench_length(length, sh, args, jax.random.key(i)):
-            print(f"  {r.op:18s} L={r.length:7d} kernel {r.kernel_ms:9.3f} ms  "
-                  f"{'' if r.rate is None else f'{r.rate:8.1f} {r.unit}'}  "
-                  f"xla {'-' if r.xla_ms is None else f'{r.xla_ms:9.3f} ms'}", flush=True)
-            rows.append(r)
-    md = header + "\n\n" + table(rows)
-    print("\n" + md)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"header": header, "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(md + "\n")
+        bench_length(length, sh, args, jax.random.key(i), emit)
+    print("\n" + header + "\n\n" + table(rows))
+    write(final=True)
     return rows
 
 

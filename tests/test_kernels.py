@@ -27,6 +27,8 @@ from dsv32_jax.kernels.topk import topk_reference
 IMPL = "interpret"
 TPU = "interpret_tpu"
 MGPU = "interpret_mosaic_gpu"  # Mosaic GPU kernels (FP8 wgmma indexer) in Mosaic GPU's interpret mode
+if os.environ.get("DSV32_TEST_KERNELS_ON_GPU") == "1":  # the same checks on the compiled kernels of a real GPU
+    IMPL, MGPU = "pallas_gpu", "mosaic_gpu"  # (bench/gpu_check.sh; deselect the TPU cases with -k)
 F8 = jnp.float8_e4m3fn
 
 
@@ -92,7 +94,7 @@ def test_default_impl_falls_back_where_explicit_impl_raises(rng, monkeypatch):
             np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
         finally:
             kernels.set_default_impl(None)
-    with pytest.raises(ValueError, match=r"indexer_topk: impl='interpret' cannot run on q \(1, 9, 2, 32\).*128"):
+    with pytest.raises(ValueError, match=rf"indexer_topk: impl='{IMPL}' cannot run on q \(1, 9, 2, 32\).*128"):
         kernels.indexer_topk(q, k, w, *vis, 4, fp8=True, impl=IMPL)
 
 
@@ -177,7 +179,7 @@ def test_indexer_logits_mosaic_gpu_explicit_impl_errors(rng, what):
     else:
         qf = jnp.zeros((1, 4, 260, 128), jnp.float8_e4m3fn)
         wf = jnp.zeros((1, 4, 260), jnp.float32)
-    with pytest.raises(ValueError, match=r"indexer_logits: impl='interpret_mosaic_gpu' cannot run on q_fp8 \(1, 4"):
+    with pytest.raises(ValueError, match=rf"indexer_logits: impl='{MGPU}' cannot run on q_fp8 \(1, 4"):
         kernels.indexer_logits(qf, kf, ks, wf, impl=MGPU, **kw)
 
 

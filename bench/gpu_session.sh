@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything a lent GPU session owes, in one call (the device tool's working-tree copy, repository root):
+#   1. lay the tree out as installed (the machine's own jax / flax / optax; dsv32_jax.kernels needs that layout);
+#   2. bench/kernels.py at L = 8K, 32K, 128K: timings beside the XLA references, each checked against them;
+#   3. tests/test_kernels.py on the compiled kernels (DSV32_TEST_KERNELS_ON_GPU=1: impl pallas_gpu / mosaic_gpu),
+#      fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest).
+# Results land in $OUT (bench: dsa_kernels.md/.json, logs). Stage time limits: BENCH_S, TEST_S seconds; STAGES picks
+# and orders the stages (default "bench tests"), LENGTHS the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
+set -u
+OUT=${OUT:-/tmp/dsv32_gpu_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+# the installed layout (pyproject's package-dir) without pip: a copy of dsv32_jax/ with the mapped folders linked in
+rm -rf /tmp/dsv32_site && mkdir -p /tmp/dsv32_site && cp -r dsv32_jax /tmp/dsv32_site/ \
+  && ln -s "$PWD/pallas_kernels" /tmp/dsv32_site/dsv32_jax/kernels && ln -s "$PWD/train" /tmp/dsv32_site/dsv32_jax/train \
+  && ln -s "$PWD/configs" /tmp/dsv32_site/dsv32_jax/configs || exit 1
+export PYTHONPATH=/tmp/dsv32_site PYTHONUNBUFFERED=1
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
+  | tee -a "$OUT/device.txt"
+bench() {
+t0=$(date +%s)
+timeout "${BENCH_S:-330}" python3 bench/kernels.py --lengths "${LENGTHS:-8192,32768,131072}" --out "$OUT/dsa_kernels" \
+  >"$OUT/bench.log" 2>&1
+echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^\s*$" "$OUT/bench.log" | grep -v "^|" | tail -40
+}
+
+tests() {
+t0=$(date +%s)
+DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
+  --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:-}" >"$OUT/test_kernels_gpu.log" 2>&1
+echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|Error|assert" "$OUT/test_kernels_gpu.log" | tail -25
+}
+
+for stage in ${STAGES:-bench tests}; do "$stage"; done
+echo; cat "$OUT/dsa_kernels.md" 2>/dev/null
