@@ -10,7 +10,7 @@ VENV_CUDA := .venv-cuda
 PY_CUDA := $(VENV_CUDA)/bin/python
 STAMP_CUDA := $(VENV_CUDA)/.installed
 
-.PHONY: all venv venv-cuda test test-slow test-all test-gpu-compile gpu-compile-table train agent-demo golden clean
+.PHONY: all venv venv-cuda test test-heavy test-slow test-all test-gpu-compile gpu-compile-table train agent-demo golden clean
 
 all: test
 
@@ -46,8 +46,13 @@ test-gpu-compile: $(STAMP_CUDA)
 gpu-compile-table: $(STAMP_CUDA)
 	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json --benchmarks BENCHMARKS.md
 
+# The fast suite (< 15 min on 2 cores); `make test-heavy` the integration checks CI also runs; `make test-slow` the
+# learning demos and production-size checks (hours in all).
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not heavy" -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
+
+test-heavy: $(STAMP)
+	$(PY) -m pytest -m "heavy and not slow" -n 2 --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

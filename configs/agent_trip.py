@@ -10,7 +10,9 @@ Status (seed 0, 32 held-out tasks): greedy reward 0.19 after the cold start -> 0
 steps 10-20 (success 1/32 throughout), measured continuing (`init_from`) from a two-leg run (`legs` (2, 2): recall
 x 800, 300 cold-start steps, reward 0.02) with 150 one-leg cold-start steps (the last 50 at 3e-4) before GRPO.
 This config's own pipeline from random initialization (recall x 800, 300 cold-start steps on one leg, the last 100
-at 3e-4) has not been run yet. Two legs: the answers did not become JSON plans within 300 cold-start steps.
+at 3e-4; seed 0) falls short: greedy reward 0.04 after the cold start, 0.04-0.06 after 5-15 GRPO steps, 62-86% of the
+sampled episodes malformed, so most groups score all zero and GRPO has no signal. A longer cold start (~600 steps)
+is the next thing to measure. Two legs: the answers did not become JSON plans within 300 cold-start steps.
 
 City and hotel names of the 11 letters no merge of the shipped BPE contains (as the lookup demo's keys); episodes
 are ~500 BPE tokens (~70 of them the model's), so `index_topk` covers them (1,024) and the indexer is not trained,

@@ -6,6 +6,39 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
+# Expensive shared fixtures (a training run, a converted checkpoint, an install) are session-scoped, not module-
+# scoped: an xdist worker interleaves tests of several modules, and each switch would tear a module fixture down and
+# compute it again (the stage runs of test_train.py were computed twice a run that way).
+
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache per test run, shared by the xdist workers and by every subprocess a test
+    starts (they inherit the environment): many tests compile the same tiny programs (a trainer's steps, a resumed
+    run's, the CLI's), and a hit skips XLA's compile. Keyed on the program and the compile options, so a hit is the
+    same executable; DSV32_TEST_COMPILE_CACHE=0 turns it off, and a JAX_COMPILATION_CACHE_DIR already set is kept.
+    Created by the controlling process before jax is imported anywhere; removed when the run ends."""
+    if hasattr(config, "workerinput") or os.environ.get("DSV32_TEST_COMPILE_CACHE", "1") == "0":
+        return
+    if _CACHE_ENV not in os.environ:
+        import tempfile
+
+        config._dsv32_cache_dir = tempfile.mkdtemp(prefix="dsv32-jax-compile-cache-")
+        os.environ[_CACHE_ENV] = config._dsv32_cache_dir
+    # No size bound: with one, jax rescans the directory under a file lock on every write. Without it an entry read
+    # while another process is still writing it fails to decompress, and jax warns and compiles instead.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_dsv32_cache_dir", None)
+    if path:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(_CACHE_ENV, None)
+
 # Every random input is a function of the test's name (and its parameters), so a run is repeatable and a failure
 # reproduces alone; see tests/seeds.py (DSV32_TEST_SEED shifts all seeds for sweeps).
 from seeds import SEED_OFFSET, test_seed  # noqa: E402

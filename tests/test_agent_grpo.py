@@ -30,6 +30,7 @@ def test_sft_batch_trains_only_on_the_assistant_tokens():
     np.testing.assert_array_equal(b["segment_ids"][0], [1] * 5 + [0] * 3)
 
 
+@pytest.mark.heavy
 def test_cold_start_then_one_grpo_step_over_trajectories(tmp_path):
     lrn = AgentLearner(_config(recall_mix=0.5), str(tmp_path))
     assert lrn.beta == {"lookup": 0.0, "calculator": 0.05}  # the calculator's domain is "code"
@@ -48,6 +49,7 @@ def test_cold_start_then_one_grpo_step_over_trajectories(tmp_path):
     assert metrics["indexer_kl"] > 0
 
 
+@pytest.mark.heavy
 def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
     """config.agent.rl_lr: the GRPO update runs with it, not with config.optimizer.lr (3e-3 here). Adam's first
     step moves every parameter by about lr (the bias-corrected m / sqrt(v) is +-1), so after one GRPO update at
@@ -100,6 +102,7 @@ def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
         AgentLearner(_config(drop_thinking="sometimes"), str(tmp_path / "c"))
 
 
+@pytest.mark.heavy
 def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
     """config.agent.anneal_steps / anneal_lr: the last anneal_steps of the cold start take the anneal rate. With
     Adam every parameter moves by about lr a step, so the annealed step (1e-6) moves nothing by more than ~1e-6 while

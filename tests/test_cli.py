@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config.data.seq_len=32", "--config.data.batch_size=2", "--config.log_every=1"]
 
@@ -15,6 +17,7 @@ def cli(*args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.heavy
 def test_default_run_then_resume_is_visible_and_quiet(tmp_path):
     """No --config: configs/quickstart.py (random init, built-in data). Rerunning resumes and says so."""
     first = cli("--config.steps=2", *SMALL, f"--workdir={tmp_path / 'w'}", cwd=tmp_path)

@@ -35,26 +35,26 @@ TOKENS = np.random.default_rng(7).integers(0, TINY.vocab_size, (2, 12)).astype(n
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("convert")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def synth_fp8(work):
     path = str(work / "synth_fp8")
     make_synthetic_checkpoint(path, TINY, seed=0, shard_size_bytes=SHARD, k_norm_dtype="F32")
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def synth_bf16(work):
     path = str(work / "synth_bf16")
     make_synthetic_checkpoint(path, TINY, seed=1, fp8=False, shard_size_bytes=SHARD, k_norm_dtype="F32")
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_logits(work, synth_fp8):
     """Logits of the numpy-dequantized float32 checkpoint through the HF loading path."""
     ref = str(work / "numpy_dequantized")
@@ -64,7 +64,7 @@ def reference_logits(work, synth_fp8):
     return np.asarray(logits), np.asarray(aux["mtp_logits"][0]), ref
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def orbax_fp8(work, synth_fp8):
     out = str(work / "orbax_float8")
     hf_to_orbax(synth_fp8, out, dtype="float8", include_mtp=True, progress=False)

@@ -67,6 +67,7 @@ def test_eval_loss_is_the_token_weighted_mean_nll_with_dense_and_dsa_attention()
     assert abs(losses["dense"] - losses["dsa"]) > 1e-3  # 48 tokens > top-k 8: the selection changes the loss
 
 
+@pytest.mark.heavy
 def test_trainer_reports_heldout_loss_and_the_cli_writes_the_table(tmp_path):
     from dsv32_jax.train.run import run
 

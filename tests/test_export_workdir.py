@@ -38,7 +38,7 @@ DENSE = RunOptions(dsa=False, attention="dense")
 LAYERS = 2  # layer 0 dense, layer 1 MoE, checkpoint layer 2 = the MTP layer (the tiny preset has 3 + 1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     """2 sparse-stage steps (LM + indexer KL + MTP loss, bias updates) from a synthetic float32 HF checkpoint of a
     2-layer tiny model (init_from: the random-init program alone takes ~12 s to compile on 2 CPU cores; the
@@ -72,7 +72,7 @@ def run(tmp_path_factory):
                 root=str(root))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf_f32(run):
     """The default export of the latest step, written inside the workdir (only checkpoints/ is off limits)."""
     out = os.path.join(run["workdir"], "hf")

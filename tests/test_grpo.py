@@ -25,7 +25,7 @@ def evals(history, key="eval_accuracy"):
     return [h[key] for h in history if key in h]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def map_run(tmp_path_factory):
     """70 GRPO steps on map-a-digit from random init (seed from the fixture's name; DSV32_TEST_PERTURB perturbs the
     initial parameters, see tests/learning.py). Shared by the two learning tests below (same xdist group)."""
@@ -36,6 +36,7 @@ def map_run(tmp_path_factory):
     return dict(learner=lrn, start=start, history=lrn.fit())
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("grpo_map")
 def test_learns_map_a_digit_from_chance(map_run):
     """Greedy accuracy over the 10 inputs, every 10 steps. Measured over DSV32_TEST_SEED=0..4 and 0..1 with
@@ -50,6 +51,7 @@ def test_learns_map_a_digit_from_chance(map_run):
     assert history[-1]["logprob_mismatch_max"] < 1e-4
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("grpo_map")
 def test_length_penalty_shortens_responses_while_accuracy_holds(map_run, tmp_path):
     """The map-trained policy is accurate but never stops (no reward for EOS): it fills all 4 new tokens. 40 more
@@ -153,6 +155,7 @@ def test_group_ids_never_mix_prompts(tmp_path):
         assert len(members) == lrn.g.group_size and all(m == members[0] for m in members)
 
 
+@pytest.mark.heavy
 def test_grpo_resume_is_exact(tmp_path):
     straight = learner(tmp_path / "a", 4).fit()
     learner(tmp_path / "b", 2, **{"checkpoint.every": 2}).fit()

@@ -22,7 +22,7 @@ def test_readme_has_python_snippets():
     assert readme_snippets(), "README.md lost its ```python usage snippet"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
     src = tmp / "src"  # setuptools writes build/ next to the sources: build from a copy of the tracked files

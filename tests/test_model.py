@@ -11,7 +11,7 @@ from flax import nnx
 from dsv32_jax import RunOptions, Transformer, load_preset
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny():
     cfg = load_preset("tiny").replace(initializer_range=0.2)  # large weights: attention far from uniform
     return Transformer(cfg, rngs=nnx.Rngs(3))

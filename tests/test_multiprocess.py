@@ -85,6 +85,7 @@ def _run(nproc: int, root: str, steps: int, meshes=(MESH,), stages=("dense", "sp
     return results
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("multiprocess")
 def test_one_device_eight_devices_and_two_processes_agree_and_resume_across(tmp_path):
     root = str(tmp_path)

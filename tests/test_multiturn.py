@@ -13,7 +13,7 @@ from dsv32_jax.sampler import MultiTurnSampler, SamplingConfig
 from dsv32_jax.train.grpo_loss import processed_logprobs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trajectory():
     cfg = load_preset("tiny").replace(initializer_range=0.1, index_topk=8)
     model = Transformer(cfg, rngs=nnx.Rngs(7), dtype=jnp.float32)

@@ -102,6 +102,7 @@ def test_master_weights_off_for_fp32_params_and_needs_params():
         tx.update(_params(), tx.init(_params()))
 
 
+@pytest.mark.heavy
 def test_sparse_trainer_indexer_and_main_have_their_own_rates(tmp_path):
     """config.optimizer.indexer.lr = 0: one sparse step moves the main model and leaves the indexer untouched;
     the metrics report both groups' gradient norms and rates."""

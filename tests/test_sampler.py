@@ -12,7 +12,7 @@ from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax.sampler import SamplingConfig, generate, processed_logits, sample_token, sequence_layout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model():
     cfg = load_preset("tiny").replace(initializer_range=0.1, vocab_size=32, index_topk=4)
     return Transformer(cfg, rngs=nnx.Rngs(0))

@@ -36,6 +36,7 @@ def test_layer_runs_group_blocks_of_one_structure():
     assert layer_runs(dense.layers) == [(0, 3)]
 
 
+@pytest.mark.heavy
 def test_scanned_blocks_equal_the_loop(rng):
     batch = _batch(rng, t=16)
     weights = LossWeights(balance_weight=0.01)

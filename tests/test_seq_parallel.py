@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
@@ -71,6 +73,7 @@ for name, stage, scan in RUNS:
 """
 
 
+@pytest.mark.heavy
 def test_sequence_parallel_matches_single_device(seed):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(seed % 1000)], cwd=ROOT, env=env, capture_output=True,

@@ -102,6 +102,7 @@ for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8", "seq:2,f
 """
 
 
+@pytest.mark.heavy
 def test_expert_parallel_moe_matches_single_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", EP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)

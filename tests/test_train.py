@@ -55,7 +55,7 @@ def window(history, key, first):
     return float(np.mean(vals[:5] if first else vals[-5:]))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stages(tmp_path_factory):
     """Warm-up (80 steps) then sparse (40 steps) from it; seeds from the fixture's name (tests/learning.py), initial
     parameters optionally perturbed (DSV32_TEST_PERTURB)."""
@@ -72,6 +72,7 @@ def stages(tmp_path_factory):
     return dict(root=root, warm_hist=warm_hist, before=before, after=after, sparse_hist=sparse_hist)
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("stages")
 def test_warmup_halves_indexer_kl_and_raises_captured_mass(stages):
     """Mean of the first vs the last 5 steps. Measured over DSV32_TEST_SEED=0..4 and 0..1 with DSV32_TEST_PERTURB=1e-6
@@ -87,6 +88,7 @@ def test_warmup_halves_indexer_kl_and_raises_captured_mass(stages):
     assert m1 > m0 + 0.05
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("stages")
 def test_warmup_changes_only_the_indexer(stages):
     flat_before = dict(nnx.traversals.flatten_mapping(stages["before"]))
@@ -101,6 +103,7 @@ def test_warmup_changes_only_the_indexer(stages):
     assert changed_indexer > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("stages")
 def test_sparse_stage_lowers_lm_loss(stages):
     """Measured as above, 7 runs: LM loss 7.77-8.22 -> 2.81-3.41 over 40 steps (bound: a drop of 0.1); after the
@@ -112,6 +115,7 @@ def test_sparse_stage_lowers_lm_loss(stages):
     assert all(np.isfinite(x["indexer_kl"]) for x in h)
 
 
+@pytest.mark.heavy
 @pytest.mark.xdist_group("stages")
 def test_curves_png(stages, tmp_path):
     out = str(tmp_path / "curves.png")
@@ -142,6 +146,7 @@ def wait_for_checkpoint(workdir, step, proc, timeout=240):
         time.sleep(0.2)
 
 
+@pytest.mark.heavy
 def test_resume_after_sigkill_and_sigterm_matches_uninterrupted(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")  # a crash prints its Python stack
     ref = str(tmp_path / "ref")
