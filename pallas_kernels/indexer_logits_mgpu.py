@@ -13,7 +13,7 @@ Kernel: grid (query block of BQ tokens, key block of BK keys), one warpgroup per
     ranges, all into shared memory (128-byte swizzle on the D = 128 e4m3 rows: both operands K-major, which is what
     FP8 wgmma requires).
   * per query row r: acc [BK, H] = K_blk . Q_r^T on the tensor cores (`m64nHk32` e4m3 wgmma into an fp32
-    accumulator; Hopper keeps ~14 bits of each aligned group of 32 products, as in DeepGEMM: ~1e-4 from exact fp32),
+    accumulator; Hopper is reported to keep ~14 bits of each aligned group of 32 products, as in DeepGEMM; unconfirmed here),
     then in registers ReLU, times w'[r, :] broadcast along the keys, the sum over heads (a row reduction of the
     WGMMA layout), times the key scale, and the range mask.
   * key blocks entirely outside [min start, max end) of the program's rows skip the tensor cores and write -inf
