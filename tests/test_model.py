@@ -44,6 +44,36 @@ def test_short_sequences_equal_dense_attention(tiny, rng):
     assert rel_err(run(tiny, toks)[0], run(tiny, toks, dsa=False)[0]) < 1e-5
 
 
+def test_a_covering_topk_attends_densely_and_equals_the_gathered_selection(tiny, rng, monkeypatch):
+    """index_topk >= S: mqa_attend's sparse path computes eq. 2 as dense attention over the visible keys (no
+    [T, k, 576] gather), equal to attention.sparse_mla over the indexer's selection, which is every visible key;
+    with S > index_topk it gathers (attention.sparse_mla is called)."""
+    from dsv32_jax import attention, mla
+
+    layer, k = tiny.layers[0].attn, tiny.config.index_topk
+    calls = []
+    real = attention.sparse_mla
+    monkeypatch.setattr(attention, "sparse_mla", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for t, gathers in ((k, False), (k + 5, True)):
+        toks = tokens(rng, t=t)
+        x = tiny.layers[0].attn_norm(tiny.embed_tokens(toks))
+        pos = tiny.positions(toks)
+        c_q, q_nope, q_pe, c_kv, k_pe = layer.latents(x, pos, RunOptions())
+        q_i, k_i, w_i = layer.indexer_inputs(x, c_q, pos)
+        q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, layer.kv_up()[0]), q_pe], -1)
+        kv_lat = jnp.concatenate([c_kv, k_pe], -1)
+        calls.clear()
+        o, aux = mla.mqa_attend(q_lat, q_i, w_i, pos.q_index, pos.q_segment, kv_lat, k_i, pos.kv_segment,
+                                cfg=tiny.config, opts=RunOptions())
+        assert bool(calls) == gathers, (t, calls)
+        gathered, _ = real(q_lat, kv_lat, aux["topk"], tiny.config.softmax_scale, tiny.config.kv_lora_rank)
+        assert rel_err(o, gathered) < 1e-5
+        if not gathers:  # every visible key selected: key j of query i for j <= i, -1 beyond
+            sel = np.sort(np.asarray(aux["topk"]), -1)
+            want = np.where(np.arange(t)[None, :] <= np.arange(t)[:, None], np.arange(t)[None, :], -1)
+            np.testing.assert_array_equal(sel, np.broadcast_to(np.sort(want, -1), sel.shape))
+
+
 def test_fp8_kv_cache_simulation(tiny, rng):
     """fp8_kv quantizes the cached latent c_kv (its values become e4m3 codes times a power-of-two scale) and
     perturbs the first layer's attention output by quantization noise only."""
