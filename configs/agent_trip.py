@@ -31,6 +31,7 @@ def get_config():
     c.agent.capacity = 768
     c.agent.max_new_tokens = 80
     c.agent.max_turns = 3
-    c.agent.cold_start_steps = 300
+    c.agent.cold_start_steps = 600
+    c.agent.recall_chars = agent_lookup.KEY_LETTERS + "0123456789\""  # what trip calls and plans copy
     c.agent.eval_every = 5
     return c
