@@ -6,13 +6,15 @@ that hold (the city, the nights, a hotel of that city, its rating, the plan's le
 the cold start gets partial credit and GRPO has a signal to improve on: `eval_reward` / `eval_success` after the
 cold start (`pre_eval_*`) against after GRPO (BENCHMARKS.md, "Agentic post-training").
 
-Status (seed 0, 32 held-out tasks): greedy reward 0.19 after the cold start -> 0.25 after 5 GRPO steps -> 0.26 at
-steps 10-20 (success 1/32 throughout), measured continuing (`init_from`) from a two-leg run (`legs` (2, 2): recall
-x 800, 300 cold-start steps, reward 0.02) with 150 one-leg cold-start steps (the last 50 at 3e-4) before GRPO.
-This config's own pipeline from random initialization (recall x 800, 300 cold-start steps on one leg, the last 100
-at 3e-4; seed 0) falls short: greedy reward 0.04 after the cold start, 0.04-0.06 after 5-15 GRPO steps, 62-86% of the
-sampled episodes malformed, so most groups score all zero and GRPO has no signal. A longer cold start (~600 steps)
-is the next thing to measure. Two legs: the answers did not become JSON plans within 300 cold-start steps.
+Status (BENCHMARKS.md, "Agentic post-training"; seed 0, 32 held-out tasks, 2 CPU cores, ~40 minutes with its 30 GRPO
+steps): greedy reward 0.00 before training -> 0.34 after the cold start (success 4/32) -> 0.33-0.36 after 5-25 GRPO
+steps -> 0.40 after 30-45 (success 5/32) -> 0.39 at 50-60. Sampled episodes: format errors 0.39 -> 0.13-0.25 (steps
+40-60). What is left is copying: 6 of the first 10 held-out tasks fail because the list_hotels call miscopies the city
+(often as an A-B-A name) and the model, never shown a tool error, does not recover; `recovery_fraction` is the next
+thing to measure. The recall stage copies the characters of names and numbers (`recall_chars`): with the default
+alphabet (digits, all letters) and 300 cold-start steps the same pipeline reached 0.04 after the cold start and
+GRPO had no signal (62-86% malformed episodes). Two legs: the answers did not become JSON plans within 300
+cold-start steps.
 
 City and hotel names of the 11 letters no merge of the shipped BPE contains (as the lookup demo's keys); episodes
 are ~500 BPE tokens (~70 of them the model's), so `index_topk` covers them (1,024) and the indexer is not trained,
@@ -34,4 +36,5 @@ def get_config():
     c.agent.cold_start_steps = 600
     c.agent.recall_chars = agent_lookup.KEY_LETTERS + "0123456789\""  # what trip calls and plans copy
     c.agent.eval_every = 5
+    c.steps = 30
     return c
