@@ -123,19 +123,28 @@ def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
         AgentLearner(_config(cold_start_steps=3, anneal_steps=1, anneal_lr=-1.0), str(tmp_path / "c"))
 
 
-def _tool_use_learned_from_chance(config_name: str, seed_name: str, tmp_path):
-    """Runs configs/<config_name>.py end to end (10 GRPO steps, greedy evaluation on 32 held-out tasks before any
-    training, after the cold start and after GRPO) and checks chance <= 0.2 -> >= 0.8 -> >= 0.8."""
+def _pipeline(config_name: str, seed_name: str, steps: int, tmp_path) -> tuple[dict, dict]:
+    """Runs configs/<config_name>.py end to end at the seed of `seed_name` (DSV32_TEST_SEED / DSV32_TEST_PERTURB
+    apply) for `steps` GRPO steps, greedy evaluation on 32 held-out tasks before any training, after the cold start
+    and after the last step; returns the first and the last step's metrics."""
     from tests.learning import perturb_params, run_seed
     from tests.test_train import load_config
 
-    config = load_config(config_name, steps=10, log_every=1000, seed=run_seed(seed_name),
-                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": 10})
+    config = load_config(config_name, steps=steps, log_every=1000, seed=run_seed(seed_name),
+                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": steps})
     lrn = AgentLearner(config, str(tmp_path))
     perturb_params(lrn.state[0])
     history = lrn.fit()
     first, last = history[0], history[-1]
-    print({k: v for k, v in first.items() if "success" in k}, last.get("eval_success"))
+    print({k: v for k, v in first.items() if "eval_success" in k or "eval_reward" in k},
+          {k: v for k, v in last.items() if k in ("eval_success", "eval_reward")})
+    return first, last
+
+
+def _tool_use_learned_from_chance(config_name: str, seed_name: str, tmp_path):
+    """10 GRPO steps of configs/<config_name>.py (`_pipeline`): greedy success chance <= 0.2 -> >= 0.8 after the
+    cold start -> >= 0.8 after GRPO."""
+    first, last = _pipeline(config_name, seed_name, 10, tmp_path)
     assert first["start_eval_success"] <= 0.2
     assert first["pre_eval_success"] >= 0.8 and last["eval_success"] >= 0.8
 
@@ -185,16 +194,7 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_it(tmp_path):
     Measured (BENCHMARKS.md, "Agentic post-training"), 0.00 -> after the cold start -> after 30 GRPO steps:
     config seed 0: 0.00 -> 0.34 -> 0.40; this test's seed (4405): 0.00 -> 0.40 -> 0.36 (64 minutes sharing the CPU
     with the test suite)."""
-    from tests.learning import perturb_params, run_seed
-    from tests.test_train import load_config
-
-    config = load_config("agent_trip", steps=30, log_every=1000, seed=run_seed("test_trip_planning_improves"),
-                         **{"checkpoint.every": 1000, "checkpoint.use_async": False, "agent.eval_every": 30})
-    lrn = AgentLearner(config, str(tmp_path))
-    perturb_params(lrn.state[0])
-    history = lrn.fit()
-    first, last = history[0], history[-1]
-    print({k: v for k, v in first.items() if "eval_reward" in k}, last.get("eval_reward"))
+    first, last = _pipeline("agent_trip", "test_trip_planning_improves", 30, tmp_path)
     assert first["start_eval_reward"] <= 0.05
     assert first["pre_eval_reward"] >= 0.25
     assert last["eval_reward"] >= first["pre_eval_reward"] - 0.1
