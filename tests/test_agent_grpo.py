@@ -166,7 +166,7 @@ def test_calculator_tool_use_learned_from_chance(tmp_path):
     thresholds as the lookup test: <= 0.2 before training, >= 0.8 after the cold start and after 10 GRPO steps.
     About 35 CPU minutes on 2 cores. Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 0.00 -> 1.00 -> 1.00;
     this test's seed (46) 0.00 -> 1.00 -> 1.00 (33 minutes alone on 2 cores), and with DSV32_TEST_PERTURB=1e-6
-0.00 -> 1.00 -> 1.00 (29 minutes). Not yet swept over more seeds."""
+    0.00 -> 1.00 -> 1.00 (29 minutes). Not yet swept over more seeds."""
     _tool_use_learned_from_chance("agent_calculator", "test_calculator_tool_use_learned", tmp_path)
 
 
