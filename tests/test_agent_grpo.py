@@ -164,8 +164,8 @@ def test_lookup_tool_use_learned_from_chance(tmp_path):
 def test_calculator_tool_use_learned_from_chance(tmp_path):
     """configs/agent_calculator.py end to end (one quoted operation on one-digit numbers), the same pipeline and
     thresholds as the lookup test: <= 0.2 before training, >= 0.8 after the cold start and after 10 GRPO steps.
-    About 16 CPU minutes on 2 cores alone. Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 0.00 -> 1.00 -> 1.00;
-    this test's seed (46) 0.00 -> 1.00 -> 1.00 (33 minutes alone on 2 cores), and with DSV32_TEST_PERTURB=1e-6
+    About 16 CPU minutes on 2 cores alone. Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 0.00 -> 1.00
+    -> 1.00; this test's seed (46) 0.00 -> 1.00 -> 1.00 (33 minutes alone on 2 cores), and with DSV32_TEST_PERTURB=1e-6
     0.00 -> 1.00 -> 1.00 (29 minutes); DSV32_TEST_SEED=1 (seed 47) and 2 (48): 0.00 -> 1.00 -> 1.00 each (16 and 16
     minutes alone, with the covering top-k's dense attention)."""
     _tool_use_learned_from_chance("agent_calculator", "test_calculator_tool_use_learned", tmp_path)
