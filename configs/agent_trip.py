@@ -11,14 +11,13 @@ steps): greedy reward 0.00 before training -> 0.34 after the cold start (success
 (5/32) with seed 0 (0.33-0.36 at steps 5-25, 0.39-0.40 at 35-60); with seed 4405 0.00 -> 0.40 (5/32) -> 0.36 (3/32).
 The cold start gets there at both seeds; GRPO's effect on the greedy policy is within the spread of two seeds
 (+0.06, -0.04), though it lowers the sampled episodes' format errors (seed 0: 0.39 -> 0.13-0.25 at steps 40-60).
-What is left is copying: 10 of the 32 held-out tasks fail because the list_hotels call miscopies the city (an
-A-B-A name, the third letter copied from the first) and the model then writes no plan. Not better (BENCHMARKS.md,
+What is left is copying: 10 of the 32 held-out tasks end without a plan, each one inspected after a list_hotels call
+with a miscopied city (an A-B-A name, the third letter copied from the first). Not better (BENCHMARKS.md,
 "three attempts"): sampling GRPO at temperature 0.7 (0.34 -> 0.39, fewer malformed calls, more miscopies), GRPO at
 1e-3 (KL 0.5, 0.30 after 15 steps), recovery demonstrations (`recovery_fraction=0.25`: 0.24 after the cold start).
-The recall stage copies the characters of names and numbers (`recall_chars`): with the default
-alphabet (digits, all letters) and 300 cold-start steps the same pipeline reached 0.04 after the cold start and GRPO
-had no signal (62-86% malformed episodes). Two legs: the answers did not become JSON plans within 300 cold-start
-steps.
+The recall stage copies the characters of names and numbers (`recall_chars`): with the default alphabet (digits, all
+letters) and 300 cold-start steps the same pipeline reached 0.04 after the cold start and GRPO had no signal (62-86%
+malformed episodes). Two legs: the answers did not become JSON plans within 300 cold-start steps.
 
 City and hotel names of the 11 letters no merge of the shipped BPE contains (as the lookup demo's keys); episodes
 are ~500 BPE tokens (~70 of them the model's), so `index_topk` covers them (1,024) and the indexer is not trained,

@@ -207,8 +207,8 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, *, 
         # index_topk covers every key (S <= k: short sequences, a small decode cache): the selection is each query's
         # whole visible set (indexer_topk keeps min(k, S) keys), so eq. 2 over it is attention over the visible
         # keys, computed without gathering k rows of 576 values per query (on a 2-core CPU a trip-planning SFT step,
-        # S = 576 and k = 1,024, takes 4.5x less time: BENCHMARKS.md). aux["topk"] is still the indexer's selection (the sampler
-        # records it). The kernel path keeps its kernels, and eq. 4 needs the per-slot probabilities.
+        # S = 576 and k = 1,024, takes 4.5x less time: BENCHMARKS.md). aux["topk"] is still the indexer's selection
+        # (the sampler records it). The kernel path keeps its kernels, and eq. 4 needs the per-slot probabilities.
         o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, q_chunk=opts.attn_chunk)
         return o_lat, aux
     if opts.attention == "sparse":

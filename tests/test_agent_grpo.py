@@ -195,6 +195,7 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_it(tmp_path):
     Measured (BENCHMARKS.md, "Agentic post-training"), 0.00 -> after the cold start -> after 30 GRPO steps:
     config seed 0: 0.00 -> 0.34 -> 0.40; this test's seed (4405): 0.00 -> 0.40 -> 0.36 (64 minutes sharing the CPU
     with the test suite)."""
+    # the seed's name is this test's earlier name: the measured seed (4405) is a function of it (tests/learning.py)
     first, last = _pipeline("agent_trip", "test_trip_planning_improves", 30, tmp_path)
     assert first["start_eval_reward"] <= 0.05
     assert first["pre_eval_reward"] >= 0.25
