@@ -186,6 +186,36 @@ def test_evaluate_reports_the_mean_verifier_reward(tmp_path):
     assert ev["eval_reward/lookup"] == 0.5 and ev["eval_reward"] == (0.375 + 0.5) / 2
 
 
+def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
+    """config.agent.eval_samples: every held-out task is also run eval_samples times with the training sampler
+    (temperature, top_k, top_p: what GRPO optimizes), in chunks of one step's rows, with the same random keys at every
+    evaluation, so two evaluations of the same weights agree exactly and a change between steps is the policy's;
+    eval_sampled_reward averages the environments like eval_reward."""
+    from types import SimpleNamespace
+
+    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=3, eval_samples=2, top_p=0.9), str(tmp_path))
+    assert lrn.sampling.top_p == 0.9 and lrn.sampling.top_k == 8 and not lrn.greedy.truncated
+    calls = []
+
+    def run(rows, cfg, key_seed):
+        calls.append((rows, cfg, key_seed))
+        return [SimpleNamespace(reward=0.5 if cfg is lrn.sampling else 1.0, success=False, info={}, segments=[])
+                for _ in rows], None
+
+    lrn.run = run
+    ev = lrn.evaluate()
+    sampled = [c for c in calls if c[1] is lrn.sampling]
+    # 3 tasks x 2 samples = 6 rows a domain, in chunks of tasks_per_step x group_size = 4 rows
+    assert [len(r) for r, _, _ in sampled] == [4, 2, 4, 2]
+    assert sampled[0][0] + sampled[1][0] == [("trip", 10**7 + i) for i in range(3) for _ in range(2)]
+    assert ev["eval_sampled_reward/trip"] == ev["eval_sampled_reward"] == 0.5 and ev["eval_reward"] == 1.0
+    calls.clear()
+    lrn.evaluate()
+    again = [c for c in calls if c[1] is lrn.sampling]
+    assert [(r, k) for r, _, k in again] == [(r, k) for r, _, k in sampled]  # the same rows and keys every time
+    assert len({k for _, _, k in sampled[:2]}) == 2  # each chunk its own key
+
+
 @pytest.mark.slow
 def test_trip_planning_cold_start_from_chance_and_grpo_keeps_it(tmp_path):
     """configs/agent_trip.py end to end (recall stage, 600 cold-start steps, 30 GRPO steps; one-leg trips): the

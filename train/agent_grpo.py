@@ -112,7 +112,7 @@ class AgentLearner:
         self.domains = {name: make_env(name).domain for name in self.envs}
         self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
         self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                       max_candidates=a.max_candidates, eos_id=self.codec.eos_id,
+                                       top_p=a.top_p, max_candidates=a.max_candidates, eos_id=self.codec.eos_id,
                                        pad_id=self.codec.pad_id)
         self.greedy = SamplingConfig(max_new_tokens=a.max_new_tokens, greedy=True, eos_id=self.codec.eos_id,
                                      pad_id=self.codec.pad_id)
@@ -276,7 +276,7 @@ class AgentLearner:
         """Greedy success and mean verifier reward (partial credit: trip's fraction of checks) per environment on
         fixed held-out seeds (10^7 + i), and what the episodes cost: the
         tokens their contexts took in the decode cache (every segment: a re-rendered history is prefilled again)
-        and the model's own tokens."""
+        and the model's own tokens; with `config.agent.eval_samples`, also the sampled policy's (evaluate_sampled)."""
         out = {}
         for name in self.envs:
             rows = [(name, 10**7 + i) for i in range(self.a.eval_episodes)]
@@ -286,9 +286,24 @@ class AgentLearner:
             out[f"eval_context_tokens/{name}"] = float(np.mean([sum(len(g.ids) for g in t.segments) for t in trajs]))
             out[f"eval_model_tokens/{name}"] = float(np.mean([sum(map(sum, (g.loss_mask for g in t.segments)))
                                                               for t in trajs]))
-        out["eval_success"] = float(np.mean([out[f"eval_success/{n}"] for n in self.envs]))
-        out["eval_reward"] = float(np.mean([out[f"eval_reward/{n}"] for n in self.envs]))
+            if self.a.eval_samples:
+                out.update(self.evaluate_sampled(name, rows))
+        for k in ("success", "reward") + (("sampled_success", "sampled_reward") if self.a.eval_samples else ()):
+            out[f"eval_{k}"] = float(np.mean([out[f"eval_{k}/{n}"] for n in self.envs]))
         return out
+
+    def evaluate_sampled(self, name: str, rows) -> dict:
+        """`eval_samples` episodes of each held-out task sampled at the training temperature, in batches of one
+        GRPO step's rows, with the same random keys at every evaluation (the comparison across steps is paired)."""
+        rows = [r for r in rows for _ in range(self.a.eval_samples)]
+        chunk = self.a.tasks_per_step * self.a.group_size
+        trajs = []
+        for c in range(0, len(rows), chunk):
+            trajs += self.run(rows[c:c + chunk], self.sampling, key_seed=10**6 + c)[0]
+        return {f"eval_sampled_success/{name}": float(np.mean([t.success for t in trajs])),
+                f"eval_sampled_reward/{name}": float(np.mean([t.reward for t in trajs])),
+                f"eval_sampled_format_errors/{name}": float(np.mean([str(t.info.get("error", "")).startswith("format")
+                                                                     for t in trajs]))}
 
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, mngr, step: int, force: bool = False) -> bool:

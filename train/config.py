@@ -104,7 +104,7 @@ def default_config() -> ml_collections.ConfigDict:
     # ("search", "code", "general"), default kl_weight; env_kwargs: per environment name.
     c.agent = ml_collections.ConfigDict(dict(
         envs="lookup,calculator", codec="tiny", tasks_per_step=4, group_size=4, max_turns=4, max_new_tokens=64,
-        capacity=2048, temperature=1.0, top_k=0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
+        capacity=2048, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
         kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
         eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
         # thinking retention (chat.encode): "after_user" (V3.2: reasoning dropped only before the last user
@@ -118,6 +118,9 @@ def default_config() -> ml_collections.ConfigDict:
         # fraction of cold-start demonstrations that first make a near-miss call, get the tool's error and call again
         # (loss masked on the wrong call: the model learns to recover, not to err)
         recovery_fraction=0.0,
+        # > 0: every evaluation also samples `eval_samples` episodes of each held-out task at `temperature` (the
+        # policy GRPO optimizes; the paper's pass@1 averaged over samples): eval_sampled_reward / _success
+        eval_samples=0,
         env_kwargs=ml_collections.ConfigDict(),
         # recall stage before the cold start (dsv32_jax/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;
