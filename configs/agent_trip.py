@@ -18,6 +18,9 @@ with a miscopied city (an A-B-A name, the third letter copied from the first). N
 The recall stage copies the characters of names and numbers (`recall_chars`): with the default alphabet (digits, all
 letters) and 300 cold-start steps the same pipeline reached 0.04 after the cold start and GRPO had no signal (62-86%
 malformed episodes). Two legs: the answers did not become JSON plans within 300 cold-start steps.
+`agent.eval_samples` = 8 also evaluates the sampled policy, the one GRPO optimizes (32 tasks x 8 samples, ~1 CPU
+minute an evaluation): it samples far worse than it decodes (seed 0: reward 0.21, format errors 0.32), and the
+first 10-20 GRPO steps double those format errors before anything improves (BENCHMARKS.md, "the sampled policy").
 
 City and hotel names of the 11 letters no merge of the shipped BPE contains (as the lookup demo's keys); episodes
 are ~500 BPE tokens (~70 of them the model's), so `index_topk` covers them (1,024) and the indexer is not trained,
@@ -39,5 +42,6 @@ def get_config():
     c.agent.cold_start_steps = 600
     c.agent.recall_chars = agent_lookup.KEY_LETTERS + "0123456789\""  # what trip calls and plans copy
     c.agent.eval_every = 5
+    c.agent.eval_samples = 8
     c.steps = 30
     return c

@@ -137,7 +137,7 @@ def _pipeline(config_name: str, seed_name: str, steps: int, tmp_path) -> tuple[d
     history = lrn.fit()
     first, last = history[0], history[-1]
     print({k: v for k, v in first.items() if "eval_success" in k or "eval_reward" in k},
-          {k: v for k, v in last.items() if k in ("eval_success", "eval_reward")})
+          {k: v for k, v in last.items() if k.startswith(("eval_success", "eval_reward", "eval_sampled"))})
     return first, last
 
 
@@ -221,7 +221,8 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_it(tmp_path):
     """configs/agent_trip.py end to end (recall stage, 600 cold-start steps, 30 GRPO steps; one-leg trips): the
     greedy mean verifier reward on 32 held-out tasks (the fraction of the plan's checks that hold) is <= 0.05 before
     training and >= 0.25 after the cold start, and 30 GRPO steps lose at most 0.1 of it. GRPO does not reliably
-    improve on the cold start here, so the test does not claim it does. About 40 CPU minutes on 2 cores alone.
+    improve on the cold start here, so the test does not claim it does. About 43 CPU minutes on 2 cores alone (3 of
+    them the sampled evaluations of `agent.eval_samples`, printed, not asserted).
     Measured (BENCHMARKS.md, "Agentic post-training"), 0.00 -> after the cold start -> after 30 GRPO steps:
     config seed 0: 0.00 -> 0.34 -> 0.40; this test's seed (4405): 0.00 -> 0.40 -> 0.36 (64 minutes sharing the CPU
     with the test suite)."""
