@@ -214,6 +214,8 @@ def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
     again = [c for c in calls if c[1] is lrn.sampling]
     assert [(r, k) for r, _, k in again] == [(r, k) for r, _, k in sampled]  # the same rows and keys every time
     assert len({k for _, _, k in sampled[:2]}) == 2  # each chunk its own key
+    with pytest.raises(ValueError, match="agent.eval_samples"):
+        AgentLearner(_config(eval_samples=-1), str(tmp_path / "c"))
 
 
 @pytest.mark.slow

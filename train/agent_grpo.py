@@ -88,6 +88,11 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
     return nnx.state((model, optimizer)), metrics
 
 
+def _format_error(t) -> bool:
+    """The episode ended on a malformed completion (chat.parse_completion's "format: ..." errors)."""
+    return str(t.info.get("error", "")).startswith("format")
+
+
 def _log_progress(phase: str, i: int, total: int, history: list[float], every: int = 50) -> None:
     """An INFO line every `every` SFT steps of step 0's recall stage / cold start (minutes without a bar step)."""
     if (i + 1) % every == 0 or i + 1 == total:
@@ -132,6 +137,8 @@ class AgentLearner:
         for field in ("rl_lr", "anneal_lr"):
             if a[field] < 0:
                 raise ValueError(f"config.agent.{field} must be >= 0 (0: config.optimizer.lr), got {a[field]}")
+        if a.eval_samples < 0:
+            raise ValueError(f"config.agent.eval_samples must be >= 0 (0: greedy evaluation only), got {a.eval_samples}")
         if not 0 <= a.anneal_steps <= a.cold_start_steps:
             raise ValueError(f"config.agent.anneal_steps must be in [0, cold_start_steps={a.cold_start_steps}], "
                              f"got {a.anneal_steps}")
@@ -255,7 +262,7 @@ class AgentLearner:
                  "adv": adv, "beta": np.asarray([self.beta[name] for name, _ in rows], np.float32)}
         stats = {"reward_mean": float(rewards.mean()), "success": float(np.mean([t.success for t in trajs])),
                  "turns": float(np.mean([t.turns for t in trajs])),
-                 "format_errors": float(np.mean([str(t.info.get("error", "")).startswith("format") for t in trajs])),
+                 "format_errors": float(np.mean([_format_error(t) for t in trajs])),
                  "model_tokens": float(batch["gen"].sum() / len(trajs))}
         return batch, stats
 
@@ -293,7 +300,7 @@ class AgentLearner:
         return out
 
     def evaluate_sampled(self, name: str, rows) -> dict:
-        """`eval_samples` episodes of each held-out task sampled at the training temperature, in batches of one
+        """`eval_samples` episodes of each held-out task with the training sampler, in batches of one
         GRPO step's rows, with the same random keys at every evaluation (the comparison across steps is paired)."""
         rows = [r for r in rows for _ in range(self.a.eval_samples)]
         chunk = self.a.tasks_per_step * self.a.group_size
@@ -302,8 +309,7 @@ class AgentLearner:
             trajs += self.run(rows[c:c + chunk], self.sampling, key_seed=10**6 + c)[0]
         return {f"eval_sampled_success/{name}": float(np.mean([t.success for t in trajs])),
                 f"eval_sampled_reward/{name}": float(np.mean([t.reward for t in trajs])),
-                f"eval_sampled_format_errors/{name}": float(np.mean([str(t.info.get("error", "")).startswith("format")
-                                                                     for t in trajs]))}
+                f"eval_sampled_format_errors/{name}": float(np.mean([_format_error(t) for t in trajs]))}
 
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, mngr, step: int, force: bool = False) -> bool:
