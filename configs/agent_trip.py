@@ -41,7 +41,9 @@ def get_config():
     c.agent.max_turns = 3
     c.agent.cold_start_steps = 600
     c.agent.recall_chars = agent_lookup.KEY_LETTERS + "0123456789\""  # what trip calls and plans copy
-    c.agent.eval_every = 5
+    c.agent.epochs = 2  # two epochs of two minibatches a rollout batch: four clipped updates a GRPO step
+    c.agent.minibatches = 2
+    c.agent.eval_every = 10
     c.agent.eval_samples = 8
-    c.steps = 30
+    c.steps = 40
     return c
