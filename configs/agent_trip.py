@@ -7,7 +7,7 @@ the cold start gets partial credit and GRPO has a signal to improve on: `eval_re
 cold start (`pre_eval_*`) against after GRPO (BENCHMARKS.md, "Agentic post-training").
 
 Status (BENCHMARKS.md, "Trip planning: GRPO improves the sampled policy"; 32 held-out tasks, 2 CPU cores, ~55 minutes
-alone): the greedy reward goes 0.00 before training -> 0.34 / 0.40 after the cold start (seeds 0 / 4405).
+alone, the sum of its parts): the greedy reward goes 0.00 before training -> 0.34 / 0.40 after the cold start (seeds 0 / 4405).
 `agent.eval_samples` = 8 also evaluates the sampled policy, which is what GRPO optimizes (32 tasks x 8 samples at
 temperature 1.0, the same keys at every evaluation, ~1 CPU minute). 40 GRPO steps of two epochs of two minibatches
 (`agent.epochs`, `agent.minibatches`) raise its reward 0.208 -> 0.343 (seed 0), 0.210 -> 0.326 (seed 4405) and 0.194

@@ -224,7 +224,8 @@ def test_trip_planning_cold_start_from_chance_then_grpo_improves_the_sampled_pol
     minibatches; one-leg trips), on 32 held-out tasks: the greedy mean verifier reward (the fraction of the plan's
     checks that hold) is <= 0.05 before training and >= 0.25 after the cold start; GRPO raises the reward of the
     sampled policy it optimizes (8 samples a task at temperature 1.0, the same keys before and after) by >= 0.05
-    and keeps the greedy reward within 0.05 of the cold start's. About 55 CPU minutes on 2 cores alone.
+    and keeps the greedy reward within 0.05 of the cold start's. About 55 CPU minutes on 2 cores alone (the sum of its
+    parts' measured times); 102 minutes sharing the CPU with a CI run.
     Measured (BENCHMARKS.md, "Trip planning: GRPO improves the sampled policy"), after the cold start -> after 40
     GRPO steps, sampled reward (greedy reward): this test's seed (4405) 0.210 -> 0.326 (0.396 -> 0.406); config
     seed 0 0.208 -> 0.343 (0.339 -> 0.385)."""
