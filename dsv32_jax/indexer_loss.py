@@ -26,23 +26,26 @@ def _kl(p: jnp.ndarray, scores: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
 
 
 def dense_indexer_kl(q_lat, kv_lat, scale: float, q_idx, k_idx, w_idx, q_index, q_segment, kv_segment, topk: int,
-                     *, q_chunk: int | None = 64):
+                     *, q_chunk: int | None = 64, selection=None):
     """Eq. (3). q_lat [B, T, H, Dqk] / kv_lat [B, S, Dqk]: the MLA queries/keys in MQA mode (teacher, detached);
-    q_idx [B, T, H_I, D], k_idx [B, S, D], w_idx [B, T, H_I]: indexer projections. Returns (kl, captured) [B, T]."""
+    q_idx [B, T, H_I, D], k_idx [B, S, D], w_idx [B, T, H_I]: indexer projections. Returns (kl, captured) [B, T].
+    captured: the teacher's mass on the indexer's top-k, selected here from the exact scores, or `selection`
+    [B, T, k] (key indices, -1 = empty) when given (e.g. the kernels' selection, FP8 with indexer_fp8)."""
     q_lat, kv_lat = jax.lax.stop_gradient(q_lat), jax.lax.stop_gradient(kv_lat)
     k_eff = min(topk, kv_lat.shape[1])
 
-    def chunk_fn(ql, qi, wi, q_ix, q_seg):
+    def chunk_fn(ql, qi, wi, q_ix, q_seg, *given):
         mask = visible(q_ix, q_seg, kv_segment)
         logits = jnp.einsum("bchd,bsd->bchs", ql, kv_lat, preferred_element_type=jnp.float32) * scale
         probs, _ = masked_softmax(logits, mask[:, :, None, :])
         p = jax.lax.stop_gradient(jnp.mean(probs, axis=2))  # head sum, L1-normalized
         scores = index_scores(qi, k_idx, wi)
-        sel = select_topk(jax.lax.stop_gradient(scores), mask, k_eff)
+        sel = given[0] if given else select_topk(jax.lax.stop_gradient(scores), mask, k_eff)
         captured = jnp.sum(jnp.where(sel >= 0, jnp.take_along_axis(p, jnp.maximum(sel, 0), axis=-1), 0.0), axis=-1)
         return _kl(p, scores, mask), captured
 
-    return map_query_chunks(chunk_fn, q_chunk, (q_lat, q_idx, w_idx, q_index, q_segment))
+    extra = () if selection is None else (selection,)
+    return map_query_chunks(chunk_fn, q_chunk, (q_lat, q_idx, w_idx, q_index, q_segment, *extra))
 
 
 def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int | None = 64):

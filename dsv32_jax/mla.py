@@ -24,7 +24,7 @@ from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.layers import Dense, RMSNorm
 from dsv32_jax.options import RunOptions
 from dsv32_jax.rope import apply_rope_interleaved
-from dsv32_jax.sharding import BATCH_AXES, SEQ_AXIS, current_mesh
+from dsv32_jax.sharding import BATCH_AXES, SEQ_AXIS, TENSOR_AXIS, current_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -152,10 +152,12 @@ class MLA(nnx.Module):
         q_lat = jnp.concatenate([jnp.einsum("bthd,chd->bthc", q_nope, w_uk), q_pe], axis=-1)
         kv_lat = jnp.concatenate([c_kv, k_pe], axis=-1)
         if opts.mla_mode == "mqa":
-            attend = functools.partial(mqa_attend, cfg=cfg, opts=opts, k_scale=k_scale)
-            q_side, kv_side = (q_lat, q_i, w_i, pos.q_index, pos.q_segment), (kv_lat, k_i, pos.kv_segment)
+            attend = functools.partial(mqa_attend, cfg=cfg, opts=opts)
+            q_side, kv_side = (q_lat, q_i, w_i, pos.q_index, pos.q_segment), (kv_lat, k_i, pos.kv_segment, k_scale)
             mesh = current_mesh()
-            if cache is None and mesh is not None and mesh.shape.get(SEQ_AXIS, 1) > 1:
+            if opts.attention == "kernel" and mesh is not None and mesh.size > 1:
+                o_lat, core_aux = kernel_parallel(attend, mesh, q_side, kv_side, split_tokens=cache is None)
+            elif cache is None and mesh is not None and mesh.shape.get(SEQ_AXIS, 1) > 1:
                 o_lat, core_aux = seq_parallel(attend, mesh, q_side, kv_side)
             else:
                 o_lat, core_aux = attend(*q_side, *kv_side)
@@ -179,26 +181,84 @@ class MLA(nnx.Module):
         return self.o_proj(o.reshape(b, t, cfg.num_attention_heads * cfg.v_head_dim)), aux
 
 
-def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, *, cfg: ModelConfig, opts: RunOptions,
-               k_scale=None):
+@dataclasses.dataclass(frozen=True)
+class HeadShards:
+    """How the attention heads are split inside a fully manual shard_map (`kernel_parallel`). axis: the manual mesh
+    axis over which the heads (attention and indexer) are split, None when every head is local; size: its size;
+    tokens: whether the work that needs every head -- the indexer's selection (eq. 1 sums over the indexer heads),
+    the eq. 3 teacher (a mean over the attention heads) and both KLs -- is split over the tokens across that axis
+    (when the local token count divides) instead of repeated on each of its devices. With axis None every method is
+    the identity, so the single-device code path is the same code."""
+
+    axis: str | None = None
+    size: int = 1
+    tokens: bool = False
+
+    def all_heads(self, x):
+        """[b, t, h_local, ...] -> [b, t', H, ...]: every head, for this device's tokens t' (all-to-all), or for
+        every token (all-gather) when the tokens are not split."""
+        if self.axis is None:
+            return x
+        if self.tokens:
+            return jax.lax.all_to_all(x, self.axis, split_axis=1, concat_axis=2, tiled=True)
+        return jax.lax.all_gather(x, self.axis, axis=2, tiled=True)
+
+    def my_tokens(self, x):
+        """[b, t, ...] (the same on every device of the axis) -> this device's tokens [b, t', ...]."""
+        if not self.tokens:
+            return x
+        n = x.shape[1] // self.size
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.axis) * n, n, axis=1)
+
+    def all_tokens(self, x):
+        """[b, t', ...] -> [b, t, ...] (all-gather over the axis)."""
+        return jax.lax.all_gather(x, self.axis, axis=1, tiled=True) if self.tokens else x
+
+    def head_sum(self, x):
+        """Sums over this device's heads [b, t, ...] -> sums over every head for this device's tokens [b, t', ...]
+        (reduce-scatter; a psum when the tokens are not split)."""
+        if self.axis is None:
+            return x
+        if self.tokens:
+            return jax.lax.psum_scatter(x, self.axis, scatter_dimension=1, tiled=True)
+        return jax.lax.psum(x, self.axis)
+
+
+def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_scale=None, *, cfg: ModelConfig,
+               opts: RunOptions, heads: HeadShards = HeadShards()):
     """DSA in absorbed MQA mode for queries [B, T] against keys [B, S]: the indexer's top-k selection (eq. 1), the
     indexer objective (eq. 3 dense / eq. 4 sparse) and attention (dense_mqa, or eq. 2 on the selected rows).
     q_lat [B, T, H, Dqk], q_i [B, T, H_I, D], w_i [B, T, H_I], q_index / q_segment [B, T]; kv_lat [B, S, Dqk],
-    k_i [B, S, D], kv_segment [B, S]. Returns (o_lat [B, T, H, kv_lora_rank], aux: topk, indexer_kl, ...).
+    k_i [B, S, D], kv_segment [B, S], k_scale [B, S] (cached FP8 indexer keys) or None. Returns (o_lat
+    [B, T, H, kv_lora_rank], aux: topk, indexer_kl, ...).
     Queries only meet keys through q_index / segments, so a slice of the queries against all keys gives that
-    slice of the result: what `seq_parallel` relies on."""
+    slice of the result: what `seq_parallel` and `kernel_parallel` rely on. `heads` says how the heads are split
+    when this runs inside `kernel_parallel` (every step that crosses heads goes through it)."""
     vis = (q_index, q_segment, kv_segment)
     scale = cfg.softmax_scale
     aux = {"topk": None}
-    if opts.dsa:
+    kernel = opts.attention == "kernel"
+    # the indexer's work runs on every indexer head for this device's tokens (all of them outside kernel_parallel)
+    need_index = opts.dsa or opts.indexer_loss is not None
+    if need_index:
+        qi_s, wi_s = heads.all_heads(q_i), heads.all_heads(w_i)
+        qix_s, qseg_s = heads.my_tokens(q_index), heads.my_tokens(q_segment)
+    sel_s = None
+    if opts.dsa or (kernel and opts.indexer_loss == "dense"):
+        # with kernels the warm-up's captured-mass metric (eq. 3 stage, no DSA yet) uses the kernels' selection,
+        # i.e. the one the sparse stage will run (FP8 with indexer_fp8)
         select = indexer_topk
-        if opts.attention == "kernel":
+        if kernel:
             from dsv32_jax.kernels import indexer_topk as select
-        aux["topk"] = jax.lax.stop_gradient(select(q_i, k_i, w_i, *vis, cfg.index_topk, fp8=opts.indexer_fp8,
-                                                   q_chunk=opts.index_chunk, k_scale=k_scale))
+        sel_s = jax.lax.stop_gradient(select(qi_s, k_i, wi_s, qix_s, qseg_s, kv_segment, cfg.index_topk,
+                                             fp8=opts.indexer_fp8, q_chunk=opts.index_chunk, k_scale=k_scale))
+        if opts.dsa:
+            aux["topk"] = heads.all_tokens(sel_s)
     if opts.indexer_loss == "dense":
-        aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
-            q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
+        kl, captured = dense_indexer_kl(heads.all_heads(jax.lax.stop_gradient(q_lat)), kv_lat, scale, qi_s, k_i,
+                                        wi_s, qix_s, qseg_s, kv_segment, cfg.index_topk, q_chunk=opts.attn_chunk,
+                                        selection=sel_s if kernel else None)
+        aux["indexer_kl"], aux["indexer_captured"] = heads.all_tokens(kl), heads.all_tokens(captured)
     if not opts.dsa or opts.attention == "dense":
         o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
                                        q_chunk=opts.attn_chunk)
@@ -217,7 +277,8 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, *, 
         from dsv32_jax.kernels import sparse_mla as sparse
     if opts.indexer_loss == "sparse":
         o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
-        aux["indexer_kl"] = sparse_indexer_kl(head_probs, aux["topk"], q_i, k_i, w_i, q_chunk=opts.attn_chunk)
+        kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s, q_chunk=opts.attn_chunk)
+        aux["indexer_kl"] = heads.all_tokens(kl)
     else:
         o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
     return o_lat, aux
@@ -242,3 +303,47 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
 
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec, axis_names={SEQ_AXIS, *batch},
                          check_vma=False)(q_side, kv_side)
+
+
+def kernel_parallel(attend, mesh, q_side: tuple, kv_side: tuple, *, split_tokens: bool):
+    """`attend` (mqa_attend with attention="kernel") in one shard_map whose manual axes are the whole mesh: Pallas
+    kernels cannot be partitioned by GSPMD (Mosaic refuses, a Triton call would be replicated), so every kernel
+    call sees only this device's block. Per device: its rows (the batch axes, when they divide the rows), its
+    tokens over "seq" (split_tokens, training and prefill: the key side is all-gathered, as in `seq_parallel`; a
+    decode step's keys are the cache), and its heads over "tensor" (when the attention and indexer head counts
+    divide). What crosses heads is explicit (`HeadShards`): the indexer's selection and both KLs run on every head
+    for 1 / tensor of the tokens (all-to-all in, all-gather of the [t, k] selection out), the head-summed
+    probabilities of eq. 4 are reduce-scattered. A mesh axis that splits nothing holds identical copies."""
+    q_lat, q_i = q_side[0], q_side[1]
+    rows, t, n_heads = q_lat.shape[:3]
+    s = kv_side[0].shape[1]
+    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if rows % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    n_seq = mesh.shape.get(SEQ_AXIS, 1)
+    seq = SEQ_AXIS if split_tokens and n_seq > 1 and t % n_seq == 0 and s % n_seq == 0 else None
+    tp = mesh.shape.get(TENSOR_AXIS, 1)
+    head_axis = TENSOR_AXIS if tp > 1 and n_heads % tp == 0 and (q_i is None or q_i.shape[2] % tp == 0) else None
+    t_local = t // n_seq if seq else t
+    heads = HeadShards(head_axis, tp if head_axis else 1, tokens=head_axis is not None and t_local % tp == 0)
+    b_spec = batch or None
+    rows_tokens = P(b_spec, seq)
+    with_heads = P(b_spec, seq, head_axis)
+    q_specs = (with_heads, with_heads, with_heads, rows_tokens, rows_tokens)
+    kv_specs = (rows_tokens,) * len(kv_side)
+
+    def local(q_side, kv_side):
+        if seq is not None:
+            kv_side = jax.tree.map(lambda a: jax.lax.all_gather(a, SEQ_AXIS, axis=1, tiled=True), kv_side)
+        o_lat, aux = attend(*q_side, *kv_side, heads=heads)
+        return o_lat, aux["topk"], aux.get("indexer_kl"), aux.get("indexer_captured")
+
+    o_lat, topk, kl, captured = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_specs, kv_specs), out_specs=(with_heads, rows_tokens, rows_tokens, rows_tokens),
+        axis_names=set(mesh.axis_names), check_vma=False)(q_side, kv_side)
+    aux = {"topk": topk}
+    if kl is not None:
+        aux["indexer_kl"] = kl
+    if captured is not None:
+        aux["indexer_captured"] = captured
+    return o_lat, aux

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "seq")
 SEQ_AXIS = "seq"  # sequence (context) parallelism: tokens split over it, keys all-gathered in attention
+TENSOR_AXIS = "tensor"  # attention / indexer heads, hidden units
 BATCH_AXES = ("data", "fsdp", "expert")
 
 # logical name -> mesh axis (or tuple of mesh axes, or None = replicated)

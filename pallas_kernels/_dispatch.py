@@ -10,8 +10,10 @@ impl values:
   "interpret"   the GPU kernel body run with `interpret=True` on any platform (what the CPU tests exercise),
   "interpret_tpu" the TPU kernel body run in Pallas' TPU interpret mode (`pltpu.InterpretParams`: DMAs,
                 semaphores and SMEM/VMEM simulated on CPU), for ops that have a TPU kernel.
-impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform:
-gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". Those are process-wide preferences: an op
+impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform of the
+device the trace targets (`target_device`: the active `dsv32_jax.sharding.use_mesh` mesh's devices, else
+`jax.default_device`, else the default backend's; so a step compiled for a deviceless TPU or H100 topology on a CPU
+host gets that chip's kernels): gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". Those are process-wide preferences: an op
 without a kernel for the preferred backend, or inputs (shapes, dtypes) that backend cannot serve, runs its
 reference instead. An impl passed explicitly as `impl=` is a demand: an op without that kernel, or inputs it cannot
 serve, raise a ValueError naming the op, the input shapes and the reason (never a silent reference run); each
@@ -39,6 +41,32 @@ def set_default_impl(impl: str | None) -> None:
     """Process-wide default for impl=None (None: back to env var / platform)."""
     global _default_impl
     _default_impl = None if impl is None else _check(impl, "set_default_impl")
+
+
+_PLATFORM_IMPL = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+def target_device():
+    """The device the code being traced is compiled for: the first device of the active mesh
+    (`dsv32_jax.sharding.use_mesh` with a concrete `jax.sharding.Mesh`, e.g. of deviceless TPU / GPU topology
+    devices), else `jax.default_device`'s, else the default backend's first device (None if there is none)."""
+    from dsv32_jax.sharding import current_mesh  # the math layer; imported late (kernels import this module early)
+    mesh = current_mesh()
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0]
+    dev = jax.config.jax_default_device
+    if dev is not None and not isinstance(dev, str):
+        return dev
+    try:
+        return jax.devices()[0]
+    except RuntimeError:
+        return None
+
+
+def target_platform() -> str:
+    """Platform of `target_device()` ("cpu", "gpu", "tpu", ...); the default backend when no device is known."""
+    dev = target_device()
+    return dev.platform if dev is not None else jax.default_backend()
 
 
 def _describe(shapes) -> str:
@@ -70,7 +98,7 @@ def resolve_impl(impl: str | None, available: tuple[str, ...], *, op: str | None
         if impl is not None:
             _check(impl, f"{ENV_VAR} / set_default_impl")
     if impl is None:
-        impl = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+        impl = _PLATFORM_IMPL.get(target_platform(), "reference")
     _check(impl, "impl" if op is None else f"{op}: impl")
     if impl == "reference":
         return impl

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.indexer import index_scores_fp8
 from dsv32_jax.kernels import indexer_logits_mgpu as mgpu_kernel
-from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._dispatch import target_device, next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 
 def _ranges(starts, ends, b, t, s):
@@ -186,13 +186,9 @@ MOSAIC_BACKENDS = ("mosaic_gpu", "interpret_mosaic_gpu")
 
 
 def _gpu_compute_capability() -> float | None:
-    """Compute capability of the device this trace targets (jax.default_device first: deviceless AOT sets it)."""
-    dev = jax.config.jax_default_device
-    if dev is None or isinstance(dev, str):
-        try:
-            dev = jax.devices()[0]
-        except RuntimeError:
-            return None
+    """Compute capability of the device this trace targets (`_dispatch.target_device`: the active mesh's, then
+    jax.default_device, which deviceless AOT sets, then the first device)."""
+    dev = target_device()
     cc = getattr(dev, "compute_capability", None)
     return float(cc) if cc is not None else None
 

@@ -44,7 +44,10 @@ def run_options(config) -> RunOptions:
     if stage == "dense":
         return RunOptions(dsa=False, attention="dense", **common)
     if stage == "warmup":
-        return RunOptions(dsa=False, attention="dense", indexer_loss="dense", **common)
+        # dense attention (eq. 3 needs the dense distribution); with attention="kernel" the captured-mass metric's
+        # top-k is the kernels' selection (indexer_topk: the one the sparse stage runs)
+        attention = "kernel" if config.attention == "kernel" else "dense"
+        return RunOptions(dsa=False, attention=attention, indexer_loss="dense", **common)
     return RunOptions(attention=config.attention, indexer_loss="sparse", **common)
 
 
