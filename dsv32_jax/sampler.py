@@ -28,6 +28,9 @@ class SamplingConfig:
     greedy: bool = False
     eos_id: int = 1
     pad_id: int = 0
+    # > 0: only ids below it are ever sampled (a codec's vocabulary inside a larger, padded model vocabulary); the
+    # logits beyond it are masked and the kept set records the allowed ids, so GRPO's log-probs see the same support
+    vocab_size: int = 0
 
     @property
     def truncated(self) -> bool:
@@ -37,11 +40,23 @@ class SamplingConfig:
         k = min(self.max_candidates, vocab)
         return min(self.top_k, k) if self.top_k > 0 else k
 
+    def kept_width(self, vocab: int) -> int:
+        """K, the candidates recorded per token for a model vocabulary of `vocab` ids: 0 when sampling is over the
+        full vocabulary; all `vocab_size` ids when only the mask restricts it."""
+        if self.vocab_size > vocab:
+            raise ValueError(f"SamplingConfig.vocab_size={self.vocab_size} exceeds the model's vocabulary of {vocab}")
+        limit = self.vocab_size or vocab
+        if self.truncated:
+            return self.num_candidates(limit)
+        return limit if limit < vocab else 0
+
     def __post_init__(self):
         if self.temperature <= 0 and not self.greedy:
             raise ValueError("SamplingConfig.temperature must be > 0 (use greedy=True for argmax decoding)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.vocab_size < 0:
+            raise ValueError(f"SamplingConfig.vocab_size must be >= 0 (0: the model's), got {self.vocab_size}")
 
 
 @jax.tree_util.register_dataclass
@@ -64,12 +79,17 @@ def prompt_layout(prompt_lengths: jnp.ndarray, prompt_width: int, total: int):
 
 
 def processed_logits(logits: jnp.ndarray, cfg: SamplingConfig):
-    """Temperature, then the bounded candidate set: returns (candidate logits [..., K], ids [..., K], keep [..., K])
-    for truncated sampling, or (logits / T, None, None) for plain sampling over the full vocabulary."""
+    """Temperature, the vocabulary mask (`cfg.vocab_size`), then the bounded candidate set: returns (candidate logits
+    [..., K], ids [..., K], keep [..., K]) for truncated or masked sampling, or (logits / T, None, None) for plain
+    sampling over the full vocabulary."""
     scaled = logits.astype(jnp.float32) / cfg.temperature
-    if not cfg.truncated:
+    vocab = scaled.shape[-1]
+    k = cfg.kept_width(vocab)
+    if not k:
         return scaled, None, None
-    vals, ids = jax.lax.top_k(scaled, cfg.num_candidates(scaled.shape[-1]))
+    if cfg.vocab_size:
+        scaled = jnp.where(jnp.arange(vocab) < cfg.vocab_size, scaled, -jnp.inf)
+    vals, ids = jax.lax.top_k(scaled, k)
     keep = jnp.ones(vals.shape, bool)
     if cfg.top_p < 1.0:
         probs = jax.nn.softmax(vals, axis=-1)
@@ -99,7 +119,7 @@ def _decode_loop(model, last, cache, slot0, next_pos, row_seg, done, rng, cfg: S
     segment row_seg (0 once the row is done: invisible), and records it. widths: {"routing"/"topk": {layer:
     width}}. Returns (cache, steps run, Rollout with routing / top-k of the generated tokens [B, T, .])."""
     b, t = last.shape[0], cfg.max_new_tokens
-    k_cand = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
+    k_cand = cfg.kept_width(model.config.vocab_size)
 
     def buf(shape, dtype, fill=0):
         return jnp.full(shape, fill, dtype)
@@ -211,7 +231,7 @@ class MultiTurnSampler:
         self.index = 0
         self.next_pos = [0] * batch
         self.row_seg = [1] * batch
-        k = cfg.num_candidates(model.config.vocab_size) if cfg.truncated else 0
+        k = cfg.kept_width(model.config.vocab_size)
         self.record = {"tokens": jnp.zeros((batch, capacity), jnp.int32) + cfg.pad_id,
                        "segments": jnp.zeros((batch, capacity), jnp.int32),
                        "positions": jnp.zeros((batch, capacity), jnp.int32),

@@ -218,6 +218,50 @@ def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
         AgentLearner(_config(eval_samples=-1), str(tmp_path / "c"))
 
 
+def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_path, monkeypatch):
+    """Issue #32: a model vocabulary smaller than the codec's, a capacity smaller than the first prompt and an
+    environment whose text the codec cannot encode each raise at construction, naming the config fields; an
+    environment given by import path resolves (its env_kwargs by the class's name). Mutation tried: without
+    `check_first_prompts` the capacity and text cases construct a learner."""
+    import dsv32_jax.train.agent_grpo as agent_grpo
+
+    def fail(*a, **k):
+        raise AssertionError("the model was built before the configuration was checked")
+
+    monkeypatch.setattr(agent_grpo, "Transformer", fail)
+    with pytest.raises(ValueError, match=r"config.model='tiny' has vocab_size 64 \(config.model_overrides.vocab_size\)"
+                                         r", fewer ids than config.agent.codec='tiny' \(113\)"):
+        c = _config(codec="tiny")
+        c.model_overrides["vocab_size"] = 64
+        AgentLearner(c, str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.capacity=300 is too small: the first prompt of environment "
+                                         r"'lookup' \(seed 0\) has \d+ tokens .* config.agent.max_new_tokens=12"):
+        AgentLearner(_config(capacity=300), str(tmp_path))
+    (tmp_path / "accented_env.py").write_text(
+        "from dsv32_jax.envs import LookupEnv\n\nclass Accented(LookupEnv):\n    name = 'accented'\n"
+        "    instructions = 'r\u00e9ponds.'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.envs / config.agent.codec='tiny': environment 'accented' "
+                                         r"\(Accented\), seed 0: the system prompt .* character 'é'"):
+        AgentLearner(_config(codec="tiny", envs=["accented_env:Accented"]), str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.envs: unknown environment 'nope'"):
+        AgentLearner(_config(envs="lookup,nope"), str(tmp_path))
+
+
+def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
+    """The defaults, model "tiny" (256 ids) with codec "tiny" (113): the learner's samplers never emit an id the codec
+    lacks (the first rollout used to die with "TinyCodec: id 161 outside the vocabulary"); environments by import path
+    take env_kwargs by the class's name."""
+    c = _config(codec="tiny", envs=["dsv32_jax.envs.lookup:LookupEnv"], capacity=2048)
+    c.model_overrides["vocab_size"] = 256
+    c.agent.env_kwargs = {"lookup": {"max_steps": 2}}
+    lrn = AgentLearner(c, str(tmp_path))
+    assert lrn.sampling.vocab_size == lrn.greedy.vocab_size == 113
+    assert lrn.make_env("dsv32_jax.envs.lookup:LookupEnv").max_steps == 2
+    _, stats = lrn.rollout(0)
+    assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts"} <= set(stats)
+
+
 @pytest.mark.slow
 def test_trip_planning_cold_start_from_chance_then_grpo_improves_the_sampled_policy(tmp_path):
     """configs/agent_trip.py end to end (recall stage, 600 cold-start steps, 40 GRPO steps of two epochs of two

@@ -1,5 +1,6 @@
-"""dsv32_jax.chat: the DeepSeek-V3.2 chat encoding. Golden strings are written by hand from the format (module
-docstring of dsv32_jax/chat.py), not copied from the encoder; masks are checked by decoding the masked tokens."""
+"""dsv32_jax.chat: the DeepSeek-V3.2 chat encoding. Golden strings are written by hand from the format (the package
+docstring, dsv32_jax/chat/__init__.py), not copied from the encoder; masks are checked by decoding the masked tokens;
+data (system, user, tool results, schemas, assistant text) is plain text in both codecs."""
 
 import json
 
@@ -355,3 +356,96 @@ def test_hf_codec_rejects_a_tokenizer_without_the_specials():
 
     with pytest.raises(ValueError, match=r"special token '<｜▁pad▁｜>' is not a single added token"):
         chat.HFCodec(Tokenizer(models.BPE()))
+
+
+# ------------------------------------------------------------------------------- data is plain text (issue #32)
+
+def _data_conversations(text: str):
+    """(kind, messages, tools) with `text` as data in every message kind the encoding renders."""
+    tool = Tool("calc", f"d{text}", {"type": "object", "properties": {"expr": {"type": "string", "description": text}}})
+    call = ToolCall("calc", {"expr": "1"})
+    yield "system", [System(f"s{text}e"), User("hi")], None
+    yield "user", [User(f"a{text}b")], None
+    yield "tool result", [User("q"), Assistant(tool_calls=[call]), ToolResult(f"r{text}r")], None
+    yield "assistant history", [User("q"), Assistant(f"c{text}c", reasoning=f"r{text}r"), User("next")], None
+    yield "tool schema", [User("q")], [tool]
+    yield "json argument", [User("q"), Assistant(tool_calls=[ToolCall("calc", {"n": [text]})]), ToolResult("1")], None
+    if chat.DSML not in text:  # DSML in a string argument is refused (below)
+        yield "string argument", [User("q"), Assistant(tool_calls=[ToolCall("calc", {"e": f"x{text}"})]),
+                                  ToolResult("1")], None
+
+
+@pytest.fixture(scope="module", params=["tiny", "bpe"])
+def plain_codec(request):
+    """A TinyCodec that has the markers' characters (so every marker is encodable as text) and the shipped BPE."""
+    return chat.TinyCodec(chat.PRINTABLE_CHARS + "｜▁") if request.param == "tiny" else chat.load_tokenizer()
+
+
+def test_data_never_becomes_special_tokens(plain_codec):
+    """Every special token string of the codec, in every message kind: the special ids are exactly those of the same
+    conversation with the data replaced by "x" (the markup's), and decoding gives the literal text back.
+    Mutation tried: `encode_parts` encoding data with `codec.encode` (specials on) fails every kind."""
+    codec = plain_codec
+    special_ids = {codec.token_to_id(t) for t in codec.special_tokens}
+    assert len(codec.special_tokens) >= len(chat.SPECIAL_TOKENS)
+    for marker in codec.special_tokens:
+        neutral = {kind: (msgs, tools) for kind, msgs, tools in _data_conversations("x")}
+        for kind, msgs, tools in _data_conversations(f"{marker} {marker}"):
+            ids, mask = chat.encode_tokens(msgs, codec, tools=tools, drop_thinking="never")
+            want, _ = chat.encode_tokens(neutral[kind][0], codec, tools=neutral[kind][1], drop_thinking="never")
+            assert [i for i in ids if i in special_ids] == [i for i in want if i in special_ids], (marker, kind)
+            assert codec.decode(ids) == chat.encode(msgs, tools=tools, drop_thinking="never"), (marker, kind)
+            assert len(mask) == len(ids)
+
+
+def test_dsml_in_a_string_argument_is_refused():
+    with pytest.raises(ChatFormatError, match="string parameter 'e' contains DSML markup"):
+        chat.encode([User("q"), Assistant(tool_calls=[ToolCall("calc", {"e": "<｜DSML｜invoke"})])])
+
+
+def test_tiny_codec_without_the_characters_refuses_instead_of_a_special():
+    """The default TinyCodec has no '｜': data spelling '<｜User｜>' cannot be encoded as text and raises naming the
+    character; '<think>' (all of whose characters it has) is 7 ids of text."""
+    tiny = chat.TinyCodec()
+    with pytest.raises(ValueError, match=r"character '｜' \(U\+FF5C\) at offset 1"):
+        tiny.encode_text("<｜User｜>")
+    assert tiny.encode_text("<think>") == tiny.encode("<") + tiny.encode("think>")
+    assert tiny.encode("<think>") == [tiny.token_to_id("<think>")]
+    ids, _ = chat.encode_tokens([User("say <think> please")], tiny)
+    assert tiny.token_to_id("<think>") not in ids[:-1]  # only the generation prompt's opener
+    assert ids[-1] == tiny.token_to_id("<think>")
+
+
+def test_ordinary_text_keeps_its_ids(codec):
+    """Conversations whose data holds no special-token string encode to the ids of their whole string, as before
+    data was encoded as text (trained checkpoints rely on them)."""
+    msgs = episode() + [User("thanks, <b>bold</b> and <i>"), Assistant("bye", "fine")]
+    tools = [Tool("calc", "evaluate <expr>.", {"type": "object", "properties": {"expr": {"type": "string"}}})]
+    tools = None if "#" not in getattr(codec, "chars", "#") else tools  # TinyCodec(): no '#' for "## Tools"
+    text = chat.encode(msgs, tools=tools)
+    assert chat.encode_tokens(msgs, codec, tools=tools)[0] == codec.encode(text)
+
+
+def test_decode_completion_checks_eos_pad_and_bos():
+    """Mutation tried: dropping the after-EOS check lets `ids + [eos, x]` through; dropping the PAD / BOS check lets
+    them through as content."""
+    tiny = chat.TinyCodec()
+    ids = tiny.encode("ok</think>42")
+    assert chat.decode_completion(ids + [tiny.eos_id], tiny) == "ok</think>42" + E
+    assert chat.decode_completion(ids, tiny) == "ok</think>42"  # no EOS: the caller's "truncated"
+    with pytest.raises(ChatFormatError, match=r"text after '<｜end▁of▁sentence｜>' at token offset 6 of 8: '1<"):
+        chat.decode_completion(ids + [tiny.eos_id] + tiny.encode("1") + [tiny.eos_id], tiny)
+    for bad, name in ((tiny.pad_id, "pad"), (tiny.bos_id, "begin")):
+        with pytest.raises(ChatFormatError, match=f"{name}.*at token offset 2 of the completion"):
+            chat.decode_completion(ids[:2] + [bad] + ids[2:] + [tiny.eos_id], tiny)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("ok</think>4<｜▁pad▁｜>2", "unexpected special token '<｜▁pad▁｜>' in content"),
+    ('r</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="calc">\n<｜DSML｜parameter name="expr" '
+     'string="true">1<｜User｜>2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+     r"unexpected special token '<｜User｜>' in parameter 'expr' of tool 'calc' at offset"),
+])
+def test_special_tokens_in_completion_data_are_format_errors(text, match):
+    with pytest.raises(ChatFormatError, match=match):
+        chat.parse_completion(text)

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from dsv32_jax.envs import CHARSET, ENVS, Action, Tool, ToolCall, ToolError, in_charset, make_env, validate_arguments
+from dsv32_jax.envs import (CHARSET, ENVS, Action, Env, Tool, ToolCall, ToolError, in_charset, make_env,
+                            validate_arguments)
 from dsv32_jax.envs.calculator import MAX_EXPR_CHARS, evaluate
 from dsv32_jax.envs.trip import feasible_plans, render_plan, score_plan, solve_trip
 
@@ -158,7 +159,8 @@ def test_tool_turn_observation_and_errors():
     assert obs.tool_results == (str(env.instance.table[key]), 'error: no key "zz9"', 'error: missing argument "key"',
                                 'error: unknown tool "fly"', "error: arguments must be an object",
                                 'error: unknown tool ""')
-    assert (reward, done, info) == (0.0, False, {"success": False, "steps": 1, "truncated": False})
+    assert (reward, done, info) == (0.0, False, {"success": False, "steps": 1, "truncated": False, "tool_errors": 5,
+                                                 "tool_crashes": 0, "tool_timeouts": 0})
     obs, reward, done, info = env.step(Action(content=str(env.instance.answer), reasoning="ignored"))
     assert (reward, done, info["success"], info["steps"]) == (1.0, True, True, 1)
     with pytest.raises(RuntimeError, match="episode is over"):
@@ -422,3 +424,159 @@ def test_every_string_stays_in_charset():
             texts.append(env.call_tool({"name": "Ünknown'", "arguments": {}}))
         bad = [t for t in texts if not in_charset(t)]
         assert not bad, f"{name}: {bad[:3]}"
+
+
+# --- tool failures are results, not exceptions (issue #32) ---
+
+NAME_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+def _tool(function, name="t"):
+    return Tool(name, "test tool", NAME_SCHEMA, function)
+
+
+@pytest.mark.parametrize("function, status, text", [
+    (lambda name: 1 // 0, "crash", 'error: tool "t" failed: ZeroDivisionError: integer division or modulo by zero'),
+    (lambda name: {"a"}, "crash", 'error: tool "t" returned a set that JSON cannot encode (Object of type set is not '
+                                  'JSON serializable)'),
+    (lambda name: [float("nan")], "crash", 'error: tool "t" returned a list that JSON cannot encode (Out of range '
+                                           'float values are not JSON compliant'),
+    (lambda name: object(), "crash", 'error: tool "t" returned a object that JSON cannot encode'),
+    (lambda name: {}["k" + name], "crash", "error: tool \"t\" failed: KeyError: 'ka'"),
+    (lambda name: exit(3), "crash", 'error: tool "t" failed: SystemExit: 3'),
+    (lambda name: "x" * 500, "ok", "x" * 500),
+    (lambda name: {"n": name}, "ok", '{"n":"a"}'),
+])
+def test_any_tool_failure_is_an_error_result(function, status, text):
+    """Mutation tried: catching only ToolError (the old Tool.call) raises ZeroDivisionError / TypeError here."""
+    out = _tool(function).run({"name": "a"})
+    assert out.status == status and out.text.startswith(text), out
+    assert _tool(function).call({"name": "a"}) == out.text
+
+
+class _BrokenEnv(Env):
+    """Hooks set after super().__init__() (tools are built lazily); tools that crash, return sets and hang."""
+    name = "broken"
+
+    def __init__(self, gate=None, tool_timeout=10.0):
+        super().__init__(max_steps=8)
+        self.gate, self.tool_timeout, self.started = gate, tool_timeout, 0
+
+    def generate(self, seed):
+        return seed
+
+    def make_tools(self):
+        def hang(name):
+            self.started += 1
+            self.gate.wait(30)
+            return "late"
+        return [_tool(lambda name: 1 // 0, "div"), _tool(lambda name: {name}, "setty"), _tool(hang, "hang"),
+                _tool(lambda name: name, "echo")]
+
+    def render_task(self, instance):
+        return f"task {instance}"
+
+    def score(self, instance, answer):
+        return float(answer == str(instance)), {}
+
+    def solve(self, instance):
+        return [Action(content=str(instance))]
+
+
+def _calls(*names):
+    return {"tool_calls": [{"name": n, "arguments": {"name": "a"}} for n in names]}
+
+
+def test_step_counts_tool_failures_and_never_raises():
+    env = _BrokenEnv(tool_timeout=None)
+    env.reset(3)
+    obs, reward, done, info = env.step(_calls("div", "setty", "echo", "nope"))
+    assert obs.tool_results[2] == "a" and not done
+    assert obs.tool_results[0].startswith('error: tool "div" failed: ZeroDivisionError')
+    assert obs.tool_results[1].startswith('error: tool "setty" returned a set')
+    assert (info["tool_errors"], info["tool_crashes"], info["tool_timeouts"]) == (3, 2, 0)
+    assert env.step({"content": "3"})[1] == 1.0
+
+
+def test_a_tool_past_its_deadline_is_a_timeout_and_leaves_at_most_one_thread():
+    """Deterministic: the hanging tool waits on an event the test sets only after the checks. While the timed-out call
+    runs, further calls are refused (no second thread starts); once it ends, calls run again.
+    Mutation tried: joining without a deadline hangs (the test's 30 s gate); starting a worker per call while one
+    still runs fails `started == 1`."""
+    import threading
+
+    gate = threading.Event()
+    env = _BrokenEnv(gate, tool_timeout=0.05)
+    env.reset(0)
+    obs, _, _, info = env.step(_calls("hang"))
+    assert obs.tool_results == ('error: tool "hang" timed out after 0.05 s',)
+    assert (info["tool_errors"], info["tool_timeouts"]) == (1, 1)
+    obs, _, _, info = env.step(_calls("echo", "hang"))
+    assert obs.tool_results == ('error: tool "echo" not run: an earlier call timed out and is still running',
+                                'error: tool "hang" not run: an earlier call timed out and is still running')
+    assert env.started == 1 and info["tool_timeouts"] == 2
+    gate.set()
+    env._runaway.join(5)
+    assert not env._runaway.is_alive()
+    assert env.step(_calls("echo"))[0].tool_results == ("a",)
+
+
+def test_hooks_are_public_and_tools_are_built_on_first_use():
+    """The constructor-order trap is gone: `_BrokenEnv` sets its fields after `super().__init__()` and a subclass
+    that never calls it works with the class defaults."""
+    class NoInit(_BrokenEnv):
+        def __init__(self):
+            self.gate = None
+
+    env = NoInit()
+    assert env.max_steps == 4 and env.tool_timeout == 10.0
+    assert [t.name for t in env.tools] == ["div", "setty", "hang", "echo"]
+    assert env.tools is env.tools  # built once
+    env.reset(5)
+    assert env.render_task(env.instance) == "task 5" and env.verify("5") == 1.0
+
+    class Bad(_BrokenEnv):
+        def make_tools(self):
+            return [_tool(str, "a"), {"name": "b"}]
+    with pytest.raises(TypeError, match=r"Bad.make_tools\(\)\[1\]: expected a dsv32_jax.envs.Tool, got dict"):
+        Bad().tools
+
+
+def test_one_set_of_tool_call_types_and_the_helpers_are_exported():
+    from dsv32_jax import chat, envs
+
+    assert envs.ToolCall is chat.ToolCall
+    assert issubclass(envs.Tool, chat.Tool) and chat.as_tool(make_env("lookup").tools[0]).name == "get"
+    for name in ("integer_score", "parse_integer", "compact_json", "unique_names", "sanitize", "register",
+                 "ToolOutput", "check_schema"):
+        assert name in envs.__all__ and hasattr(envs, name), name
+    with pytest.raises(ValueError, match="function must be callable"):
+        Tool("t", "d", NAME_SCHEMA)
+
+
+def test_register_import_path_and_instances(tmp_path, monkeypatch):
+    """Mutation tried: `make_env` without the import-path branch fails with "unknown environment"."""
+    from dsv32_jax.envs import registry
+
+    monkeypatch.setattr(registry, "ENVS", dict(registry.ENVS))
+    (tmp_path / "my_env_pkg.py").write_text(
+        "from dsv32_jax.envs import LookupEnv\n\nclass MyEnv(LookupEnv):\n    name = 'mine'\n\n"
+        "def not_an_env():\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env("my_env_pkg:MyEnv", max_steps=2)
+    assert type(env).__name__ == "MyEnv" and env.max_steps == 2
+    assert make_env(env) is env
+    with pytest.raises(ValueError, match="got an Env instance"):
+        make_env(env, max_steps=3)
+    with pytest.raises(ValueError, match=r"environment 'nope_pkg:X': cannot import module 'nope_pkg'"):
+        make_env("nope_pkg:X")
+    with pytest.raises(ValueError, match=r"module 'my_env_pkg' has no callable 'Missing'"):
+        make_env("my_env_pkg:Missing")
+    with pytest.raises(TypeError, match="built a int, not a dsv32_jax.envs.Env"):
+        make_env("my_env_pkg:not_an_env")
+    registry.register("mine", type(env))
+    assert type(make_env("mine")) is type(env)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("mine", make_env)
+    with pytest.raises(ValueError, match="without ':'"):
+        registry.register("a:b", make_env)

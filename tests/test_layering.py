@@ -74,3 +74,22 @@ def test_fp8_constants_defined_once():
                     value = ast.unparse(node.value)
                     assert not names & {"FP8_MAX", "SCALE_SUFFIX", "WEIGHT_BLOCK"}, f"{m} redefines {names}"
                     assert value not in ("448.0", "'_scale_inv'", '"_scale_inv"', "128"), f"{m}: {ast.unparse(node)}"
+
+
+# the chat package (dsv32_jax/chat/): each module imports only the ones before it, nothing else of dsv32_jax, and no
+# jax / numpy (environments and episode runners use it on hosts without them)
+CHAT_LAYERS = ["tokens", "messages", "encoding", "parsing", "codecs"]
+
+
+@pytest.mark.parametrize("module", CHAT_LAYERS)
+def test_chat_modules_import_only_earlier_chat_modules(module):
+    with open(os.path.join(PKG, "chat", f"{module}.py")) as f:
+        tree = ast.parse(f.read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    earlier = {f"dsv32_jax.chat.{m}" for m in CHAT_LAYERS[:CHAT_LAYERS.index(module)]}
+    ours = {m for m in imported if m.split(".")[0] == "dsv32_jax"}
+    assert ours <= earlier, f"chat/{module}.py imports {sorted(ours - earlier)}"
+    assert not {m.split(".")[0] for m in imported} & {"jax", "numpy", "flax"}, f"chat/{module}.py imports jax/numpy"
+    files = {m[:-3] for m in os.listdir(os.path.join(PKG, "chat")) if m.endswith(".py")}
+    assert set(CHAT_LAYERS) == files - {"__init__"}

@@ -151,7 +151,8 @@ def test_batched_rollout_ends_episodes_when_the_shared_cache_is_full():
     model = Transformer(load_preset("tiny").replace(index_topk=8), rngs=nnx.Rngs(0), dtype=jnp.float32)
     scfg = SamplingConfig(max_new_tokens=8, eos_id=codec.eos_id, pad_id=codec.pad_id)
     envs = [make_env("lookup"), make_env("lookup")]
-    prompt = len(chat.encode_tokens([chat.System(envs[0].reset(0).system), chat.User(envs[0].render_task())], codec,
+    obs = envs[0].reset(0)
+    prompt = len(chat.encode_tokens([chat.System(obs.system), chat.User(obs.task)], codec,
                                     tools=[chat.Tool(**t.spec()) for t in envs[0].tools], thinking=False)[0])
     capacity = -(-(prompt + 4) // 16) * 16 + 8 - 1  # one bucketed prompt + max_new_tokens does not fit
     trajs, rec = BatchedRollout(model, codec, scfg, capacity=capacity).run(envs, [0, 1], thinking=False,
@@ -159,3 +160,111 @@ def test_batched_rollout_ends_episodes_when_the_shared_cache_is_full():
     for t in trajs:
         assert t.reward == 0.0 and t.info["error"].startswith("context full"), t.info
     assert rec["tokens"].shape[1] == 0  # nothing was sampled
+
+
+# --- robustness of the batched rollout (issue #32) ---
+
+def _scripted_sampler(scripts):
+    """A stand-in for MultiTurnSampler that replays each row's scripted completions (no model)."""
+    class ScriptedSampler:
+        def __init__(self, model, b, capacity, cfg):
+            self.turn = [0] * b
+
+        def step(self, pieces, live, rng):
+            out = []
+            for i, on in enumerate(live):
+                out.append(list(scripts[i].completions[self.turn[i]]) if on else [])
+                self.turn[i] += bool(on)
+            return out
+
+        def fits(self, pieces):
+            return True
+
+        def restart(self, row):
+            pass
+
+        def layout(self):
+            return {}
+    return ScriptedSampler
+
+
+def test_batched_rollout_reports_the_first_failing_row_and_chains_its_exception(monkeypatch):
+    """Row 1's environment raises KeyError('boom') at reset while row 0 waits for its first completion: the error
+    names row 1 (not the aborted row 0) and chains the KeyError. Mutation tried (the old code): recording the aborted
+    rows' exception as their failure and reporting the lowest row reports row 0 and loses "boom"."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent import rollout as rollout_lib
+    from dsv32_jax.agent.episode import OraclePolicy
+    from dsv32_jax.envs import LookupEnv
+
+    class Boom(LookupEnv):
+        def generate(self, seed):
+            raise KeyError("boom")
+
+    codec = chat.TinyCodec.printable()
+    envs = [LookupEnv(), Boom()]
+    scripts = [OraclePolicy(envs[0], codec, 0), None]
+    monkeypatch.setattr(rollout_lib, "MultiTurnSampler", _scripted_sampler(scripts))
+    cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    with pytest.raises(RuntimeError, match=r"episode of row 1 \(lookup, seed 0\) failed: KeyError: 'boom'") as err:
+        rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, [0, 0], max_turns=8)
+    assert isinstance(err.value.__cause__, KeyError) and err.value.__cause__.args == ("boom",)
+
+
+def test_batched_rollout_survives_broken_tools(monkeypatch):
+    """A tool that raises ZeroDivisionError and one that returns a set, called in the first turn of one row: the
+    rollout finishes, both rows succeed, the failures are counted. Mutation tried: Tool.run catching only ToolError
+    ends the rollout with "episode of row 1 ... failed: ZeroDivisionError"."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent import rollout as rollout_lib
+    from dsv32_jax.agent.episode import ScriptedPolicy
+    from dsv32_jax.envs import LookupEnv, Tool
+
+    schema = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
+
+    class Broken(LookupEnv):
+        def make_tools(self):
+            return super().make_tools() + [Tool("div", "d", schema, lambda key: 1 // 0),
+                                           Tool("setty", "s", schema, lambda key: {key})]
+
+    codec = chat.TinyCodec.printable()
+    envs = [Broken(sum_fraction=0.0), Broken(sum_fraction=0.0)]
+    broken = chat.Assistant(tool_calls=[chat.ToolCall("div", {"key": "a"}), chat.ToolCall("setty", {"key": "a"})])
+    scripts = [ScriptedPolicy(codec, envs[0].demonstration(0)),
+               ScriptedPolicy(codec, [broken] + envs[1].demonstration(1))]
+    monkeypatch.setattr(rollout_lib, "MultiTurnSampler", _scripted_sampler(scripts))
+    cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, [0, 1], max_turns=8)
+    assert [t.success for t in trajs] == [True, True]
+    assert [(t.tool_errors, t.tool_crashes) for t in trajs] == [(0, 0), (2, 2)]
+    assert trajs[1].history[3].content.startswith('error: tool "div" failed: ZeroDivisionError')
+
+
+def test_a_larger_model_vocabulary_is_masked_to_the_codec():
+    """The tiny preset's 256 ids with the 113-id TinyCodec: BatchedRollout masks the sampler to the codec, so every
+    sampled id decodes, and the recorded log-probs (over the kept set: the codec's ids) equal the teacher-forced
+    ones. A smaller model vocabulary is refused. Mutation tried: without the mask the sampler emits ids >= 113 and
+    run_episode raises "outside the codec's vocabulary" (the old failure: "TinyCodec: id 161 outside")."""
+    from dsv32_jax import chat
+    from dsv32_jax.agent.rollout import BatchedRollout
+    from dsv32_jax.envs import make_env
+
+    codec = chat.TinyCodec.printable()
+    model = Transformer(load_preset("tiny").replace(index_topk=8), rngs=nnx.Rngs(3), dtype=jnp.float32)
+    assert model.config.vocab_size == 256 > codec.vocab_size == 113
+    scfg = SamplingConfig(max_new_tokens=24, temperature=3.0, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    roll = BatchedRollout(model, codec, scfg, capacity=2048)
+    assert roll.cfg.vocab_size == 113 and roll.cfg.kept_width(256) == 113
+    trajs, rec = roll.run([make_env("lookup"), make_env("calculator")], [0, 1], max_new_tokens=24, thinking=False)
+    gen = rec["generated"] > 0
+    assert gen.sum() == sum(c.length for t in trajs for c in t.completions) > 0
+    assert rec["tokens"][gen].max() < codec.vocab_size
+    logits = model(jnp.asarray(rec["tokens"]), positions=jnp.asarray(rec["positions"]),
+                   segment_ids=jnp.asarray(rec["segments"]), mtp=False)
+    logp, _, _ = processed_logprobs(logits[:, :-1], jnp.asarray(rec["tokens"][:, 1:]),
+                                    jnp.asarray(rec["kept_ids"][:, 1:]), jnp.asarray(rec["kept_mask"][:, 1:]), 3.0)
+    np.testing.assert_allclose(np.asarray(logp)[gen[:, 1:]], rec["logprobs"][:, 1:][gen[:, 1:]], atol=2e-5)
+    with pytest.raises(ValueError, match="model's vocab_size 64 is smaller than the codec's 113"):
+        BatchedRollout(Transformer(load_preset("tiny").replace(vocab_size=64), rngs=nnx.Rngs(0)), codec, scfg, 2048)
+    with pytest.raises(ValueError, match="SamplingConfig.vocab_size=300 exceeds the model's vocabulary of 256"):
+        SamplingConfig(vocab_size=300).kept_width(256)

@@ -11,6 +11,10 @@ and prompts are context). pi_ref is the model after cold start. `cold_start_step
 demonstrations (`env.demonstration(seed)` as chat-encoded trajectories, loss on the assistant's tokens).
 
 Config: `config.agent` (train/config.py). Entry point: stage "agent" of `python -m dsv32_jax.train.main`.
+`config.agent.envs` names registered environments or import paths ("my_pkg.my_env:MyEnv", docs/environments.md).
+Before any work the learner checks the configuration: every environment resolves, its texts are encodable by the
+codec, its first prompt plus `max_new_tokens` fits `capacity`, and the model's vocabulary holds the codec's (a larger,
+padded one is masked when sampling: `SamplingConfig.vocab_size`); each error names the config fields.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from flax import nnx
 from dsv32_jax import RunOptions, Transformer
 from dsv32_jax import chat
 from dsv32_jax import sharding as shd
-from dsv32_jax.agent.episode import OraclePolicy, recovery_demonstration, run_episode
+from dsv32_jax.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
 from dsv32_jax.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.agent.rollout import BatchedRollout
-from dsv32_jax.envs import make_env
+from dsv32_jax.envs import env_factory, make_env
 from dsv32_jax.sampler import SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.grpo import minibatch_updates
@@ -41,6 +45,7 @@ from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx
 from dsv32_jax.train.trainer import model_config
 
+TOOL_KEYS = ("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts")
 CONSOLE_KEYS = ("reward_mean", "success", "eval_success", "turns", "kl", "opsm_masked_fraction",
                 "logprob_mismatch_max", "indexer_kl", "sft_loss", "grad_norm")
 
@@ -51,6 +56,15 @@ def make_codec(name: str) -> chat.Codec:
     if name == "bpe":
         return chat.load_tokenizer()
     raise ValueError(f"config.agent.codec must be 'tiny' or 'bpe', got {name!r}")
+
+
+def env_specs(value) -> list[str]:
+    """`config.agent.envs`: a comma-separated string or a list of registered names and import paths."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    specs = [str(e).strip() for e in items if str(e).strip()]
+    if not specs:
+        raise ValueError(f"config.agent.envs: no environment in {value!r}")
+    return specs
 
 
 def sft_batch(trajectories, width: int, bucket: int = 0) -> dict:
@@ -105,22 +119,33 @@ class AgentLearner:
         self.config, self.workdir, self.a = config, workdir, config.agent
         a = self.a
         self.codec = make_codec(a.codec)
-        self.envs = [e.strip() for e in a.envs.split(",") if e.strip()]
-        self.env_kwargs = {name: dict(a.env_kwargs.get(name, {})) for name in self.envs}
+        self.envs = env_specs(a.envs)
+        self.env_kwargs = {}
+        for spec in self.envs:
+            try:
+                factory = env_factory(spec)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"config.agent.envs: {e}") from e
+            # env_kwargs by the entry of envs, or by the environment class's name (import paths hold dots)
+            self.env_kwargs[spec] = dict(a.env_kwargs.get(spec, a.env_kwargs.get(getattr(factory, "name", ""), {})))
         self.cfg = model_config(config)
         if self.cfg.vocab_size < self.codec.vocab_size:
-            raise ValueError(f"config.model: vocab_size {self.cfg.vocab_size} < the codec's {self.codec.vocab_size} "
-                             f"(config.agent.codec={a.codec!r})")
+            raise ValueError(f"config.model={config.model!r} has vocab_size {self.cfg.vocab_size} "
+                             f"(config.model_overrides.vocab_size), fewer ids than config.agent.codec={a.codec!r} "
+                             f"({self.codec.vocab_size}): the model cannot emit every token of the chat format")
+        # a larger (padded) model vocabulary: ids beyond the codec's are never sampled
+        mask = self.codec.vocab_size if self.cfg.vocab_size > self.codec.vocab_size else 0
         if a.drop_thinking not in chat.DROP_MODES:
             raise ValueError(f"config.agent.drop_thinking must be one of {', '.join(chat.DROP_MODES)}, "
                              f"got {a.drop_thinking!r}")
-        self.domains = {name: make_env(name).domain for name in self.envs}
+        self.domains = {spec: self.make_env(spec).domain for spec in self.envs}
+        self.check_first_prompts()
         self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
         self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                        top_p=a.top_p, max_candidates=a.max_candidates, eos_id=self.codec.eos_id,
-                                       pad_id=self.codec.pad_id)
+                                       pad_id=self.codec.pad_id, vocab_size=mask)
         self.greedy = SamplingConfig(max_new_tokens=a.max_new_tokens, greedy=True, eos_id=self.codec.eos_id,
-                                     pad_id=self.codec.pad_id)
+                                     pad_id=self.codec.pad_id, vocab_size=mask)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
@@ -171,6 +196,31 @@ class AgentLearner:
     def _model(self):
         return nnx.merge(self.graphdef, self.state)[0]
 
+    def make_env(self, spec: str):
+        return make_env(spec, **self.env_kwargs[spec])
+
+    def check_first_prompts(self, seeds=(0, 10**6, 10**7)) -> None:
+        """Before any work: every environment's texts are encodable by the codec and its first prompt (at the first
+        seed of the RL, cold-start and evaluation ranges) plus `max_new_tokens` fits `capacity`."""
+        a = self.a
+        for spec in self.envs:
+            env = self.make_env(spec)
+            for seed in seeds:
+                obs = env.reset(seed)
+                try:
+                    check_env_text(env, obs, self.codec, seed)
+                except ValueError as e:
+                    raise ValueError(f"config.agent.envs / config.agent.codec={a.codec!r}: {e}") from None
+                n = len(chat.encode_tokens([chat.System(obs.system), chat.User(obs.task)], self.codec,
+                                           tools=chat_tools(env), thinking=a.thinking, drop_thinking=a.drop_thinking,
+                                           tools_prompt=a.tools_prompt)[0])
+                if n + a.max_new_tokens > a.capacity:
+                    raise ValueError(f"config.agent.capacity={a.capacity} is too small: the first prompt of "
+                                     f"environment {spec!r} (seed {seed}) has {n} tokens with config.agent.codec="
+                                     f"{a.codec!r} and config.agent.tools_prompt={a.tools_prompt!r}, plus "
+                                     f"config.agent.max_new_tokens={a.max_new_tokens}; raise capacity to at least "
+                                     f"{n + a.max_new_tokens}")
+
     def _episode_kwargs(self):
         return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
                     context_budget=self.a.capacity, thinking=self.a.thinking, tools_prompt=self.a.tools_prompt,
@@ -183,7 +233,7 @@ class AgentLearner:
         out = []
         for i, seed in enumerate(seeds):
             name = self.envs[i % len(self.envs)]
-            env = make_env(name, **self.env_kwargs[name])
+            env = self.make_env(name)
             kw = dict(self._episode_kwargs(), max_new_tokens=self.a.capacity, max_turns=16)  # not sampled
             rng = random.Random(seed)
             if self.a.recovery_fraction and rng.random() < self.a.recovery_fraction:
@@ -244,7 +294,7 @@ class AgentLearner:
         return rows, np.repeat(np.arange(len(picks)), self.a.group_size)
 
     def run(self, rows, cfg: SamplingConfig, key_seed: int):
-        envs = [make_env(name, **self.env_kwargs[name]) for name, _ in rows]
+        envs = [self.make_env(name) for name, _ in rows]
         with shd.use_mesh(self.mesh):
             return BatchedRollout(self._model(), self.codec, cfg, self.a.capacity, seed=key_seed).run(
                 envs, [s for _, s in rows], **self._episode_kwargs())
@@ -263,7 +313,8 @@ class AgentLearner:
         stats = {"reward_mean": float(rewards.mean()), "success": float(np.mean([t.success for t in trajs])),
                  "turns": float(np.mean([t.turns for t in trajs])),
                  "format_errors": float(np.mean([_format_error(t) for t in trajs])),
-                 "model_tokens": float(batch["gen"].sum() / len(trajs))}
+                 "model_tokens": float(batch["gen"].sum() / len(trajs)),
+                 **{k: float(np.mean([getattr(t, k) for t in trajs])) for k in TOOL_KEYS}}
         return batch, stats
 
     def update(self, batch) -> dict:

@@ -101,12 +101,16 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Agentic GRPO (stage "agent", train/agent_grpo.py): multi-turn rollouts in tool environments (dsv32_jax/envs),
     # cold-start SFT on their demonstrations, GRPO over trajectories; kl_weights: per environment domain
-    # ("search", "code", "general"), default kl_weight; env_kwargs: per environment name.
+    # ("search", "code", "general"), default kl_weight; env_kwargs: per environment (its entry of envs).
+    # envs: a comma-separated string or a list of registered names and import paths ("my_pkg.my_env:MyEnv";
+    # docs/environments.md). codec: "tiny" (characters, 113 ids) or "bpe" (the shipped 1536-id BPE); a model
+    # vocabulary larger than the codec's is masked when sampling, a smaller one is refused.
     c.agent = ml_collections.ConfigDict(dict(
-        envs="lookup,calculator", codec="tiny", tasks_per_step=4, group_size=4, max_turns=4, max_new_tokens=64,
-        capacity=2048, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0,
-        kl_weights=ml_collections.ConfigDict(), indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10,
-        eval_episodes=8, cold_start_steps=0, cold_start_batch=8, thinking=False, tools_prompt="full",
+        envs=ml_collections.FieldReference("lookup,calculator", field_type=object), codec="tiny", tasks_per_step=4,
+        group_size=4, max_turns=4, max_new_tokens=64, capacity=2048, temperature=1.0, top_k=0, top_p=1.0,
+        max_candidates=32, eps=0.2, delta=0.5, kl_weight=0.0, kl_weights=ml_collections.ConfigDict(),
+        indexer_weight=1.0, epochs=1, minibatches=1, eval_every=10, eval_episodes=8, cold_start_steps=0,
+        cold_start_batch=8, thinking=False, tools_prompt="full",
         # thinking retention (chat.encode): "after_user" (V3.2: reasoning dropped only before the last user
         # message), "every_turn" (R1: every earlier turn's reasoning dropped), "never"; rollouts, demonstrations and
         # evaluation alike

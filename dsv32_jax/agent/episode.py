@@ -10,10 +10,18 @@
     obs, reward, done, info = env.step(Action(...))         # append Assistant + one ToolResult per call
 
 The episode starts from ``[System(env system prompt), User(task)]`` with the env's tools rendered into the system
-prompt by the chat encoding. It ends when the env says done (a final answer, or more than the env's max_steps tool
-turns), on a malformed completion, when a completion does not end with EOS (cut by ``max_new_tokens`` or by the
-context budget), when the prompt alone fills the budget (``info["error"]`` starts with ``context full``) or after
-``max_turns`` generations.
+prompt by the chat encoding. Right after ``env.reset`` every text of the environment (system prompt, task, tool
+schemas) must be encodable by the codec, or a ValueError names the environment, the seed and the field. The episode
+ends when the env says done (a final answer, or more than the env's max_steps tool turns), on a malformed completion
+(``info["error"]`` starts with ``format``: unparsable text, ids after EOS, PAD or BOS inside the completion), when a
+completion has no EOS (cut by ``max_new_tokens`` or by the context budget), when the prompt alone fills the budget
+(``context full``) or after ``max_turns`` generations. Ids outside the codec's vocabulary are a bug of the policy
+(a sampler must mask the logits beyond the codec: ``SamplingConfig.vocab_size``) and raise a ValueError.
+
+Tool failures are the model's data, never an exception (``dsv32_jax.envs.tools``): a tool that raises, returns what
+JSON cannot encode or overruns its deadline gives an ``error: ...`` result, and so does a result with characters
+the codec cannot encode (``error: tool "f" returned a character outside the vocabulary at offset 9``, counted as a
+crash). The trajectory counts them: ``tool_calls``, ``tool_errors``, ``tool_crashes``, ``tool_timeouts``.
 
 Training view -- segments and offsets. A prompt is the canonical re-encoding of the current messages (what a serving
 stack renders), so it extends the previous prompt + completion exactly when nothing earlier was rewritten. The
@@ -35,15 +43,17 @@ segment's (the final context as the model saw it).
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 from dsv32_jax import chat
 from dsv32_jax.agent.context import STRATEGIES, TRIGGER, Summarizer, manage, over_budget
-from dsv32_jax.envs import Action, Env, ToolCall
+from dsv32_jax.envs import Action, Env, Observation, ToolCall
 
 __all__ = ["Completion", "GuessPolicy", "OraclePolicy", "Policy", "RandomPolicy", "ScriptedPolicy", "Segment",
-           "Trajectory", "chat_tools", "completion_text", "run_episode"]
+           "Trajectory", "chat_tools", "check_env_text", "completion_text", "run_episode"]
 
 
 class Policy(Protocol):
@@ -62,14 +72,13 @@ def completion_text(action: ActionLike, thinking: bool = True) -> str:
         msg = action
     else:
         act = Action.coerce(action)
-        msg = chat.Assistant(act.content, act.reasoning,
-                             [chat.ToolCall(c.name, dict(c.arguments)) for c in act.tool_calls])
+        msg = chat.Assistant(act.content, act.reasoning, list(act.tool_calls))
     return chat.render_assistant(msg, keep_reasoning=thinking)
 
 
 def chat_tools(env: Env) -> list[chat.Tool]:
-    """The env's tools as chat tool definitions (rendered into the system prompt)."""
-    return [chat.Tool(**t.spec()) for t in env.tools]
+    """The env's tools as chat tool definitions (rendered into the system prompt): an env Tool is a chat Tool."""
+    return list(env.tools)
 
 
 class ScriptedPolicy:
@@ -174,6 +183,10 @@ class Trajectory:
     completions: list[Completion]
     info: dict[str, Any]
     peak_prompt_tokens: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0  # every error result: bad calls, ToolError, crashes, timeouts
+    tool_crashes: int = 0  # the tool raised (not ToolError), returned what JSON or the codec cannot encode
+    tool_timeouts: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -193,6 +206,40 @@ def _to_assistant(parsed: Mapping[str, Any]) -> chat.Assistant:
                           [chat.ToolCall(c["name"], c["arguments"]) for c in parsed["tool_calls"]])
 
 
+def _unencodable_result(tool: str, error: ValueError) -> str:
+    at = re.search(r"at offset (\d+)", str(error))
+    return f'error: tool "{tool}" returned a character outside the vocabulary' + (f" at offset {at[1]}" if at else "")
+
+
+def check_env_text(env: Env, obs: Observation, codec: chat.Codec, seed: int) -> None:
+    """Raise a ValueError naming the environment, the seed and the field unless the codec encodes every text the
+    environment gives the model (system prompt, task, tool schemas, the runner's error result for each tool)."""
+    fields = [("system prompt (instructions / system_prompt())", obs.system), ("task (render_task)", obs.task)]
+    fields += [(f"tool {t.name!r} schema (name, description, parameters)", json.dumps(t.schema(), ensure_ascii=False))
+               for t in env.tools]
+    fields += [(f"error result of tool {t.name!r}", _unencodable_result(t.name, ValueError("at offset 0")))
+               for t in env.tools]
+    for what, text in fields:
+        try:
+            codec.encode_text(text)
+        except ValueError as e:
+            raise ValueError(f"environment {env.name or type(env).__name__!r} ({type(env).__name__}), seed {seed}: "
+                             f"the {what} has text the codec cannot encode: {e}") from None
+
+
+def _encodable_results(results: Sequence[str], calls: Sequence[ToolCall], codec: chat.Codec) -> tuple[list[str], int]:
+    """The results, each one the codec cannot encode replaced by an error result; and how many were replaced."""
+    out, bad = [], 0
+    for text, call in zip(results, calls):
+        try:
+            codec.encode_text(text)
+            out.append(text)
+        except ValueError as e:
+            out.append(_unencodable_result(call.name, e))
+            bad += 1
+    return out, bad
+
+
 def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_turns: int = 8,
                 max_new_tokens: int = 512, context_budget: int = 8192, strategy: str = "none",
                 thinking: bool = True, drop_thinking: chat.DropThinking = "after_user",
@@ -206,12 +253,14 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     obs = env.reset(seed)
+    check_env_text(env, obs, codec, seed)
     tools = chat_tools(env)
     messages: list[chat.Message] = [chat.System(obs.system), chat.User(obs.task)]
     history = list(messages)
     segments: list[Segment] = []
     completions: list[Completion] = []
     reward, info, turns, resets, peak, done = 0.0, {}, 0, 0, 0, False
+    counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts"), 0)
 
     def encode(msgs: Sequence[chat.Message]) -> list[int]:
         return chat.encode_tokens(msgs, codec, tools=tools, thinking=thinking, add_generation_prompt=True,
@@ -245,37 +294,47 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
         gen = [int(i) for i in policy.generate(list(prompt), limit)]
         if len(gen) > limit:
             raise ValueError(f"policy.generate returned {len(gen)} ids for max_new_tokens={limit}")
+        outside = [i for i in gen if not 0 <= i < codec.vocab_size]
+        if outside:
+            raise ValueError(f"policy.generate returned id {outside[0]} outside the codec's vocabulary "
+                             f"[0, {codec.vocab_size}) at turn {turn}; a sampler over a larger model vocabulary "
+                             "must mask the logits beyond the codec (SamplingConfig.vocab_size)")
         completions.append(Completion(len(segments) - 1, len(prompt), len(gen), turn))
         seg.ids.extend(gen)
         seg.loss_mask.extend([1] * len(gen))
         turns += 1
-        if not gen or gen[-1] != codec.eos_id:
+        if codec.eos_id not in gen:
             cut = "context full" if not gen or (limit < max_new_tokens and len(gen) >= limit) else "truncated"
             fail(f"{cut}: completion of {len(gen)} tokens has no EOS (max_new_tokens={limit}, "
                  f"context_budget={context_budget})")
             break
         try:
-            parsed = chat.parse_completion(codec.decode(gen), thinking=thinking)
+            parsed = chat.parse_completion(chat.decode_completion(gen, codec), thinking=thinking)
         except chat.ChatFormatError as e:
             fail(f"format: {e}")
             break
-        action = Action(parsed["content"], [ToolCall(c["name"], c["arguments"]) for c in parsed["tool_calls"]],
-                        parsed["reasoning"] or "")
+        assistant = _to_assistant(parsed)
+        action = Action(parsed["content"], assistant.tool_calls, parsed["reasoning"] or "")
         obs, reward, done, step_info = env.step(action)
         info = dict(step_info)
-        assistant = _to_assistant(parsed)
         messages.append(assistant)
         history.append(assistant)
         if done:
             break
-        results = [chat.ToolResult(r) for r in obs.tool_results]
+        texts, unencodable = _encodable_results(obs.tool_results, action.tool_calls, codec)
+        counts["tool_calls"] += len(action.tool_calls)
+        for key in ("tool_errors", "tool_crashes", "tool_timeouts"):
+            counts[key] += int(step_info.get(key, 0))
+        counts["tool_errors"] += unencodable
+        counts["tool_crashes"] += unencodable
+        results = [chat.ToolResult(r) for r in texts]
         messages.extend(results)
         history.extend(results)
     if not done:
         fail(f"max_turns={max_turns} reached without a final answer")
     return Trajectory(messages=messages, history=history, reward=float(reward),
                       success=bool(info.get("success", False)) and "error" not in info, turns=turns, resets=resets,
-                      segments=segments, completions=completions, info=info, peak_prompt_tokens=peak)
+                      segments=segments, completions=completions, info=info, peak_prompt_tokens=peak, **counts)
 
 
 def near_miss(call: ToolCall, rng: random.Random) -> ToolCall | None:

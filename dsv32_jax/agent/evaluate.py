@@ -99,19 +99,20 @@ class VerbosePolicy:
 PolicyFactory = Callable[[Env, chat.Codec, int], Policy]
 
 
-def success_vs_budget(env_name: str, policy_factory: PolicyFactory, codec: chat.Codec, budgets: Sequence[int],
+def success_vs_budget(env: Env | str, policy_factory: PolicyFactory, codec: chat.Codec, budgets: Sequence[int],
                       strategies: Sequence[str] = STRATEGIES, seeds: Sequence[int] = range(10), *,
                       env_kwargs: Mapping[str, Any] | None = None, max_turns: int = 16, max_new_tokens: int = 512,
                       thinking: bool = True, drop_thinking: chat.DropThinking = "after_user") -> list[dict[str, Any]]:
     """One row per (strategy, budget): ``strategy, budget, episodes, success_rate, mean_reward, mean_turns,
-    mean_resets, errors`` (episodes the runner ended with an error, e.g. a full context)."""
+    mean_resets, errors`` (episodes the runner ended with an error, e.g. a full context). ``env``: an environment,
+    or a registered name / import path built with ``env_kwargs``."""
     for s in strategies:
         if s not in STRATEGIES:
             raise ValueError(f"strategies: unknown strategy {s!r} (expected one of {', '.join(STRATEGIES)})")
     seeds = list(seeds)
     if not seeds:
         raise ValueError("seeds: need at least one seed")
-    env = make_env(env_name, **dict(env_kwargs or {}))
+    env = make_env(env, **dict(env_kwargs or {}))
     rows = []
     for strategy in strategies:
         for budget in budgets:

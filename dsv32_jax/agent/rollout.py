@@ -13,10 +13,16 @@ step would not fit the cache's `capacity` slots (shared by all rows: every step 
 `BatchedRollout.run(envs, seeds)` returns the Trajectories and the sampler's slot layout (tokens, segments,
 positions, the generated-token mask, the sampler's log-probs, kept sets, routing and indexer selections): the
 teacher-forcing batch of the whole trajectories for GRPO.
+
+A model vocabulary larger than the codec's (padded) is masked: the sampler never emits an id the codec cannot
+decode (`SamplingConfig.vocab_size`, set to the codec's here); a smaller one is refused. When an episode raises (an
+environment's bug; tool failures never raise), the rollout stops and raises a RuntimeError naming the FIRST row
+that failed, its environment and seed, chained to that row's exception.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Sequence
 
@@ -26,6 +32,10 @@ from dsv32_jax import chat
 from dsv32_jax.agent.episode import Trajectory, run_episode
 from dsv32_jax.envs import Env
 from dsv32_jax.sampler import MultiTurnSampler, SamplingConfig
+
+
+class _Aborted(Exception):
+    """Raised in the episode threads still waiting when the rollout stops (not a failure of their own)."""
 
 
 class _RowPolicy:
@@ -42,6 +52,14 @@ class BatchedRollout:
     def __init__(self, model, codec: chat.Codec, cfg: SamplingConfig, capacity: int, seed: int = 0):
         if cfg.eos_id != codec.eos_id:
             raise ValueError(f"SamplingConfig.eos_id={cfg.eos_id} but the codec's EOS id is {codec.eos_id}")
+        vocab = model.config.vocab_size if model is not None else codec.vocab_size  # None: a test's scripted sampler
+        if vocab < codec.vocab_size:
+            raise ValueError(f"the model's vocab_size {vocab} is smaller than the codec's {codec.vocab_size}: the "
+                             "model cannot emit every token of the chat format")
+        if cfg.vocab_size and cfg.vocab_size != codec.vocab_size:
+            raise ValueError(f"SamplingConfig.vocab_size={cfg.vocab_size} but the codec has {codec.vocab_size} ids")
+        if vocab > codec.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=codec.vocab_size)
         self.model, self.codec, self.cfg, self.capacity, self.seed = model, codec, cfg, capacity, seed
 
     def _request(self, row: int, prompt: list[int], limit: int) -> list[int]:
@@ -50,7 +68,7 @@ class BatchedRollout:
             self._cond.notify_all()
             self._cond.wait_for(lambda: row in self._results or self._abort)
             if self._abort:
-                raise RuntimeError("rollout aborted")
+                raise _Aborted
             return self._results.pop(row)
 
     def run(self, envs: Sequence[Env], seeds: Sequence[int], **episode_kwargs) -> tuple[list[Trajectory], dict]:
@@ -60,15 +78,18 @@ class BatchedRollout:
         sampler = MultiTurnSampler(self.model, b, self.capacity, self.cfg)
         self._cond = threading.Condition()
         self._pending, self._results, self._abort = {}, {}, False
-        finished, errors, trajectories = set(), {}, [None] * b
+        finished, errors, trajectories = set(), [], [None] * b  # errors: (row, exception) in the order they came
         cached: list[list[int]] = [[] for _ in range(b)]  # what each row's current cache segment holds
 
         def work(row):
             try:
                 trajectories[row] = run_episode(envs[row], seeds[row], _RowPolicy(self, row), self.codec,
                                                 **episode_kwargs)
+            except _Aborted:
+                pass
             except BaseException as e:  # noqa: BLE001 (re-raised by the driver)
-                errors[row] = e
+                with self._cond:
+                    errors.append((row, e))
             finally:
                 with self._cond:
                     finished.add(row)
@@ -119,6 +140,7 @@ class BatchedRollout:
             for t in threads:
                 t.join(timeout=60)
         if errors:
-            row, err = next(iter(sorted(errors.items())))
-            raise RuntimeError(f"episode of row {row} ({envs[row].name}, seed {seeds[row]}) failed: {err}") from err
+            row, err = errors[0]
+            raise RuntimeError(f"episode of row {row} ({envs[row].name or type(envs[row]).__name__}, seed "
+                               f"{seeds[row]}) failed: {type(err).__name__}: {err}") from err
         return trajectories, jax.device_get(sampler.layout())

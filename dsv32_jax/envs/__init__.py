@@ -4,26 +4,23 @@
     calculator  multi-step integer arithmetic with calc(expr)                  domain "code"
     trip        constrained trip planning with list_hotels(city), get_hotel    domain "general"
 
-Pure Python (no jax, no numpy); see base.py for the episode API and CHARSET.
+Your own: subclass `Env` (docs/environments.md), then use it by instance, by import path ("my_pkg.my_env:MyEnv")
+or by a name given to `register`. Pure Python (no jax, no numpy); base.py has the episode API, tools.py the tools.
 """
 
 from __future__ import annotations
 
-from dsv32_jax.envs.base import (CHARSET, Action, Env, Observation, Tool, ToolCall, ToolError, in_charset,
-                                 validate_arguments)
+from dsv32_jax.chat import ToolCall
+from dsv32_jax.envs.base import Action, Env, Observation
 from dsv32_jax.envs.calculator import CalculatorEnv
+from dsv32_jax.envs.helpers import LETTERS, integer_score, parse_integer, unique_names
 from dsv32_jax.envs.lookup import LookupEnv
+from dsv32_jax.envs.registry import ENVS, env_factory, make_env, register
+from dsv32_jax.envs.tools import (CHARSET, TOOL_STATUSES, Tool, ToolError, ToolOutput, check_schema, compact_json,
+                                  in_charset, sanitize, tool_counts, validate_arguments)
 from dsv32_jax.envs.trip import TripEnv
 
-ENVS: dict[str, type[Env]] = {"lookup": LookupEnv, "calculator": CalculatorEnv, "trip": TripEnv}
-
-
-def make_env(name: str, **kwargs) -> Env:
-    """A new environment by registry name; kwargs go to its constructor (all take max_steps)."""
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; expected one of {sorted(ENVS)}")
-    return ENVS[name](**kwargs)
-
-
-__all__ = ["CHARSET", "ENVS", "Action", "CalculatorEnv", "Env", "LookupEnv", "Observation", "Tool", "ToolCall",
-           "ToolError", "TripEnv", "in_charset", "make_env", "validate_arguments"]
+__all__ = ["CHARSET", "ENVS", "LETTERS", "TOOL_STATUSES", "Action", "CalculatorEnv", "Env", "LookupEnv",
+           "Observation", "Tool", "ToolCall", "ToolError", "ToolOutput", "TripEnv", "check_schema", "compact_json",
+           "env_factory", "in_charset", "integer_score", "make_env", "parse_integer", "register", "sanitize",
+           "tool_counts", "unique_names", "validate_arguments"]

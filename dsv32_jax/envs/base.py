@@ -5,141 +5,25 @@ answers with `Action`s. An action with tool calls runs each call and the next ob
 per call (reward 0, not done); an action without tool calls is the final answer: the verifier scores its content
 (reward in [0, 1], done). More than `max_steps` tool turns end the episode with reward 0 (info["truncated"]).
 
-Tool arguments are checked against the tool's JSON schema (a subset: an object whose properties are string /
-integer / number / boolean / array) before the tool runs; a bad call, an unknown tool or a tool's own `ToolError`
-becomes an `error: ...` result string that the model reads. Nothing a model can send makes `step` raise.
+Nothing a model can send makes `step` raise: a bad call, a tool's `ToolError`, any other exception of a tool, a
+result JSON cannot encode and a call past the deadline all become `error: ...` results (tools.py), counted in the
+step's info (`tool_errors`, `tool_crashes`, `tool_timeouts`). The deadline is `Env.tool_timeout` seconds (default
+10; None: no deadline, the call runs inline): each call then runs in a daemon worker thread. Python cannot stop a
+thread, so one that overruns is left to finish and the environment refuses further calls (as `timeout` errors)
+until it has: at most one runaway thread per environment, never a pile of them.
 
-All text an environment produces (system prompt, task, tool results, demonstrations) stays inside `CHARSET`, so a
-character-level tiny vocabulary can encode it. This module imports neither jax nor numpy.
+Writing an environment: docs/environments.md. What an environment returns is data to the chat encoding (plain text,
+never special tokens). This module imports neither jax nor numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import random
-import re
-from typing import Any, Callable, Mapping, Sequence
+import threading
+from typing import Any, Mapping, Sequence
 
-# Every character an environment emits: lowercase letters, digits, space and the punctuation of compact JSON and
-# arithmetic. No newline, no uppercase, no single quote (error messages quote names with double quotes).
-CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 " + '{}[]":,.=+-*/()_<>'
-_CHARS = frozenset(CHARSET)
-_TYPES = ("string", "integer", "number", "boolean", "array")
-_INTEGER = re.compile(r"\s*(-?\d{1,18})\s*")
-
-
-def in_charset(text: str) -> bool:
-    return all(c in _CHARS for c in text)
-
-
-def sanitize(text: Any, limit: int = 24) -> str:
-    """Model-supplied text echoed in an error message: lowercased, cut to `limit` characters, others as '_'."""
-    return "".join(c if c in _CHARS else "_" for c in str(text).lower()[:limit])
-
-
-def compact_json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
-
-
-def parse_integer(answer: str) -> int | None:
-    """The integer a final answer states (optional spaces around an optional '-' and digits), else None."""
-    m = _INTEGER.fullmatch(answer) if isinstance(answer, str) else None
-    return int(m.group(1)) if m else None
-
-
-class ToolError(Exception):
-    """Raised by a tool's function for a call it cannot serve; the message becomes the result `error: <message>`."""
-
-
-def check_schema(schema: Mapping[str, Any], where: str) -> None:
-    """Raise ValueError (naming `where` and the field) unless `schema` is in the supported JSON-schema subset."""
-    if schema.get("type") != "object":
-        raise ValueError(f"{where}: parameters.type must be 'object', got {schema.get('type')!r}")
-    props = schema.get("properties", {})
-    if not isinstance(props, Mapping):
-        raise ValueError(f"{where}: parameters.properties must be a dict")
-    for key, spec in props.items():
-        if spec.get("type") not in _TYPES:
-            raise ValueError(f"{where}: parameters.properties.{key}.type must be one of {_TYPES}, got "
-                             f"{spec.get('type')!r}")
-        item = spec.get("items", {}).get("type")
-        if item is not None and item not in _TYPES[:4]:
-            raise ValueError(f"{where}: parameters.properties.{key}.items.type must be one of {_TYPES[:4]}")
-    missing = [k for k in schema.get("required", []) if k not in props]
-    if missing:
-        raise ValueError(f"{where}: parameters.required names {missing}, which are not in properties")
-
-
-def _has_type(value: Any, type_name: str) -> bool:
-    if type_name == "boolean":
-        return isinstance(value, bool)
-    if isinstance(value, bool):  # bool is an int subclass in Python, not a JSON integer
-        return False
-    return isinstance(value, {"string": str, "integer": int, "number": (int, float), "array": list}[type_name])
-
-
-def validate_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
-    """The first problem with `arguments` under `schema` (a message naming the argument), or None when valid."""
-    if not isinstance(arguments, Mapping):
-        return "arguments must be an object"
-    props = schema.get("properties", {})
-    for key in arguments:
-        if key not in props:
-            return f'unknown argument "{sanitize(key)}"'
-    for key in schema.get("required", []):
-        if key not in arguments:
-            return f'missing argument "{key}"'
-    for key, value in arguments.items():
-        spec = props[key]
-        if not _has_type(value, spec["type"]):
-            return f'argument "{key}" must be {spec["type"]}'
-        item = spec.get("items", {}).get("type")
-        if item and not all(_has_type(v, item) for v in value):
-            return f'argument "{key}" must be an array of {item}'
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Tool:
-    """A function the agent may call: `name`, `description`, JSON-schema `parameters` and the Python `function`."""
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    function: Callable[..., Any]
-
-    def __post_init__(self):
-        if not re.fullmatch(r"[a-z_][a-z0-9_]*", self.name):
-            raise ValueError(f"Tool.name must be a lowercase identifier, got {self.name!r}")
-        check_schema(self.parameters, f"tool {self.name!r}")
-
-    def call(self, arguments: Any) -> str:
-        """Validate `arguments`, run the function and return its output as a string (an `error: ...` on failure)."""
-        problem = validate_arguments(self.parameters, arguments)
-        if problem:
-            return f"error: {problem}"
-        try:
-            out = self.function(**arguments)
-        except ToolError as e:
-            return f"error: {e}"
-        return out if isinstance(out, str) else compact_json(out)
-
-    def signature(self) -> str:
-        props = self.parameters.get("properties", {})
-        return f"{self.name}(" + ",".join(f"{k}:{v['type']}" for k, v in props.items()) + ")"
-
-    def spec(self) -> dict[str, Any]:
-        """The function-calling description (no callable): name, description, parameters."""
-        return {"name": self.name, "description": self.description, "parameters": self.parameters}
-
-
-@dataclasses.dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "arguments": dict(self.arguments)}
+from dsv32_jax.chat import ToolCall
+from dsv32_jax.envs.tools import Tool, ToolOutput, sanitize, tool_counts
 
 
 @dataclasses.dataclass
@@ -182,41 +66,87 @@ class Observation:
 
 
 class Env:
-    """Base class. Subclasses set `name`, `domain`, `instructions` and implement `generate`, `_make_tools`,
-    `render_task`, `score` and `solve`; tools read the current episode's instance from `self.instance`."""
+    """Base class of the tool environments (docs/environments.md). A subclass sets `name`, `domain` and
+    `instructions` and implements the hooks `generate(seed)`, `make_tools()`, `render_task(instance)`,
+    `score(instance, answer)` and `solve(instance)`; tool functions read the current episode's `self.instance`.
+
+    `make_tools` is called once, on the first use of `tools` (not by the constructor), so a subclass may set its
+    fields before or after `super().__init__()`, or not call it at all (the class attributes are the defaults)."""
     name: str = ""
     domain: str = ""  # the per-domain KL weight key
     instructions: str = ""  # the system prompt's first sentence(s): answer format
+    max_steps: int = 4
+    tool_timeout: float | None = 10.0  # seconds a tool call may run (None: no deadline, run inline)
+    instance: Any = None
+    steps: int = 0
+    done: bool = True
 
     def __init__(self, max_steps: int = 4):
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
         self.max_steps = max_steps
-        self.tools: list[Tool] = self._make_tools()
-        self._by_name = {t.name: t for t in self.tools}
-        self.instance: Any = None
-        self.steps = 0
-        self.done = True
 
     # --- subclass hooks ---
     def generate(self, seed: int) -> Any:
         """The task instance for `seed` (deterministic; no effect on the current episode)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.generate(seed)")
 
-    def _make_tools(self) -> list[Tool]:
-        raise NotImplementedError
+    def make_tools(self) -> list[Tool]:
+        """The tools (called once, on the first use of `self.tools`); their functions read `self.instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.make_tools()")
 
-    def render_task(self, instance: Any = None) -> str:
-        """The task text (user message) of `instance`, default the current episode's."""
-        raise NotImplementedError
+    def render_task(self, instance: Any) -> str:
+        """The task text (user message) of `instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.render_task(instance)")
 
-    def score(self, answer: str) -> tuple[float, dict[str, Any]]:
-        """Verifier: (reward in [0, 1], details) for the final answer `answer` to the current instance."""
-        raise NotImplementedError
+    def score(self, instance: Any, answer: str) -> tuple[float, dict[str, Any]]:
+        """Verifier: (reward in [0, 1], details) for the final answer `answer` to `instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.score(instance, answer)")
 
     def solve(self, instance: Any) -> list[Action]:
         """Oracle trajectory for `instance`: tool-call turns, then the final answer."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.solve(instance)")
+
+    # --- tools ---
+    @property
+    def tools(self) -> list[Tool]:
+        if self.__dict__.get("_tools") is None:
+            tools = list(self.make_tools())
+            for i, t in enumerate(tools):
+                if not isinstance(t, Tool):
+                    raise TypeError(f"{type(self).__name__}.make_tools()[{i}]: expected a dsv32_jax.envs.Tool, got "
+                                    f"{type(t).__name__}")
+            names = [t.name for t in tools]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{type(self).__name__}.make_tools(): duplicate tool names {names}")
+            self._tools = tools
+        return self._tools
+
+    def run_tool(self, call: ToolCall | Mapping[str, Any]) -> ToolOutput:
+        """Run one call (module docstring: statuses, deadline); never raises."""
+        call = _coerce_call(call)
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            return ToolOutput(f'error: unknown tool "{sanitize(call.name)}"', "error")
+        if self.tool_timeout is None:
+            return tool.run(call.arguments)
+        runaway = self.__dict__.get("_runaway")
+        if runaway is not None and runaway.is_alive():
+            return ToolOutput(f'error: tool "{call.name}" not run: an earlier call timed out and is still running',
+                              "timeout")
+        box: dict[str, ToolOutput] = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", tool.run(call.arguments)), daemon=True,
+                                  name=f"{self.name or type(self).__name__}.{call.name}")
+        worker.start()
+        worker.join(self.tool_timeout)
+        if worker.is_alive():
+            self._runaway = worker
+            return ToolOutput(f'error: tool "{call.name}" timed out after {self.tool_timeout:g} s', "timeout")
+        return box.get("out", ToolOutput(f'error: tool "{call.name}" failed', "crash"))
+
+    def call_tool(self, call: ToolCall | Mapping[str, Any]) -> str:
+        """The result text of one call (`run_tool(call).text`)."""
+        return self.run_tool(call).text
 
     # --- episode API ---
     def system_prompt(self) -> str:
@@ -241,55 +171,24 @@ class Env:
                     "success": False, "steps": self.steps, "truncated": True,
                     "reason": f"more than max_steps={self.max_steps} tool turns"}
             self.steps += 1
-            results = tuple(self.call_tool(c) for c in action.tool_calls)
-            return self._observation(results), 0.0, False, {"success": False, "steps": self.steps, "truncated": False}
-        reward, details = self.score(action.content)
+            outputs = [self.run_tool(c) for c in action.tool_calls]
+            return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
+                    {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
+        reward, details = self.score(self.instance, action.content)
         reward = min(max(float(reward), 0.0), 1.0)
         self.done = True
         return self._observation(), reward, True, {"success": reward == 1.0, "steps": self.steps, "truncated": False,
                                                    **details}
 
-    def call_tool(self, call: ToolCall | Mapping[str, Any]) -> str:
-        call = _coerce_call(call)
-        tool = self._by_name.get(call.name)
-        if tool is None:
-            return f'error: unknown tool "{sanitize(call.name)}"'
-        return tool.call(call.arguments)
-
     def verify(self, answer: str) -> float:
         """The verifier's reward for `answer` to the current instance (no effect on the episode)."""
         if self.instance is None:
             raise RuntimeError(f"{self.name}: verify() before reset(seed)")
-        return self.score(answer)[0]
+        return self.score(self.instance, answer)[0]
 
     def demonstration(self, seed: int) -> list[Action]:
         """Oracle trajectory for `seed`'s instance (for cold-start SFT); replay it after `reset(seed)`."""
         return self.solve(self.generate(seed))
 
     def _observation(self, results: Sequence[str] = ()) -> Observation:
-        return Observation(self.system_prompt(), self.render_task(), tuple(results))
-
-
-def integer_score(answer: str, expected: int) -> tuple[float, dict[str, Any]]:
-    """Verifier for an integer answer: 1.0 when it equals `expected`, else 0.0 (details say why)."""
-    value = parse_integer(answer)
-    if value is None:
-        return 0.0, {"reason": "answer is not an integer", "expected": expected, "answer": None}
-    return float(value == expected), {"reason": "correct" if value == expected else "wrong value",
-                                      "expected": expected, "answer": value}
-
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def unique_names(rng: random.Random, count: int, lengths: Sequence[int], taken: set[str] | None = None,
-                 letters: str = LETTERS) -> list[str]:
-    """`count` distinct random names of `letters` (lengths drawn from `lengths`), none of them in `taken`."""
-    taken = set(taken or ())
-    names: list[str] = []
-    while len(names) < count:
-        name = "".join(rng.choice(letters) for _ in range(rng.choice(list(lengths))))
-        if name not in taken:
-            taken.add(name)
-            names.append(name)
-    return names
+        return Observation(self.system_prompt(), self.render_task(self.instance), tuple(results))

@@ -23,7 +23,10 @@ import dataclasses
 import random
 from typing import Any, Union
 
-from dsv32_jax.envs.base import Action, Env, Tool, ToolCall, ToolError, integer_score, sanitize
+from dsv32_jax.chat import ToolCall
+from dsv32_jax.envs.base import Action, Env
+from dsv32_jax.envs.helpers import integer_score
+from dsv32_jax.envs.tools import Tool, ToolError, sanitize
 
 MAX_EXPR_CHARS = 64
 MAX_MAGNITUDE = 10**15
@@ -183,7 +186,7 @@ class CalculatorEnv(Env):
             tree = (rng.choice(OPS), tree, self._number(rng))
         return tree
 
-    def _make_tools(self) -> list[Tool]:
+    def make_tools(self) -> list[Tool]:
         schema = {"type": "object", "properties": {"expr": {"type": "string", "description": "arithmetic"}},
                   "required": ["expr"]}
         return [Tool("calc", "evaluates integers with + - * / and parentheses", schema, self._calc)]
@@ -191,8 +194,7 @@ class CalculatorEnv(Env):
     def _calc(self, expr: str) -> str:
         return str(evaluate(expr, self.max_ops_per_call))
 
-    def render_task(self, instance: CalcInstance | None = None) -> str:
-        instance = instance or self.instance
+    def render_task(self, instance: CalcInstance) -> str:
         if not instance.words:
             return f'compute "{render(instance.tree)}"' if self.quote else f"compute {render(instance.tree)}"
         steps, tree = [], instance.tree
@@ -202,8 +204,8 @@ class CalculatorEnv(Env):
         steps.reverse()
         return f"start with {tree}, " + ", ".join(steps[:-1]) + f", then {steps[-1]}"
 
-    def score(self, answer: str) -> tuple[float, dict[str, Any]]:
-        return integer_score(answer, self.instance.answer)
+    def score(self, instance: CalcInstance, answer: str) -> tuple[float, dict[str, Any]]:
+        return integer_score(answer, instance.answer)
 
     def solve(self, instance: CalcInstance) -> list[Action]:
         """One call per operation whose operands are known, innermost first; independent ones share a turn."""

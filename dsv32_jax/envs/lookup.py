@@ -15,7 +15,10 @@ import dataclasses
 import random
 from typing import Any
 
-from dsv32_jax.envs.base import LETTERS, Action, Env, Tool, ToolCall, ToolError, integer_score, sanitize, unique_names
+from dsv32_jax.chat import ToolCall
+from dsv32_jax.envs.base import Action, Env
+from dsv32_jax.envs.helpers import LETTERS, integer_score, unique_names
+from dsv32_jax.envs.tools import Tool, ToolError, sanitize
 
 MAX_VALUE = 99
 
@@ -56,7 +59,7 @@ class LookupEnv(Env):
         asked = tuple(rng.sample(keys, 2 if rng.random() < self.sum_fraction else 1))
         return LookupInstance(table, asked)
 
-    def _make_tools(self) -> list[Tool]:
+    def make_tools(self) -> list[Tool]:
         schema = {"type": "object", "properties": {"key": {"type": "string", "description": "the key"}},
                   "required": ["key"]}
         return [Tool("get", "returns the value stored under key", schema, self._get)]
@@ -66,14 +69,14 @@ class LookupEnv(Env):
             raise ToolError(f'no key "{sanitize(key)}"')
         return str(self.instance.table[key])
 
-    def render_task(self, instance: LookupInstance | None = None) -> str:
-        asked = (instance or self.instance).asked
+    def render_task(self, instance: LookupInstance) -> str:
+        asked = instance.asked
         if len(asked) == 1:
             return f'find the value of "{asked[0]}"'
         return f'find the sum of the values of "{asked[0]}" and "{asked[1]}"'
 
-    def score(self, answer: str) -> tuple[float, dict[str, Any]]:
-        return integer_score(answer, self.instance.answer)
+    def score(self, instance: LookupInstance, answer: str) -> tuple[float, dict[str, Any]]:
+        return integer_score(answer, instance.answer)
 
     def solve(self, instance: LookupInstance) -> list[Action]:
         calls = [ToolCall("get", {"key": k}) for k in instance.asked]

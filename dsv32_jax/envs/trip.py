@@ -29,7 +29,10 @@ import json
 import random
 from typing import Any, Sequence
 
-from dsv32_jax.envs.base import LETTERS, Action, Env, Tool, ToolCall, ToolError, compact_json, sanitize, unique_names
+from dsv32_jax.chat import ToolCall
+from dsv32_jax.envs.base import Action, Env
+from dsv32_jax.envs.helpers import LETTERS, unique_names
+from dsv32_jax.envs.tools import Tool, ToolError, compact_json, sanitize
 
 PRICE_STEP = 5
 
@@ -132,7 +135,7 @@ class TripEnv(Env):
         budget = plan_cost(draft, best) + PRICE_STEP * rng.randint(0, 3) if best else 0
         return dataclasses.replace(draft, budget=budget)
 
-    def _make_tools(self) -> list[Tool]:
+    def make_tools(self) -> list[Tool]:
         def schema(key: str, what: str) -> dict[str, Any]:
             return {"type": "object", "properties": {key: {"type": "string", "description": what}}, "required": [key]}
         return [Tool("list_hotels", "returns [name,price,rating] for each hotel of a city (price per night)",
@@ -151,14 +154,13 @@ class TripEnv(Env):
             raise ToolError(f'no hotel "{sanitize(name)}"')
         return compact_json({"name": h.name, "city": h.city, "price": h.price, "rating": h.rating})
 
-    def render_task(self, instance: TripInstance | None = None) -> str:
-        t = instance or self.instance
+    def render_task(self, instance: TripInstance) -> str:
         q = '"' if self.quote else ""
-        legs = ", then ".join(f"{q}{city}{q} for {n} night{'s' if n > 1 else ''}" for city, n in t.legs)
-        return f"plan a trip: {legs}. total budget {t.budget}, every hotel rated at least {t.min_rating}"
+        legs = ", then ".join(f"{q}{city}{q} for {n} night{'s' if n > 1 else ''}" for city, n in instance.legs)
+        return f"plan a trip: {legs}. total budget {instance.budget}, every hotel rated at least {instance.min_rating}"
 
-    def score(self, answer: str) -> tuple[float, dict[str, Any]]:
-        return score_plan(self.instance, answer)
+    def score(self, instance: TripInstance, answer: str) -> tuple[float, dict[str, Any]]:
+        return score_plan(instance, answer)
 
     def solve(self, instance: TripInstance) -> list[Action]:
         plan = solve_trip(instance)
