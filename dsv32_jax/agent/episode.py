@@ -20,8 +20,8 @@ completion has no EOS (cut by ``max_new_tokens`` or by the context budget), when
 
 Tool failures are the model's data, never an exception (``dsv32_jax.envs.tools``): a tool that raises, returns what
 JSON cannot encode or overruns its deadline gives an ``error: ...`` result, and so does a result with characters
-the codec cannot encode (``error: tool "f" returned a character outside the vocabulary at offset 9``, counted as a
-crash). The trajectory counts them: ``tool_calls``, ``tool_errors``, ``tool_crashes``, ``tool_timeouts``.
+the codec cannot encode (``error: tool "f" returned text outside the vocabulary``, counted as a crash). The
+trajectory counts them: ``tool_calls``, ``tool_errors``, ``tool_crashes``, ``tool_timeouts``.
 
 Training view -- segments and offsets. A prompt is the canonical re-encoding of the current messages (what a serving
 stack renders), so it extends the previous prompt + completion exactly when nothing earlier was rewritten. The
@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import re
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 from dsv32_jax import chat
@@ -206,9 +205,8 @@ def _to_assistant(parsed: Mapping[str, Any]) -> chat.Assistant:
                           [chat.ToolCall(c["name"], c["arguments"]) for c in parsed["tool_calls"]])
 
 
-def _unencodable_result(tool: str, error: ValueError) -> str:
-    at = re.search(r"at offset (\d+)", str(error))
-    return f'error: tool "{tool}" returned a character outside the vocabulary' + (f" at offset {at[1]}" if at else "")
+def _unencodable_result(tool: str) -> str:
+    return f'error: tool "{tool}" returned text outside the vocabulary'
 
 
 def check_env_text(env: Env, obs: Observation, codec: chat.Codec, seed: int) -> None:
@@ -217,8 +215,7 @@ def check_env_text(env: Env, obs: Observation, codec: chat.Codec, seed: int) -> 
     fields = [("system prompt (instructions / system_prompt())", obs.system), ("task (render_task)", obs.task)]
     fields += [(f"tool {t.name!r} schema (name, description, parameters)", json.dumps(t.schema(), ensure_ascii=False))
                for t in env.tools]
-    fields += [(f"error result of tool {t.name!r}", _unencodable_result(t.name, ValueError("at offset 0")))
-               for t in env.tools]
+    fields += [(f"error result of tool {t.name!r}", _unencodable_result(t.name)) for t in env.tools]
     for what, text in fields:
         try:
             codec.encode_text(text)
@@ -234,8 +231,8 @@ def _encodable_results(results: Sequence[str], calls: Sequence[ToolCall], codec:
         try:
             codec.encode_text(text)
             out.append(text)
-        except ValueError as e:
-            out.append(_unencodable_result(call.name, e))
+        except ValueError:
+            out.append(_unencodable_result(call.name))
             bad += 1
     return out, bad
 
