@@ -4,8 +4,12 @@
 #   2. bench/kernels.py at L = 8K, 32K, 128K: timings beside the XLA references, each checked against them;
 #   3. tests/test_kernels.py on the compiled kernels (DSV32_TEST_KERNELS_ON_GPU=1: impl pallas_gpu / mosaic_gpu),
 #      fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest).
-# Results land in $OUT (bench: dsa_kernels.md/.json, logs). Stage time limits: BENCH_S, TEST_S seconds; STAGES picks
-# and orders the stages (default "bench tests"), LENGTHS the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
+#   4. step: bench/train_step.py, the small config's sparse-stage training step as users run it (the trainer's
+#      compiled step on a 1-device mesh, MoE blocks scanned), with the kernels beside the plain-JAX reference step
+#      and the dense stage, at STEP_CASES (mode:context).
+# Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, logs). Stage time limits: BENCH_S, TEST_S,
+# STEP_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS the bench's key lengths,
+# TEST_K / TEST_ARGS the tests' -k / flags.
 set -u
 OUT=${OUT:-/tmp/dsv32_gpu_out}
 mkdir -p "$OUT"
@@ -30,6 +34,14 @@ DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIE
   timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
   --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:-}" >"$OUT/test_kernels_gpu.log" 2>&1
 echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|Error|assert" "$OUT/test_kernels_gpu.log" | tail -25
+}
+
+step() {
+t0=$(date +%s)
+timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 1 --steps 3 --timeout 200 \
+  --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
+  --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1
+echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "^\||^longest|error" "$OUT/step.log" | cut -c1-400 | tail -20
 }
 
 for stage in ${STAGES:-bench tests}; do "$stage"; done

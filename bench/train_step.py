@@ -6,7 +6,11 @@
 Each (mode, context) runs in its own subprocess (clean peak-memory statistics, OOM isolation): batch 1,
 `--warmup` untimed steps then the median of `--steps` timed steps. Modes: "dense" = the dense stage (MQA-mode
 dense attention, no indexer); "sparse" = the sparse stage (indexer top-k + sparse MLA + the eq. 4 KL), with
-`--attention` sparse (plain JAX gather) or kernel (Pallas). Prints a table and the longest context that fits.
+`--attention` sparse (plain JAX gather) or kernel (Pallas); "reference" = the sparse stage with the plain-JAX
+attention whatever --attention says (the kernels' step beside the reference step in one run). `--cases
+mode:context,...` replaces the modes x contexts grid. The step is the recipe's (a 1-device mesh, the trainer's
+compiled step); `--scan` runs the MoE blocks as one lax.scan (compile time independent of depth), `--layers N`
+overrides the depth. Prints a table and the longest context that fits.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ def run_case(args) -> dict:
     config.model = args.model
     config.dtype = args.dtype
     config.param_dtype = "float32"
-    config.attention = args.attention
+    config.attention = "sparse" if args.mode == "reference" else args.attention
+    config.scan_layers = args.scan
+    if args.layers:
+        config.model_overrides = {"num_hidden_layers": args.layers}
     config.attn_chunk = args.chunk
     config.index_chunk = args.chunk
     config.data.seq_len = args.context
@@ -59,11 +66,16 @@ def run_case(args) -> dict:
         metrics = jax.block_until_ready(trainer.train_step(batch))
         times.append(time.perf_counter() - t0)
     stats = jax.devices()[0].memory_stats() or {}
+    from dsv32_jax import sharding as shd
+    from dsv32_jax.kernels.inspect import pallas_calls
+    with shd.use_mesh(trainer.mesh):  # the Pallas kernels in the step that ran (0: reference / dense)
+        kernels = pallas_calls(jax.make_jaxpr(trainer._step_fn)(trainer.ts.state, trainer.device_batch(batch)))
     step = statistics.median(times)
-    return {"mode": args.mode, "attention": args.attention if args.mode == "sparse" else "dense",
+    return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
+            "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s,
-            "loss": float(metrics["loss"]), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+            "loss": float(metrics["loss"]), "kernels": sorted({name for name, _ in kernels}), "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
 def main():
@@ -72,6 +84,9 @@ def main():
     p.add_argument("--modes", default="dense,sparse")
     p.add_argument("--model", default="small")
     p.add_argument("--attention", default="kernel", help="sparse-mode attention: sparse (plain JAX) or kernel")
+    p.add_argument("--cases", default="", help="mode:context,... (replaces --modes x --contexts)")
+    p.add_argument("--scan", action="store_true", help="config.scan_layers (MoE blocks as one lax.scan)")
+    p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -91,30 +106,37 @@ def main():
         args.steps = min(args.steps, 2)
     args.contexts = args.contexts or ("64,128" if args.smoke else "8192,32768,65536,131072")
     rows = []
-    for mode in args.modes.split(","):
-        for context in map(int, args.contexts.split(",")):
-            cmd = [sys.executable, os.path.abspath(__file__), "--case", f"--mode={mode}", f"--context={context}",
-                   f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
-                   f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}"]
-            try:
-                res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-                lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
-                if lines:
-                    row = json.loads(lines[-1][7:])
-                else:
-                    oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
-                    row = {"mode": mode, "context": context, "error": "OOM" if oom else res.stderr[-400:]}
-            except subprocess.TimeoutExpired:
-                row = {"mode": mode, "context": context, "error": f"timeout {args.timeout}s"}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print("\n| mode | context | step (s) | tokens/s | peak GiB |\n|---|---|---|---|---|")
+    if args.cases:
+        cases = [(m, int(c)) for m, c in (x.split(":") for x in args.cases.split(","))]
+    else:
+        cases = [(m, c) for m in args.modes.split(",") for c in map(int, args.contexts.split(","))]
+    modes = list(dict.fromkeys(m for m, _ in cases))
+    for mode, context in cases:
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", f"--mode={mode}", f"--context={context}",
+               f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
+               f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
+               f"--layers={args.layers}"] + (["--scan"] if args.scan else [])
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+            lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]
+            if lines:
+                row = json.loads(lines[-1][7:])
+            else:
+                oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
+                row = {"mode": mode, "context": context, "error": "OOM" if oom else res.stderr[-400:]}
+        except subprocess.TimeoutExpired:
+            row = {"mode": mode, "context": context, "error": f"timeout {args.timeout}s"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| mode | attention | context | step (s) | tokens/s | peak GiB | compile (s) | Pallas kernels in the step |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mode']} | {r['context']} | {r['error'][:40]} | | |")
+            print(f"| {r['mode']} | | {r['context']} | {r['error'][:60]!r} | | | | |")
         else:
-            print(f"| {r['attention']} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} |")
-    for mode in args.modes.split(","):
+            print(f"| {r['mode']} | {r['attention']} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['peak_gib']:.2f} | {r['compile_s']:.0f} | {', '.join(r['kernels']) or 'none'} |")
+    for mode in modes:
         fits = [r["context"] for r in rows if r["mode"] == mode and "error" not in r]
         print(f"longest context that fits ({mode}): {max(fits) if fits else 'none'}")
     if args.out:
