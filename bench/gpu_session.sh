@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 rm -rf /tmp/dsv32_site && mkdir -p /tmp/dsv32_site && cp -r dsv32_jax /tmp/dsv32_site/ \
   && ln -s "$PWD/pallas_kernels" /tmp/dsv32_site/dsv32_jax/kernels && ln -s "$PWD/train" /tmp/dsv32_site/dsv32_jax/train \
   && ln -s "$PWD/configs" /tmp/dsv32_site/dsv32_jax/configs || exit 1
-export PYTHONPATH=/tmp/dsv32_site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/dsv32_site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # after carried wheels (--target dirs)
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   | tee -a "$OUT/device.txt"
 bench() {
@@ -33,7 +33,7 @@ t0=$(date +%s)
 DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
   --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:-}" >"$OUT/test_kernels_gpu.log" 2>&1
-echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|Error|assert" "$OUT/test_kernels_gpu.log" | tail -25
+echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|Error|assert" "$OUT/${TEST_LOG:-test_kernels_gpu.log}" | tail -25
 }
 
 step() {
@@ -41,7 +41,7 @@ t0=$(date +%s)
 timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 1 --steps 3 --timeout 200 \
   --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
   --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1
-echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "^\||^longest|error" "$OUT/step.log" | cut -c1-400 | tail -20
+echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E '^\||^longest|^\{"mode' "$OUT/step.log" | cut -c1-400 | tail -24
 }
 
 for stage in ${STAGES:-bench tests}; do "$stage"; done
