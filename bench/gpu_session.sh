@@ -32,8 +32,8 @@ tests() {
 t0=$(date +%s)
 DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
-  --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:-}" >"$OUT/test_kernels_gpu.log" 2>&1
-echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|Error|assert" "$OUT/${TEST_LOG:-test_kernels_gpu.log}" | tail -25
+  --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:--rA}" >"$OUT/${TEST_LOG:-test_kernels_gpu.log}" 2>&1
+echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|failed|Error|assert" "$OUT/${TEST_LOG:-test_kernels_gpu.log}" | cut -c1-300 | tail -${TEST_TAIL:-25}
 }
 
 step() {

@@ -30,7 +30,6 @@ def run_case(args) -> dict:
     import jax
     import numpy as np
 
-    sys.path.insert(0, ROOT)
     from dsv32_jax.train.config import default_config
     from dsv32_jax.train.trainer import Trainer
 
