@@ -245,17 +245,20 @@ def test_a_larger_model_vocabulary_is_masked_to_the_codec():
     sampled id decodes, and the recorded log-probs (over the kept set: the codec's ids) equal the teacher-forced
     ones. A smaller model vocabulary is refused. Mutation tried: without the mask the sampler emits ids >= 113 and
     run_episode raises "outside the codec's vocabulary" (the old failure: "TinyCodec: id 161 outside")."""
+    from types import SimpleNamespace
+
     from dsv32_jax import chat
     from dsv32_jax.agent.rollout import BatchedRollout
     from dsv32_jax.envs import make_env
 
     codec = chat.TinyCodec.printable()
-    model = Transformer(load_preset("tiny").replace(index_topk=8), rngs=nnx.Rngs(3), dtype=jnp.float32)
+    cfg = load_preset("tiny").replace(index_topk=8, num_hidden_layers=2, first_k_dense_replace=2)
+    model = Transformer(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32)
     assert model.config.vocab_size == 256 > codec.vocab_size == 113
-    scfg = SamplingConfig(max_new_tokens=24, temperature=3.0, eos_id=codec.eos_id, pad_id=codec.pad_id)
+    scfg = SamplingConfig(max_new_tokens=12, temperature=3.0, eos_id=codec.eos_id, pad_id=codec.pad_id)
     roll = BatchedRollout(model, codec, scfg, capacity=2048)
     assert roll.cfg.vocab_size == 113 and roll.cfg.kept_width(256) == 113
-    trajs, rec = roll.run([make_env("lookup"), make_env("calculator")], [0, 1], max_new_tokens=24, thinking=False)
+    trajs, rec = roll.run([make_env("lookup"), make_env("calculator")], [0, 1], max_new_tokens=12, thinking=False)
     gen = rec["generated"] > 0
     assert gen.sum() == sum(c.length for t in trajs for c in t.completions) > 0
     assert rec["tokens"][gen].max() < codec.vocab_size
@@ -265,6 +268,6 @@ def test_a_larger_model_vocabulary_is_masked_to_the_codec():
                                     jnp.asarray(rec["kept_ids"][:, 1:]), jnp.asarray(rec["kept_mask"][:, 1:]), 3.0)
     np.testing.assert_allclose(np.asarray(logp)[gen[:, 1:]], rec["logprobs"][:, 1:][gen[:, 1:]], atol=2e-5)
     with pytest.raises(ValueError, match="model's vocab_size 64 is smaller than the codec's 113"):
-        BatchedRollout(Transformer(load_preset("tiny").replace(vocab_size=64), rngs=nnx.Rngs(0)), codec, scfg, 2048)
+        BatchedRollout(SimpleNamespace(config=SimpleNamespace(vocab_size=64)), codec, scfg, 2048)
     with pytest.raises(ValueError, match="SamplingConfig.vocab_size=300 exceeds the model's vocabulary of 256"):
         SamplingConfig(vocab_size=300).kept_width(256)
