@@ -542,6 +542,20 @@ def test_hooks_are_public_and_tools_are_built_on_first_use():
         Bad().tools
 
 
+def test_hooks_with_the_wrong_signature_fail_when_the_class_is_defined():
+    """The earlier hooks (private `_make_tools`, `score(answer)`) name the hook and its new signature at class
+    definition. Mutation tried: without `Env.__init_subclass__` both classes define and fail only mid-episode."""
+    with pytest.raises(TypeError, match=r"Old._make_tools: the hook is public now; rename it make_tools\(self\)"):
+        class Old(Env):
+            def _make_tools(self):
+                return []
+    with pytest.raises(TypeError, match=r"Old.score\(self, answer\): the hook is called as score\(self, instance, "
+                                        r"answer\)"):
+        class Old(Env):  # noqa: F811
+            def score(self, answer):
+                return 0.0, {}
+
+
 def test_one_set_of_tool_call_types_and_the_helpers_are_exported():
     from dsv32_jax import chat, envs
 

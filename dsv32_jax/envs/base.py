@@ -19,6 +19,7 @@ never special tokens). This module imports neither jax nor numpy.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -80,6 +81,26 @@ class Env:
     instance: Any = None
     steps: int = 0
     done: bool = True
+
+    #: hook name -> the arguments it is called with (besides self)
+    HOOKS = {"generate": ("seed",), "make_tools": (), "render_task": ("instance",), "score": ("instance", "answer"),
+             "solve": ("instance",)}
+
+    def __init_subclass__(cls, **kwargs):
+        """A hook whose signature cannot take its arguments (e.g. the earlier `score(answer)`, or the private
+        `_make_tools`) fails when the class is defined, naming the hook, instead of mid-episode."""
+        super().__init_subclass__(**kwargs)
+        if "_make_tools" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}._make_tools: the hook is public now; rename it make_tools(self)")
+        for name, args in Env.HOOKS.items():
+            fn = cls.__dict__.get(name)
+            if fn is None:
+                continue
+            try:
+                inspect.signature(fn).bind(None, *args)
+            except TypeError:
+                raise TypeError(f"{cls.__name__}.{name}{inspect.signature(fn)}: the hook is called as "
+                                f"{name}(self{''.join(', ' + a for a in args)})") from None
 
     def __init__(self, max_steps: int = 4):
         if not isinstance(max_steps, int) or max_steps < 1:
