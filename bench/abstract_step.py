@@ -1,12 +1,20 @@
 """One full train step of a recipe (e.g. configs/warmup_671b.py) traced, lowered and optionally compiled for the
-recipe's whole mesh without its devices; prints the memory per device.
+recipe's whole mesh without its devices; prints the memory per device and the Pallas kernels in the program.
 
     python bench/abstract_step.py --config=warmup_671b                 # lower against an AbstractMesh (any venv)
     .venv-cuda/bin/python bench/abstract_step.py --config=warmup_671b --compile [--layers=2] [--microbatches=N]
         [--breakdown=20]
         # compile for a deviceless H100 topology of the mesh's size (tools/gpu_compile's target config);
         # XLA_FLAGS=--xla_gpu_enable_cub_radix_sort=false is set (CUB sort needs a live GPU to compile)
+    .venv-tpu/bin/python bench/abstract_step.py --config=sparse_small --compile --platform=tpu --topology=v5p:2x2x2
+        [--mesh=fsdp:4,tensor:2] [--attention=kernel] [--require_kernels]
+        # the same for a deviceless TPU slice (libtpu from jax[tpu]; the topology's chip count = the mesh's size)
 
+--attention overrides config.attention ("kernel": the Pallas kernels, which the step resolves for the target
+chip, not the CPU host: dsv32_jax.kernels._dispatch.target_device); --mesh overrides config.mesh. With --compile
+the compiled program's Pallas kernels are counted (`dsv32_jax.kernels.inspect.compiled_kernels`: Mosaic TPU custom
+calls, Triton and Mosaic GPU calls); --require_kernels exits 1 when there are none (a kernel step silently compiled
+to the references).
 Checks the batch against the mesh first (train.config.check_batch_mesh). Reports the parameter + optimizer-state
 bytes per device from the sharding rules (exact), and with --compile XLA's memory analysis per device (arguments,
 outputs, temp: activations and everything else the step allocates) and how many times the SPMD partitioner had to
@@ -85,11 +93,21 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=int, default=0, help="override config.microbatches (0: the recipe's)")
     p.add_argument("--scan_layers", choices=("recipe", "on", "off"), default="recipe",
                    help="override config.scan_layers (blocks of one structure as one lax.scan)")
+    p.add_argument("--platform", choices=("gpu", "tpu"), default="gpu", help="with --compile: the chip")
+    p.add_argument("--topology", default="", help="with --platform=tpu: e.g. v5p:2x2x2, v6e:2x4 (chips = mesh size)")
+    p.add_argument("--mesh", default="", help="override config.mesh")
+    p.add_argument("--attention", default="", help="override config.attention (sparse | kernel | dense)")
+    p.add_argument("--batch", type=int, default=0, help="override config.data.batch_size")
+    p.add_argument("--seq_len", type=int, default=0, help="override config.data.seq_len")
+    p.add_argument("--require_kernels", action="store_true",
+                   help="with --compile: exit 1 if the compiled step holds no Pallas kernel")
     p.add_argument("--breakdown", type=int, default=0,
                    help="with --compile: the N largest groups of buffers live at the memory peak")
     a = p.parse_args(argv)
     if a.breakdown and not a.compile:
         p.error("--breakdown needs --compile (it reads the compiled step's buffer assignment)")
+    if a.platform == "tpu" and not a.topology:
+        p.error("--platform=tpu needs --topology (e.g. v5p:2x2x2)")
     dump_dir = tempfile.mkdtemp(prefix="abstract_step_") if a.breakdown else None
     if a.compile:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -118,6 +136,14 @@ def main(argv=None) -> int:
         c.microbatches = a.microbatches
     if a.scan_layers != "recipe":
         c.scan_layers = a.scan_layers == "on"
+    if a.mesh:
+        c.mesh = a.mesh
+    if a.attention:
+        c.attention = a.attention
+    if a.batch:
+        c.data.batch_size = a.batch
+    if a.seq_len:
+        c.data.seq_len = a.seq_len
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)
@@ -125,11 +151,17 @@ def main(argv=None) -> int:
     trainer = Trainer(c, os.path.join("/tmp", "abstract_step"), allocate=False)
     graphdef, state = trainer.abstract_state()
     per_device = shd.per_device_bytes(state, sizes)
-    print(f"{a.config}: mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len} "
+    print(f"{a.config} ({trainer.stage}, attention={c.attention}): mesh {c.mesh} ({n} devices), batch {c.data.batch_size} x {c.data.seq_len} "
           f"({c.microbatches} microbatches), "
           f"{trainer.cfg.num_hidden_layers} layers{' (scanned)' if c.scan_layers else ''}; parameters + optimizer state per device: {per_device / 2**30:.2f} "
           "GiB", flush=True)
-    if a.compile:
+    if a.compile and a.platform == "tpu":
+        from jax.experimental import topologies
+        topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
+        if len(topo.devices) != n:
+            raise SystemExit(f"--topology={a.topology} has {len(topo.devices)} devices, the mesh {c.mesh} needs {n}")
+        mesh = Mesh(np.asarray(topo.devices).reshape([sizes[x] for x in shd.MESH_AXES]), shd.MESH_AXES)
+    elif a.compile:
         from jax.experimental import topologies
         with open(os.path.join(os.path.dirname(HERE), "tools", "gpu_compile", "h100_target_config.txtpb")) as f:
             topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{max(n // 8, 1)}x{min(n, 8)}",
@@ -162,9 +194,16 @@ def main(argv=None) -> int:
     print(f"compiled in {time.perf_counter() - t1:.1f}s; per device: arguments {ma.argument_size_in_bytes / 2**30:.2f}"
           f" GiB, outputs {ma.output_size_in_bytes / 2**30:.2f} GiB (aliased {ma.alias_size_in_bytes / 2**30:.2f}), "
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
+    from dsv32_jax.kernels.inspect import compiled_kernels
+    kernels = compiled_kernels(compiled.as_text())
+    print(f"Pallas kernels in the compiled step ({a.platform}, {mesh.devices.flat[0].device_kind}): "
+          f"{sum(kernels.values())} {dict(kernels)}", flush=True)
     if dump_dir:
         print(f"memory peak per device (XLA dump in {dump_dir}):")
         print("\n".join(peak_breakdown(dump_dir, a.breakdown)), flush=True)
+    if a.require_kernels and not kernels:
+        print(f"FAILED: attention={c.attention} but the compiled step holds no Pallas kernel", flush=True)
+        return 1
     return 0
 
 

@@ -213,3 +213,31 @@ def test_grpo_objective_and_rollout_with_kernels_on_a_mesh_equal_one_device():
 @pytest.mark.heavy
 def test_sharded_kernel_train_step_equals_the_reference_step():
     assert "params after 2 steps" in _run(TRAINER)
+
+
+def test_impl_follows_the_target_chip_not_the_host(monkeypatch):
+    """impl=None resolves from the device the trace targets (the active mesh's, then jax.default_device's), not
+    from the host's backend: a step compiled for TPU or H100 topology devices on a CPU host gets that chip's
+    kernels (the deviceless whole-step compiles check the real thing: `make test-step-compile`).
+    Mutation: resolving from jax.default_backend() again -> the "tpu" / "gpu" cases below pick "reference"."""
+    import types
+
+    import jax
+
+    from dsv32_jax import sharding as shd
+    from dsv32_jax.kernels import _dispatch
+
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(_dispatch, "_default_impl", None)
+    backends = ("pallas_gpu", "pallas_tpu", "interpret")
+    assert _dispatch.resolve_impl(None, backends) == "reference"  # this CPU host
+    mesh = shd.make_mesh("fsdp:1")
+    with shd.use_mesh(mesh):
+        assert _dispatch.target_device() == mesh.devices.flat[0]
+    with jax.default_device(jax.devices()[-1]):
+        assert _dispatch.target_device() == jax.devices()[-1]
+    for platform, want in (("tpu", "pallas_tpu"), ("gpu", "pallas_gpu"), ("cuda", "pallas_gpu"), ("cpu", "reference")):
+        monkeypatch.setattr(_dispatch, "target_device", lambda: types.SimpleNamespace(platform=platform))
+        assert _dispatch.resolve_impl(None, backends) == want, platform
+    monkeypatch.setenv(_dispatch.ENV_VAR, "interpret")  # an explicit preference still wins over the target
+    assert _dispatch.resolve_impl(None, backends) == "interpret"
