@@ -10,7 +10,12 @@ VENV_CUDA := .venv-cuda
 PY_CUDA := $(VENV_CUDA)/bin/python
 STAMP_CUDA := $(VENV_CUDA)/.installed
 
-.PHONY: all venv venv-cuda test test-heavy test-slow test-all test-gpu-compile gpu-compile-table train agent-demo golden clean
+VENV_TPU := .venv-tpu
+PY_TPU := $(VENV_TPU)/bin/python
+STAMP_TPU := $(VENV_TPU)/.installed
+
+.PHONY: all venv venv-cuda venv-tpu test test-heavy test-slow test-all test-gpu-compile gpu-compile-table \
+	test-tpu-compile tpu-compile-table train agent-demo golden clean
 
 all: test
 
@@ -45,6 +50,28 @@ test-gpu-compile: $(STAMP_CUDA)
 # The same, and the per-kernel table written into BENCHMARKS.md.
 gpu-compile-table: $(STAMP_CUDA)
 	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json --benchmarks BENCHMARKS.md
+
+# Compile-only TPU venv for the deviceless TPU compile (no TPU needed): jax[tpu] (libtpu from PyPI) at the same jax
+# version as .venv.
+$(STAMP_TPU): pyproject.toml $(STAMP)
+	@set -e; interp=$$(tools/find_python.sh); jaxv=$$($(PY) -c 'import jax; print(jax.__version__)'); \
+	  if [ ! -x $(PY_TPU) ]; then "$$interp" -m venv $(VENV_TPU); fi; \
+	  $(PY_TPU) -m pip install -q --upgrade pip; \
+	  $(PY_TPU) -m pip install -q -e . "jax[tpu]==$$jaxv"; \
+	  touch $(STAMP_TPU)
+
+venv-tpu: $(STAMP_TPU)
+
+# Every Mosaic TPU kernel (forward and backward) compiled for TPU v5p and v6e, no TPU: fails on a compile error,
+# scoped VMEM over budget, or an oversized negative control that compiles. CI runs the subset TPU_COMPILE_ARGS
+# picks (default: the CI subset, see tools/tpu_compile/tpu_compile.py); `make tpu-compile-table` runs them all.
+TPU_COMPILE_ARGS ?= --subset ci
+test-tpu-compile: $(STAMP_TPU)
+	$(PY_TPU) tools/tpu_compile/tpu_compile.py --check --json runs/tpu_compile.json $(TPU_COMPILE_ARGS)
+
+# The full matrix, and the per-kernel table and TPU roofline written into BENCHMARKS.md.
+tpu-compile-table: $(STAMP_TPU)
+	$(PY_TPU) tools/tpu_compile/tpu_compile.py --check --json runs/tpu_compile.json --benchmarks BENCHMARKS.md
 
 # The fast suite (< 15 min on 2 cores); `make test-heavy` the integration checks CI also runs; `make test-slow` the
 # learning demos and production-size checks (hours in all).
@@ -83,4 +110,4 @@ golden:
 	$${HF_PYTHON:-$(PY)} tools/make_hf_v3_fixture.py
 
 clean:
-	rm -rf $(VENV) $(VENV_CUDA) .pytest_cache
+	rm -rf $(VENV) $(VENV_CUDA) $(VENV_TPU) .pytest_cache

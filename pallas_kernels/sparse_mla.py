@@ -27,6 +27,10 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
     buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
   * probabilities summed over heads (return_probs): the dkv program structure without the gradients, from the
     final lse; returned with stop_gradient (it is the target of the indexer's KL loss).
+TPU (impl pallas_tpu / interpret_tpu): the Mosaic kernels of `sparse_mla_tpu` (all heads per program, slot
+blocks gathered by one DMA per selected row as 32-bit words: bf16 rows are packed in pairs of columns; see that
+module) behind the same custom VJP; its dq comes from the fused backward kernel and its dkv partials are reduced by
+`sparse_mla_tpu.reduce_partials`.
 """
 
 from __future__ import annotations
@@ -313,12 +317,12 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
 
     def step(dkv, xs):
         q_c, idx_c, do_c, lse_c, delta_c = xs
-        if cfg.tpu:  # one fused kernel gives this chunk's dq and its dkv partials
-            dq_c, parts = sparse_mla_tpu.backward(q_c, kvf, idx_c[:, None, :], do_c, lse_c[..., None],
+        if cfg.tpu:  # one fused kernel gives this chunk's dq and its dkv partials, reduced in its row layout
+            dq_c, dkv_c = sparse_mla_tpu.backward(q_c, kvf, idx_c[:, None, :], do_c, lse_c[..., None],
                                                   delta_c[..., None], cfg, part_dtype)
-        else:
-            dq_c, parts = None, _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg, part_dtype)
-        return dkv + _reduce_dkv(parts, idx_c, cfg), dq_c
+            return dkv + dkv_c, dq_c
+        parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg, part_dtype)
+        return dkv + _reduce_dkv(parts, idx_c, cfg), None
 
     xs = (split(qf), split(idxf, -1), split(do), split(lse, -jnp.inf), split(delta))
     dkv, dq_chunks = jax.lax.scan(step, jnp.zeros((cfg.num_keys, dp), jnp.float32), xs)
@@ -390,13 +394,17 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
     d_tail = dqk - d_v
     common = dict(scale=float(scale), d_v=d_v, d_tail=d_tail, backend=impl, num_warps=num_warps,
                   num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
-    if impl in TPU_BACKENDS:  # all heads in one block; lane-aligned (128) value and rope parts; slots by 8
+    if impl in TPU_BACKENDS:  # all heads in one block; slots by 8; the row layout of sparse_mla_tpu (its docstring)
         block_i = min(128 if block_i is None else block_i, round_up(topk_idx.shape[-1], 8))
         if block_i < 8 or block_i % 8:
             raise ValueError(f"sparse_mla: block_i={block_i} must be a positive multiple of 8 on TPU (128 is best)")
+        if impl == "pallas_tpu" and block_i % 128 and block_i < topk_idx.shape[-1]:
+            raise ValueError(f"sparse_mla: block_i={block_i} must be a multiple of 128 or cover all "
+                             f"{topk_idx.shape[-1]} slots for Mosaic (a slot block is a lane block of the indices)")
         hp = round_up(h, 8)
-        return _Cfg(dv_p=round_up(d_v, 128), dt_p=round_up(max(d_tail, 1), 128), block_h=hp, block_i=block_i,
-                    bwd_block_h=hp, bwd_block_i=block_i, **common)
+        dv_p, dt_p = sparse_mla_tpu.padded_dims(d_v, d_tail, kv.dtype)
+        return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=hp, block_i=block_i, bwd_block_h=hp, bwd_block_i=block_i,
+                    **common)
     block_h = min(block_h, next_pow2(h, 16))
     block_i = min(32 if block_i is None else block_i, next_pow2(topk_idx.shape[-1], 16))
     for name, size in (("block_h", block_h), ("block_i", block_i), ("bwd_block_h", bwd_block_h),

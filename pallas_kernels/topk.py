@@ -23,6 +23,13 @@ find each row's exact k-th largest key by a 32-step bitwise bisection (step b ke
 >= the candidate), each step one compare-and-count pass over VMEM in lane chunks; they return that threshold and
 how many of its ties to take. XLA then emits the indices in ascending column order: keys above the threshold and
 the first ties, by prefix sums and a binary search per output slot (two more streaming reads of the row).
+Vector registers: the passes step over [8 rows, 1024 lanes] of VMEM (TPU_CHUNK_VREGS = 8 vregs per array) and
+keep the counts per lane in the loop carry, summed across lanes once per pass. The first version stepped over up
+to 8192 lanes (64 vregs per array, with hoisted [8, 8192] column iotas) with a cross-lane sum in every step: its
+final bundles at 4096 x 128K on v5p held 219 vector-register spill stores and 241 loads (782 bundles; the first
+deviceless compile also reported 167 / 188 in indexer_topk's top-k at 256 x 8K); now 0 / 0 (244 bundles) at every
+shape `tools/tpu_compile` compiles, on v5p and v6e (libtpu 0.0.50.1; BENCHMARKS.md). Compile-verified only: no
+TPU timing exists.
 """
 
 from __future__ import annotations
@@ -221,27 +228,31 @@ def _topk_pallas(scores, lengths, *, k, buf, block, backend, num_warps):
 
 # ------------------------------------------------------------------------------------------------ TPU
 TPU_ROWS = 8
+TPU_CHUNK_VREGS = 8  # [8 rows, 1024 lanes] per loop step: 8 vregs per array (see the module docstring)
 
 
 def _tpu_threshold_kernel(x_ref, n_ref, thr_ref, need_ref, keys_ref, *, k, chunk):
     rows, width = x_ref.shape
     n_chunks = width // chunk
+    # counts accumulate per lane in a [rows, chunk] carry (chunk / 128 vregs) and are summed across lanes once per
+    # pass: no cross-lane reduction inside the loops, and a working set that fits the vector registers
+    lane_counts = jnp.zeros((rows, chunk), jnp.float32)
 
     def to_keys(c, total):
         cols = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
         col = c * chunk + jax.lax.broadcasted_iota(jnp.int32, (rows, chunk), 1)
         key = _candidate_keys(x_ref[:, cols], col, n_ref[...])
         keys_ref[:, cols] = key
-        return total + jnp.sum((key > INT_MIN).astype(jnp.float32), axis=1, keepdims=True)
+        return total + (key > INT_MIN).astype(jnp.float32)
 
-    candidates = jax.lax.fori_loop(0, n_chunks, to_keys, jnp.zeros((rows, 1), jnp.float32))
+    candidates = jnp.sum(jax.lax.fori_loop(0, n_chunks, to_keys, lane_counts), axis=1, keepdims=True)
     k_eff = jnp.minimum(candidates, float(k))
 
     def count(pred):
         def body(c, total):
             key = keys_ref[:, pl.ds(pl.multiple_of(c * chunk, chunk), chunk)]
-            return total + jnp.sum(pred(key).astype(jnp.float32), axis=1, keepdims=True)
-        return jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((rows, 1), jnp.float32))
+            return total + pred(key).astype(jnp.float32)
+        return jnp.sum(jax.lax.fori_loop(0, n_chunks, body, lane_counts), axis=1, keepdims=True)
 
     def bisect(i, ans):  # ans: the bits found so far of the k-th key in the unsigned (key ^ INT_MIN) order
         bit = jax.lax.shift_left(jnp.int32(1), 31 - i)
@@ -266,7 +277,7 @@ def _topk_tpu(scores, lengths, *, k, backend):
     rp, lp = round_up(r, TPU_ROWS), round_up(length, 128)
     x = jnp.pad(rows, ((0, rp - r), (0, lp - length)), constant_values=-jnp.inf)
     n = jnp.pad(lengths, (0, rp - r))[:, None]
-    chunk = 128 * math.gcd(lp // 128, 64)  # <= 8192 lanes, divides lp
+    chunk = 128 * math.gcd(lp // 128, TPU_CHUNK_VREGS)  # lanes per loop step, divides lp
     row_spec = pl.BlockSpec((TPU_ROWS, 1), lambda i: (i, 0))
     thr, need = pl.pallas_call(
         functools.partial(_tpu_threshold_kernel, k=k, chunk=chunk),

@@ -292,7 +292,10 @@ BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1e-2, 2e-2)}
 SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpadded 2^a + 2^b layout with
     "tiny": dict(),  # several head and slot blocks (production: 512 + 64, H 128 in 2 blocks, K 2048 in 32)
     "blocks": dict(t=3, s=50, h=32, d=48, d_v=32, k=40),
+    # TPU edge cases: odd Dqk = 32 + 13 (an odd rope part), 3 heads, k = 13 slots over only 5 keys (duplicates)
+    "odd": dict(t=3, s=5, h=3, d=45, d_v=32, k=13),
 }
+GPU_SHAPES = ["blocks", "tiny"]
 
 
 def _check_sparse_mla_forward(rng, dtype, shape, **kernel_kw):
@@ -331,13 +334,13 @@ def _check_sparse_mla_gradients(rng, dtype, shape, **kernel_kw):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_sparse_mla_forward_and_probs(rng, dtype, shape):
     _check_sparse_mla_forward(rng, dtype, shape, impl=IMPL, block_h=16, block_i=16)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
     # backward tiles smaller than the forward's; a small partial budget gives several dkv chunks
     _check_sparse_mla_gradients(rng, dtype, shape, impl=IMPL, bwd_partial_bytes=4096, block_h=32, block_i=32,
@@ -345,7 +348,11 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
 
 
 # --------------------------------------------------------------------------------- sparse MLA, TPU kernels
-TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny")]
+# float32 rows are gathered as they are, bfloat16 rows as packed 32-bit words (sparse_mla_tpu's two planes)
+TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
+             (jnp.float32, "odd"), (jnp.bfloat16, "odd")]
+TPU_GRAD_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
+                  (jnp.float32, "odd")]
 
 
 # DMA modes of TPU interpret mode. eager: a DMA lands when started (a prefetch into the buffer being read corrupts
@@ -358,9 +365,38 @@ def test_sparse_mla_tpu_forward_and_probs(rng, monkeypatch, dtype, shape, dma_mo
     _check_sparse_mla_forward(rng, dtype, shape, impl=TPU, block_i=16)
 
 
-@pytest.mark.parametrize("dtype,shape", TPU_CASES)
+@pytest.mark.parametrize("dtype,shape", TPU_GRAD_CASES)
 def test_sparse_mla_tpu_gradients_match_autodiff_of_reference(rng, dtype, shape):
     _check_sparse_mla_gradients(rng, dtype, shape, impl=TPU, block_i=8, bwd_partial_bytes=4096)
+
+
+def test_sparse_mla_tpu_row_packing_is_exact(rng):
+    """bf16 rows travel as 32-bit words (column pairs of the two planes): packing, the kernel's unpacking and the
+    plane order round-trip every bit pattern (signed zeros, subnormals, inf; NaN stays NaN), for an odd rope
+    width."""
+    from dsv32_jax.kernels import sparse_mla_tpu as smt
+    from dsv32_jax.kernels.sparse_mla import _config, _split_pad
+    q, kv, idx, d_v = _mla_case(rng, jnp.bfloat16, **SHAPES["odd"])
+    bits = rng.integers(0, 1 << 16, kv.shape, dtype=np.uint16)
+    kv = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.bfloat16)
+    cfg = _config(q, kv, idx, 0.1, d_v, TPU, 64, None, 32, 32, 8, 2, 1 << 29)
+    lay = smt.layout(cfg, kv.dtype)
+    assert (lay.planes, lay.v_width, cfg.dv_p, cfg.dt_p) == (2, 128, 256, 14)
+    kvf = _split_pad(kv, cfg).reshape(-1, cfg.dv_p + cfg.dt_p)
+    words = smt.pack_rows(kvf, cfg, lay)
+    assert words.dtype == jnp.int32 and words.shape == (kvf.shape[0], lay.width)
+    planes = jnp.stack(smt._unpack(words, lay), axis=1)  # [NS, P, W]
+    back = smt.from_planes(planes, cfg, lay)
+    same = jax.lax.bitcast_convert_type(back, jnp.uint16) == jax.lax.bitcast_convert_type(kvf, jnp.uint16)
+    assert bool(jnp.all(same | (jnp.isnan(back) & jnp.isnan(kvf))))  # NaN payloads may be canonicalised
+    u16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)  # noqa: E731
+    assert bool(jnp.all(u16(smt.from_planes(smt.to_planes(kvf, cfg, lay), cfg, lay)) == u16(kvf)))
+
+
+def test_sparse_mla_tpu_block_i_must_be_a_lane_block_for_mosaic(rng):
+    q, kv, idx, d_v = _mla_case(rng, jnp.float32, **SHAPES["blocks"])
+    with pytest.raises(ValueError, match="multiple of 128 or cover all 40 slots"):
+        kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl="pallas_tpu", block_i=16)
 
 
 def test_sparse_mla_tpu_skips_blocks_without_valid_slots(rng):
