@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     dump_dir = tempfile.mkdtemp(prefix="abstract_step_") if a.breakdown else None
     if a.compile:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        # libtpu's one-process-per-host lock is for real chips; deviceless compiles may run side by side
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         flags = os.environ.get("XLA_FLAGS", "")
         if "cub_radix_sort" not in flags:
             flags += " --xla_gpu_enable_cub_radix_sort=false"
