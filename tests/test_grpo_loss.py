@@ -68,13 +68,59 @@ def test_opsm_mask_multiplies_only_the_policy_gradient(rng):
     np.testing.assert_allclose(np.asarray(g)[0], np.asarray(g_kl)[0], rtol=1e-5)  # masked row: KL only
 
 
-def test_token_mean_per_sequence_then_mean(rng):
-    """Eq. (5): a sequence's weight does not grow with its length."""
+def test_token_mean_per_sequence_then_mean():
+    """Eq. (5): a sequence's weight does not grow with its length. Advantages [1, -1] over 6 and 2 tokens at ratio 1:
+    pg_t = -A, so each row's token mean is -1 and +1 and the loss is 0; a global token mean over the batch (the
+    mutation `loss = sum(mask * per_token) / sum(mask)`) gives (6 x -1 + 2 x 1) / 8 = -0.5, and a per-sequence token
+    SUM (no 1/|o_i|) gives (-6 + 2) / 2 = -2. The gradient w.r.t. each token's log-prob is -A_i / (B |o_i|)."""
     logp = jnp.zeros((2, 6))
     mask = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], jnp.float32)
-    adv = jnp.asarray([1.0, 1.0])
-    loss, _ = grpo_loss(logp, logp, logp, adv, mask, jnp.zeros(2))
-    assert float(loss) == pytest.approx(-1.0)  # ratio 1: -A per token, token mean per row, mean over rows
+    adv = jnp.asarray([1.0, -1.0])
+    loss, m = grpo_loss(logp, logp, logp, adv, mask, jnp.zeros(2))
+    assert float(loss) == pytest.approx(0.0, abs=1e-7)
+    assert float(m["pg_loss"]) == pytest.approx(0.0, abs=1e-7)
+    g = jax.grad(lambda lp: grpo_loss(lp, logp, logp, adv, mask, jnp.zeros(2))[0])(logp)
+    expected = np.asarray(mask) * (-np.asarray(adv)[:, None] / (2 * np.asarray(mask).sum(1, keepdims=True)))
+    np.testing.assert_allclose(np.asarray(g), expected, atol=1e-7)
+
+
+def numpy_clipped_surrogate(logp, logp_old, adv, mask, eps):
+    """-min(r A, clip(r, 1 - eps, 1 + eps) A) per token, token mean per row, mean over rows (float64)."""
+    r = np.exp(np.asarray(logp, np.float64) - np.asarray(logp_old, np.float64))
+    a = np.asarray(adv, np.float64)[:, None]
+    pg = -np.minimum(r * a, np.clip(r, 1 - eps, 1 + eps) * a)
+    mask = np.asarray(mask, np.float64)
+    return np.mean((pg * mask).sum(1) / mask.sum(1)), pg
+
+
+def test_ppo_ratio_clipping_outside_the_trust_region():
+    """Ratios on both sides of [1 - eps, 1 + eps] with positive and negative advantages, against numpy. The clip
+    binds (min picks the clipped term) for r > 1 + eps with A > 0 and for r < 1 - eps with A < 0: those tokens get
+    zero gradient; r < 1 - eps with A > 0 and r > 1 + eps with A < 0 stay unclipped (pessimistic bound) and keep
+    theirs. Mutation `clipped = ratio * a` (no clip): the loss moves from 0.05 to -0.025 and the clipped tokens get
+    gradient, both fail; mutation `jnp.maximum` for `jnp.minimum`: fails the values."""
+    eps = 0.2
+    ratios = np.array([[1.5, 0.5, 1.1, 1.0], [1.5, 0.5, 0.9, 1.0]])
+    adv = np.array([1.0, -1.0])
+    logp_old = np.full(ratios.shape, -1.0)
+    logp = logp_old + np.log(ratios)
+    mask = np.ones(ratios.shape)
+    args = [jnp.asarray(x, jnp.float32) for x in (logp, logp_old)]
+    loss, m = grpo_loss(args[0], args[1], args[1], jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32),
+                        jnp.zeros(2), eps=eps, delta=1e9)
+    ref, pg = numpy_clipped_surrogate(logp, logp_old, adv, mask, eps)
+    # row 0 (A=+1): -[1.2, 0.5, 1.1, 1.0]; row 1 (A=-1): [1.5, 0.8, 0.9, 1.0]
+    np.testing.assert_allclose(pg, [[-1.2, -0.5, -1.1, -1.0], [1.5, 0.8, 0.9, 1.0]], atol=1e-12)
+    assert ref == pytest.approx(0.05)
+    assert float(loss) == pytest.approx(ref, abs=1e-6)
+    assert float(m["clip_fraction"]) == pytest.approx(2 / 8)
+    g = np.asarray(jax.grad(lambda lp: grpo_loss(lp, args[1], args[1], jnp.asarray(adv, jnp.float32),
+                                                 jnp.asarray(mask, jnp.float32), jnp.zeros(2), eps=eps,
+                                                 delta=1e9)[0])(args[0]))
+    clipped = np.array([[1, 0, 0, 0], [0, 1, 0, 0]], bool)
+    np.testing.assert_array_equal(g[clipped], 0.0)
+    # unclipped tokens: d/dlogp of -r A / (B T) = -r A / 8
+    np.testing.assert_allclose(g[~clipped], (-ratios * adv[:, None] / 8)[~clipped], rtol=1e-5)
 
 
 def test_advantages_and_group_checks():
