@@ -109,6 +109,54 @@ def test_routing_replay_reproduces_recorded_ids_and_router_still_learns(rng):
     assert float(jnp.abs(grads.router[...]).max()) > 0
 
 
+def numpy_moe(moe, x, ids):
+    """The MoE output for x [N, D] routed to the experts `ids` [N, k], in float64: gate weights = the live router's
+    sigmoid scores of those experts, normalized, times routed_scaling_factor; plus the shared expert."""
+    cfg = moe.cfg
+    xf = np.asarray(x, np.float64)
+    s = 1 / (1 + np.exp(-(xf @ np.asarray(moe.router[...], np.float64))))
+    w = np.take_along_axis(s, ids, -1)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    w = w * cfg.routed_scaling_factor
+    silu = lambda a: a / (1 + np.exp(-a))
+    wg, wu, wd = (np.asarray(a[...], np.float64) for a in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
+    out = np.zeros_like(xf)
+    for n in range(len(xf)):
+        for j, e in enumerate(ids[n]):
+            out[n] += w[n, j] * (silu(xf[n] @ wg[e]) * (xf[n] @ wu[e])) @ wd[e]
+    sh = moe.shared
+    g, u, d = (np.asarray(m.kernel[...], np.float64) for m in (sh.gate_proj, sh.up_proj, sh.down_proj))
+    return out + (silu(xf @ g) * (xf @ u)) @ d
+
+
+def test_replayed_routing_computes_the_output_from_the_recorded_experts(rng):
+    """Keep routing: after the router has changed, the replayed forward's OUTPUT (not only the echoed ids) equals an
+    independent numpy MoE over the recorded experts, gate weights from the new router's scores of those experts; and
+    differs from the live forward, which routes elsewhere. Mutations: the experts run on the live routing while aux
+    echoes the recorded ids (MoE.__call__: `self.experts(xf, *_route_tokens(logits, bias, cfg)[::-1])`) -> rel err
+    ~1; gate weights from the live top-k scores while the recorded experts run -> fails too."""
+    cfg = load_preset("tiny")
+    moe = MoE(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))), dtype=jnp.float32, param_dtype=jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
+    recorded = np.asarray(moe(x)[1]["routing"])
+    moe.router[...] = moe.router[...] + jnp.asarray(rng.standard_normal(moe.router.shape) * 0.5, jnp.float32)
+    y_live, aux_live = moe(x)
+    live = np.asarray(aux_live["routing"])
+    changed = np.any(np.sort(live, -1) != np.sort(recorded, -1), -1)
+    assert changed.mean() > 0.25, "the perturbation should move a good share of the tokens to other experts"
+    y, aux = moe(x, replay_ids=jnp.asarray(recorded))
+    np.testing.assert_array_equal(np.asarray(aux["routing"]), recorded)
+    xf = np.asarray(x).reshape(-1, cfg.hidden_size)
+    ref = numpy_moe(moe, xf, recorded.reshape(len(xf), -1))
+    y = np.asarray(y).reshape(ref.shape)
+    assert rel_err(y, ref) < 1e-5
+    # the tokens whose experts changed really do get a different output from the live forward
+    moved = changed.reshape(-1)
+    assert rel_err(np.asarray(y_live).reshape(ref.shape)[moved], ref[moved]) > 1e-2
+    assert rel_err(numpy_moe(moe, xf, live.reshape(len(xf), -1)), np.asarray(y_live).reshape(ref.shape)) < 1e-5
+
+
 def test_blocked_experts_match_ragged_reference_values_and_gradients(rng):
     """The GPU path (blocks of rows per expert, scanned) against the ragged_dot reference: local experts 2..6 of 8
     (ids outside contribute nothing), an empty expert, experts with more rows than a block; float32 values and
