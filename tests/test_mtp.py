@@ -1,0 +1,97 @@
+"""Multi-token prediction against independent references: the MTP targets and mask of packed documents (a numpy
+loop over positions and segments), and the MTP module's shifted concatenation, projection, chaining between
+depths and shared head (numpy around the model's own decoder block, which the HF parity tests hold)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import rel_err
+from flax import nnx
+
+from dsv32_jax import RunOptions, Transformer, load_preset
+from dsv32_jax.train.losses import mtp_loss, mtp_targets
+
+
+def packed_batch(rng, b=3, t=24, vocab=50):
+    """Rows of documents packed back to back (segment ids 1, 2, ...; 0 = trailing padding), targets = the next
+    token of the same document, loss_mask = 1 where there is one."""
+    tokens = rng.integers(2, vocab, (b, t))
+    seg = np.zeros((b, t), np.int32)
+    for r in range(b):
+        pos, s = 0, 1
+        while pos < t - 3:
+            n = int(rng.integers(2, 9))
+            seg[r, pos:pos + n] = s
+            pos, s = pos + n, s + 1
+    tokens = np.where(seg > 0, tokens, 0)
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    loss_mask = np.concatenate([same, np.zeros((b, 1), bool)], 1).astype(np.float32)
+    targets = np.where(loss_mask > 0, np.concatenate([tokens[:, 1:], np.zeros((b, 1), int)], 1), 0)
+    return tokens, seg, {"tokens": jnp.asarray(tokens, jnp.int32), "targets": jnp.asarray(targets, jnp.int32),
+                         "loss_mask": jnp.asarray(loss_mask), "segment_ids": jnp.asarray(seg)}
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_mtp_targets_match_a_loop_over_documents(rng, depth):
+    """Depth d at position t predicts token t+2+d of the same document: valid iff t..t+2+d all lie in t's (non-
+    padding) segment. Mutations: one shift too few (`range(depth)` in mtp_targets) -> depth 0 predicts t+1; the
+    mask not accumulated over the steps (`mask = step_mask`) -> positions whose document ends in between count."""
+    tokens, seg, batch = packed_batch(rng)
+    targets, mask = (np.asarray(a) for a in mtp_targets(batch, depth))
+    b, t = tokens.shape
+    ref_t, ref_m = np.zeros((b, t), int), np.zeros((b, t))
+    for r in range(b):
+        for i in range(t):
+            j = i + 2 + depth
+            if j < t and seg[r, i] > 0 and np.all(seg[r, i:j + 1] == seg[r, i]):
+                ref_t[r, i], ref_m[r, i] = tokens[r, j], 1.0
+    assert ref_m.sum() > 10
+    np.testing.assert_array_equal(mask, ref_m)
+    np.testing.assert_array_equal(np.where(ref_m > 0, targets, 0), ref_t)
+
+
+def rms(x, w, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(w, np.float64)
+
+
+def test_mtp_module_matches_a_numpy_reference_at_two_depths(rng):
+    """Depth j: x = eh_proj([enorm(Emb(t_{i+1+j})) ; hnorm(h^{j-1}_i)]) (embedding half first, token past the end
+    = 0), h^j = the MTP block (the model's DecoderLayer, run on the numpy x), logits = lm_head(norm_j(h^j)) with the
+    main model's embedding and head; h^{-1} = the main model's final normed state, h^j feeds depth j+1 un-normed.
+    Norm scales and the head are randomized so that swapping any two of them shows. Mutations: concatenation order
+    swapped, shift by j+2, the main norm instead of the MTP norm, the normed h^j fed to the next depth: each fails,
+    and so does the MTP loss against numpy cross-entropy of these logits on mtp_targets."""
+    cfg = load_preset("tiny").replace(num_nextn_predict_layers=2, initializer_range=0.2, vocab_size=64)
+    model = Transformer(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))), options=RunOptions())
+    for norm in [model.norm] + [n for m in model.mtp for n in (m.enorm, m.hnorm, m.norm)]:
+        norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, cfg.hidden_size), jnp.float32)
+    tokens, _, batch = packed_batch(rng, b=2, t=20, vocab=64)
+    logits, aux = model(batch["tokens"], return_aux=True)
+    got = aux["mtp_logits"]
+    assert len(got) == 2
+    emb = np.asarray(model.embed[...], np.float64)
+    head = np.asarray(model.lm_head.kernel[...], np.float64)
+    pos = model.positions(batch["tokens"])
+    h = np.asarray(aux["hidden"], np.float64)
+    eps = cfg.rms_norm_eps
+    for j, mtp in enumerate(model.mtp):
+        nxt = np.concatenate([tokens[:, 1 + j:], np.zeros((tokens.shape[0], 1 + j), int)], 1)
+        x = np.concatenate([rms(emb[nxt], mtp.enorm.scale[...], eps), rms(h, mtp.hnorm.scale[...], eps)], -1)
+        x = x @ np.asarray(mtp.eh_proj.kernel[...], np.float64)
+        h_new, _ = mtp.block(jnp.asarray(x, jnp.float32), pos, model.options)
+        h = np.asarray(h_new, np.float64)
+        ref = rms(h, mtp.norm.scale[...], eps) @ head
+        err = rel_err(got[j], ref)
+        print(f"MTP depth {j}: rel err {err:.2e}")
+        assert err < 1e-4, f"depth {j}"
+    # the MTP loss: mean over depths of the token mean of -log softmax(logits_j)[target] on the valid positions
+    per_depth = []
+    for j in range(2):
+        t, m = (np.asarray(a) for a in mtp_targets(batch, j))
+        z = np.asarray(got[j], np.float64)
+        logp = z - z.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, t[..., None], -1)[..., 0]
+        per_depth.append((nll * m).sum() / m.sum())
+    assert float(mtp_loss(got, batch)) == pytest.approx(np.mean(per_depth), rel=1e-5)
