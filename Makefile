@@ -15,7 +15,7 @@ PY_TPU := $(VENV_TPU)/bin/python
 STAMP_TPU := $(VENV_TPU)/.installed
 
 .PHONY: all venv venv-cuda venv-tpu test test-heavy test-slow test-all test-gpu-compile gpu-compile-table \
-	test-tpu-compile tpu-compile-table train agent-demo golden clean
+	test-tpu-compile tpu-compile-table test-step-compile train agent-demo golden clean
 
 all: test
 
@@ -72,6 +72,21 @@ test-tpu-compile: $(STAMP_TPU)
 # The full matrix, and the per-kernel table and TPU roofline written into BENCHMARKS.md.
 tpu-compile-table: $(STAMP_TPU)
 	$(PY_TPU) tools/tpu_compile/tpu_compile.py --check --json runs/tpu_compile.json --benchmarks BENCHMARKS.md
+
+# Whole sharded train steps with attention="kernel", compiled without devices for the chip the mesh is made of: the
+# tiny sparse and warm-up steps on a 4-chip v5p slice (fsdp:2,tensor:2) and the tiny sparse step on 8 H100s
+# (fsdp:2,tensor:2,seq:2); each fails if the compiled program holds no Pallas kernel, and the negative control (the
+# same TPU step with the plain-JAX attention) must fail that check.
+STEP_COMPILE := bench/abstract_step.py --compile --layers=2 --require_kernels
+test-step-compile: $(STAMP_TPU) $(STAMP_CUDA)
+	@set -eo pipefail; mkdir -p runs; t0=$$(date +%s); \
+	  $(PY_TPU) $(STEP_COMPILE) --config=sparse_tiny --platform=tpu --topology=v5p:2x2x1 --mesh=fsdp:2,tensor:2 --attention=kernel 2>&1 | grep -E "^(sparse|warmup|lowered|compiled|Pallas|FAILED)"; \
+	  $(PY_TPU) $(STEP_COMPILE) --config=warmup_tiny --platform=tpu --topology=v5p:2x2x1 --mesh=fsdp:2,tensor:2 --attention=kernel 2>&1 | grep -E "^(sparse|warmup|lowered|compiled|Pallas|FAILED)"; \
+	  $(PY_CUDA) $(STEP_COMPILE) --config=sparse_tiny --platform=gpu --mesh=fsdp:2,tensor:2,seq:2 --attention=kernel 2>&1 | grep -E "^(sparse|warmup|lowered|compiled|Pallas|FAILED)"; \
+	  if $(PY_TPU) $(STEP_COMPILE) --config=sparse_tiny --platform=tpu --topology=v5p:2x2x1 --mesh=fsdp:2,tensor:2 --attention=sparse > runs/step_compile_negative.log 2>&1; then \
+	    echo "FAILED: the negative control (attention=sparse) passed --require_kernels"; exit 1; fi; \
+	  grep -E "^FAILED" runs/step_compile_negative.log; \
+	  echo "test-step-compile: ok in $$(( $$(date +%s) - t0 )) s"
 
 # The fast suite (< 15 min on 2 cores); `make test-heavy` the integration checks CI also runs; `make test-slow` the
 # learning demos and production-size checks (hours in all).

@@ -197,7 +197,11 @@ def main(argv=None) -> int:
           f" GiB, outputs {ma.output_size_in_bytes / 2**30:.2f} GiB (aliased {ma.alias_size_in_bytes / 2**30:.2f}), "
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
     from dsv32_jax.kernels.inspect import compiled_kernels
-    kernels = compiled_kernels(compiled.as_text())
+    text = compiled.as_text()
+    if os.environ.get("DSV32_SAVE_HLO"):
+        with open(os.environ["DSV32_SAVE_HLO"], "w") as f:
+            f.write(text)
+    kernels = compiled_kernels(text)
     print(f"Pallas kernels in the compiled step ({a.platform}, {mesh.devices.flat[0].device_kind}): "
           f"{sum(kernels.values())} {dict(kernels)}", flush=True)
     if dump_dir:

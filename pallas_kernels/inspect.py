@@ -5,9 +5,10 @@
   unsharded_kernels(...)  the pallas_calls that GSPMD would have to partition: not inside a shard_map whose
                           manual axes cover every mesh axis of size > 1 (Mosaic refuses them, a Triton call would
                           be replicated)
-  compiled_kernels(text)  Pallas kernels in a compiled HLO module's text, by backend: "tpu" (Mosaic TPU
-                          `tpu_custom_call`), "triton" (`__gpu$xla.gpu.triton`), "mosaic_gpu" (Mosaic GPU custom
-                          calls). Interpret-mode kernels lower to plain HLO and count as none.
+  compiled_kernels(text)  Pallas kernels in a compiled HLO module's text (custom calls whose metadata names a
+                          pallas_call), by backend: "tpu" (Mosaic TPU `tpu_custom_call`), "triton"
+                          (`__gpu$xla.gpu.triton`), "mosaic_gpu" (Mosaic GPU custom calls). Interpret-mode kernels
+                          lower to plain HLO and count as none.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import jax
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def _subjaxprs(eqn):
@@ -70,9 +72,15 @@ def unsharded_kernels(jaxpr, mesh) -> list[str]:
 
 
 def compiled_kernels(hlo_text: str) -> collections.Counter:
-    """Counter of Pallas kernel custom calls in a compiled module's text (`compiled.as_text()`) by backend."""
+    """Counter of Pallas kernels in a compiled module's text (`compiled.as_text()`) by backend: custom calls whose
+    metadata names a `pallas_call` (XLA emits Mosaic TPU custom calls of its own, e.g. for `lax.ragged_dot`, which
+    do not count), "tpu" (`tpu_custom_call`), "triton" (`__gpu$xla.gpu.triton`), "mosaic_gpu"."""
     counts = collections.Counter()
-    for target in _TARGET.findall(hlo_text):
+    for line in hlo_text.splitlines():
+        target = _TARGET.search(line)
+        if target is None or "pallas_call" not in (_OP_NAME.search(line) or [""])[0]:
+            continue
+        target = target.group(1)
         if target == "tpu_custom_call":
             counts["tpu"] += 1
         elif "triton" in target:

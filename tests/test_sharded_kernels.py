@@ -241,3 +241,25 @@ def test_impl_follows_the_target_chip_not_the_host(monkeypatch):
         assert _dispatch.resolve_impl(None, backends) == want, platform
     monkeypatch.setenv(_dispatch.ENV_VAR, "interpret")  # an explicit preference still wins over the target
     assert _dispatch.resolve_impl(None, backends) == "interpret"
+
+
+def test_compiled_kernel_count_tells_pallas_from_xla_custom_calls():
+    """`compiled_kernels` counts custom calls that a pallas_call emitted (its metadata names it), not XLA's own
+    Mosaic custom calls (on TPU `lax.ragged_dot` lowers to `tpu_custom_call` too: a reference step compiled for a v5p
+    slice holds 22 of them and no Pallas kernel). Lines shaped like the compiled steps' HLO."""
+    from dsv32_jax.kernels.inspect import compiled_kernels
+
+    def call(target, op_name):
+        return (f'  %k = f32[8]{{0}} custom-call(f32[8]{{0}} %x), custom_call_target="{target}", '
+                f'metadata={{op_name="{op_name}" stack_frame_id=1}}, backend_config={{}}')
+
+    hlo = "\n".join([
+        call("tpu_custom_call", "jit(lm_train_step)/jvp()/shard_map/jit(_topk_tpu)/pallas_call"),
+        call("tpu_custom_call", "jit(lm_train_step)/jvp()/shard_map/cond/branch_0_fun/ragged_dot_general/ragged-dot-none"),
+        call("tpu_custom_call", "ragged-dot-metadata"),
+        call("__gpu$xla.gpu.triton", "jit(lm_train_step)/shard_map/jit(_forward)/pallas_call"),
+        call("mosaic_gpu_v2", "jit(step)/pallas_call"),
+        "  %add = f32[8]{0} add(f32[8]{0} %x, f32[8]{0} %x), metadata={op_name=\"pallas_call\"}",
+    ])
+    assert compiled_kernels(hlo) == {"tpu": 1, "triton": 1, "mosaic_gpu": 1}
+    assert not compiled_kernels("\n".join(hlo.splitlines()[1:3]))
