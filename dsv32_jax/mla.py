@@ -214,6 +214,12 @@ class HeadShards:
         """[b, t', ...] -> [b, t, ...] (all-gather over the axis)."""
         return jax.lax.all_gather(x, self.axis, axis=1, tiled=True) if self.tokens else x
 
+    def chunk(self, n: int | None) -> int | None:
+        """Query-chunk size for the work that runs on every head: a device handles 1 / size of the tokens with size
+        times the heads, so chunks of n / size queries keep the per-chunk intermediates ([chunk, heads, keys] of
+        the eq. 3 teacher and of the indexer scores) as large as the head-split computation's."""
+        return n if n is None or not self.tokens else max(1, n // self.size)
+
     def head_sum(self, x):
         """Sums over this device's heads [b, t, ...] -> sums over every head for this device's tokens [b, t', ...]
         (reduce-scatter; a psum when the tokens are not split)."""
@@ -251,13 +257,14 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
         if kernel:
             from dsv32_jax.kernels import indexer_topk as select
         sel_s = jax.lax.stop_gradient(select(qi_s, k_i, wi_s, qix_s, qseg_s, kv_segment, cfg.index_topk,
-                                             fp8=opts.indexer_fp8, q_chunk=opts.index_chunk, k_scale=k_scale))
+                                             fp8=opts.indexer_fp8, q_chunk=heads.chunk(opts.index_chunk),
+                                             k_scale=k_scale))
         if opts.dsa:
             aux["topk"] = heads.all_tokens(sel_s)
     if opts.indexer_loss == "dense":
         kl, captured = dense_indexer_kl(heads.all_heads(jax.lax.stop_gradient(q_lat)), kv_lat, scale, qi_s, k_i,
-                                        wi_s, qix_s, qseg_s, kv_segment, cfg.index_topk, q_chunk=opts.attn_chunk,
-                                        selection=sel_s if kernel else None)
+                                        wi_s, qix_s, qseg_s, kv_segment, cfg.index_topk,
+                                        q_chunk=heads.chunk(opts.attn_chunk), selection=sel_s if kernel else None)
         aux["indexer_kl"], aux["indexer_captured"] = heads.all_tokens(kl), heads.all_tokens(captured)
     if not opts.dsa or opts.attention == "dense":
         o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
@@ -277,7 +284,8 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
         from dsv32_jax.kernels import sparse_mla as sparse
     if opts.indexer_loss == "sparse":
         o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
-        kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s, q_chunk=opts.attn_chunk)
+        kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s,
+                               q_chunk=heads.chunk(opts.attn_chunk))
         aux["indexer_kl"] = heads.all_tokens(kl)
     else:
         o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
