@@ -68,6 +68,27 @@ def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
         AgentLearner(_config(rl_lr=-1.0), str(tmp_path / "c"))
 
 
+@pytest.mark.heavy
+def test_agent_resume_is_exact(tmp_path):
+    """Save / restore of the agent learner (params, optimizer, pi_ref), mirroring tests/test_grpo.py's
+    test_grpo_resume_is_exact: 4 GRPO steps (after a 2-step cold start) straight vs 2 steps, a checkpoint, and a new
+    learner resuming from it to step 4: the same losses, rewards and KL to pi_ref, bit for bit. Mutations: pi_ref not
+    restored (`restore_checkpoint` keeps the current policy as ref) -> the KL differs at step 3; the optimizer state
+    not restored -> the losses differ at step 4."""
+    def learner(workdir, steps, **extra):
+        c = _config(cold_start_steps=2, eval_every=100, eval_episodes=1, kl_weight=0.05, **extra)
+        c.steps, c.checkpoint.every, c.checkpoint.use_async = steps, 2, False
+        return AgentLearner(c, str(workdir))
+
+    straight = learner(tmp_path / "a", 4).fit()
+    learner(tmp_path / "b", 2).fit()
+    resumed = learner(tmp_path / "b", 4).fit()
+    assert [h["step"] for h in resumed] == [3, 4]
+    for a, b in zip(straight[2:], resumed):
+        for key in ("loss", "reward_mean", "kl"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
 def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
     """config.agent.drop_thinking: under "every_turn" (R1-style) every turn re-renders the history without the
     earlier turns' reasoning, so a cold-start demonstration becomes one training example per turn, none of which
