@@ -17,7 +17,8 @@ MLA_MODES = ("mqa", "mha")
 class RunOptions:
     # "sparse": gathered top-k rows in plain JAX (eq. 2, O(T*k)); "dense": masked dense reference;
     # "kernel": the Pallas kernels from `dsv32_jax.kernels` (pallas_kernels/) for the indexer selection
-    # (`indexer_topk`: FP8 quant, logits, top-k) and the sparse MLA.
+    # (`indexer_topk`: FP8 quant, logits, top-k) and the sparse MLA; on a mesh they run per device inside one
+    # shard_map over every mesh axis (`dsv32_jax.mla.kernel_parallel`), resolved for the mesh's chip.
     attention: str = "sparse"
     # Execution mode of the dense reference: absorbed MQA ("mqa") or decompressed per-head MHA ("mha").
     mla_mode: str = "mqa"
