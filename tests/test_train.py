@@ -106,13 +106,20 @@ def test_warmup_changes_only_the_indexer(stages):
 @pytest.mark.heavy
 @pytest.mark.xdist_group("stages")
 def test_sparse_stage_lowers_lm_loss(stages):
-    """Measured as above, 7 runs: LM loss 7.77-8.22 -> 2.81-3.41 over 40 steps (bound: a drop of 0.1); after the
-    window-shuffle change, 3 runs: 7.86-8.21 -> 3.21-3.42."""
+    """Mean of the first vs the last 5 of 40 steps. Measured over DSV32_TEST_SEED=0..9 (2026-11-27, 2-core CPU):
+    LM loss 7.85-8.31 -> 2.69-3.45, a drop of min 4.53, median 4.80, max 5.50 (bound: a drop of 3.5 and an end
+    below 4.0); the sparse indexer KL of eq. 4 0.57-0.63 -> 0.39-0.52, a ratio of min 0.675, median 0.74, max 0.856
+    (bound 0.93). Mutation: the KL's sign flipped in the sparse loss (train/steps.py `loss - indexer_weight * kl`):
+    KL 0.62 -> 4.47, fails. The KL left out of the loss (`+ 0.0 * kl`) still passes here (ratio 0.885 and 0.891 at
+    DSV32_TEST_SEED=0, 1: the main model's attention adapts to the selection), too close to the correct runs for a
+    bound: tests/test_sparse_objective.py catches it exactly."""
     h = stages["sparse_hist"]
     lm0, lm1 = window(h, "lm_loss", True), window(h, "lm_loss", False)
-    print(f"sparse: LM loss {lm0:.4f} -> {lm1:.4f}")
-    assert lm1 < lm0 - 0.1
-    assert all(np.isfinite(x["indexer_kl"]) for x in h)
+    kl0, kl1 = window(h, "indexer_kl", True), window(h, "indexer_kl", False)
+    print(f"sparse: LM loss {lm0:.4f} -> {lm1:.4f}, indexer KL {kl0:.4f} -> {kl1:.4f}")
+    assert all(np.isfinite(x["indexer_kl"]) and np.isfinite(x["lm_loss"]) for x in h)
+    assert lm1 < lm0 - 3.5 and lm1 < 4.0
+    assert kl1 < 0.93 * kl0
 
 
 @pytest.mark.heavy
