@@ -2,6 +2,11 @@
 lowers the assistant-token loss, a GRPO step over multi-turn trajectories runs with every stabilizer, the sampler's
 log-probs equal the trainer's at pi_old, and per-domain KL weights reach the batch."""
 
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -87,6 +92,43 @@ def test_agent_resume_is_exact(tmp_path):
     for a, b in zip(straight[2:], resumed):
         for key in ("loss", "reward_mean", "kl"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+AGENT_CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/agent_tiny.py", "--config.steps=6",
+             "--config.checkpoint.every=2", "--config.log_every=1", "--config.model_overrides.index_topk=16",
+             "--config.agent.cold_start_steps=2", "--config.agent.cold_start_batch=2", "--config.agent.eval_every=100",
+             "--config.agent.eval_episodes=1", "--config.agent.tasks_per_step=2", "--config.agent.group_size=2",
+             "--config.agent.max_new_tokens=12", "--config.agent.capacity=768", "--config.agent.kl_weight=0.05"]
+
+
+@pytest.mark.heavy
+def test_agent_resume_after_sigkill_matches_uninterrupted(tmp_path):
+    """The CLI mirror of tests/test_train.py's SIGKILL test for the agent stage: a run killed (SIGKILL) once its
+    step-2 checkpoint is on disk, rerun to step 6, logs the same per-step loss and reward as an uninterrupted run."""
+    from tests.test_train import ROOT, losses_by_step, wait_for_checkpoint
+
+    from dsv32_jax.train.metrics import read_jsonl
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
+    ref = str(tmp_path / "ref")
+    res = subprocess.run(AGENT_CLI + [f"--workdir={ref}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen(AGENT_CLI + [f"--workdir={run}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    wait_for_checkpoint(run, 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(losses_by_step(run)) < 6
+    res = subprocess.run(AGENT_CLI + [f"--workdir={run}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stdout + res.stderr
+    expected, got = losses_by_step(ref), losses_by_step(run)
+    assert sorted(got) == list(range(1, 7))
+    rewards = [{r["step"]: r["reward_mean"] for r in read_jsonl(os.path.join(d, "metrics.jsonl"))} for d in (ref, run)]
+    for step in range(1, 7):
+        assert got[step] == expected[step], f"step {step}: loss {got[step]} != {expected[step]}"
+        assert rewards[1][step] == rewards[0][step], f"step {step}: reward"
 
 
 def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
