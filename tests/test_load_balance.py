@@ -99,3 +99,30 @@ def test_bias_updates_drive_a_skewed_router_to_balance(rng):
     print(f"balance: max/mean load {before:.3f} -> {after:.3f}")
     assert before > 2.0
     assert after < 1.4
+
+
+def test_the_train_step_updates_the_bias_from_its_own_batchs_loads(tmp_path, rng):
+    """One dense-stage step (one MoE layer, bias_update_speed 1e-2): each expert's bias moves by exactly
+    +-0.01 or 0, by the sign of (mean load - its load), the loads counted in numpy from the routing of the step's
+    batch (real tokens only) under the parameters the step started from. Mutation: the step applying
+    `bias - speed * sign(...)` fails (all 8 experts), as does the sign flipped in losses.bias_update."""
+    from test_microbatch import random_batch, step_fn, tiny_config
+
+    from dsv32_jax.train.trainer import Trainer
+
+    c = tiny_config("dense", mtp=False)
+    c.loss.mtp_weight, c.loss.balance_weight = 0.0, 0.0
+    trainer = Trainer(c, str(tmp_path / "w"), allocate=False)
+    model, opt = trainer._build()
+    graphdef, state = nnx.split((model, opt))
+    batch = {k: jnp.asarray(v) for k, v in random_batch(rng, trainer.cfg.vocab_size).items()}
+    _, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"], return_aux=True)
+    ids = np.asarray(aux["routing"][0])
+    real = np.asarray(batch["segment_ids"]) > 0
+    e = trainer.cfg.n_routed_experts
+    load = np.bincount(ids[real].reshape(-1), minlength=e).astype(np.float64)
+    bias0 = np.asarray(model.layers[0].ffn.bias[...])
+    new_state, _ = step_fn(trainer, graphdef, 1)(state, batch)
+    bias1 = np.asarray(nnx.merge(graphdef, new_state)[0].layers[0].ffn.bias[...])
+    assert np.any(load != load.mean())
+    np.testing.assert_allclose(bias1 - bias0, 0.01 * np.sign(load.mean() - load), atol=1e-7)
