@@ -104,7 +104,9 @@ AGENT_CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/age
 @pytest.mark.heavy
 def test_agent_resume_after_sigkill_matches_uninterrupted(tmp_path):
     """The CLI mirror of tests/test_train.py's SIGKILL test for the agent stage: a run killed (SIGKILL) once its
-    step-2 checkpoint is on disk, rerun to step 6, logs the same per-step loss and reward as an uninterrupted run."""
+    step-2 checkpoint is on disk, rerun to step 6, logs the same per-step loss and reward as an uninterrupted run.
+    Mutation: pi_ref not restored (`restore_checkpoint` takes the restored policy as pi_ref) -> the loss differs at
+    step 3 (8.1e-5 vs 2.4e-4). 117-164 s on 2 shared cores."""
     from tests.test_train import ROOT, losses_by_step, wait_for_checkpoint
 
     from dsv32_jax.train.metrics import read_jsonl
