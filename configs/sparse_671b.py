@@ -4,7 +4,9 @@ KL on its selected set with detached inputs (eq. 4); lr 7.3e-6, 15000 steps x 48
 sequence over seq:16, heads / hidden units over tensor:4; 15 microbatches (one sequence per fsdp shard per forward
 + backward); the routed experts' weights and AdamW moments split over fsdp x tensor x seq (2048-way), the rest
 128-way. Fits an 80 GB device: the full 61-layer step (MoE blocks scanned) compiled for a deviceless H100 topology
-needs 5.57 GiB of arguments + 28.56 GiB temp = 34.1 GiB per device (BENCHMARKS.md, "The 671B recipes")."""
+needs 5.57 GiB of arguments + 28.56 GiB temp = 34.1 GiB per device with the plain-JAX attention (BENCHMARKS.md,
+"The 671B recipes") and 5.57 + 28.93 = 34.5 GiB with the Pallas kernels it runs (attention="kernel", compiled for
+the H100s: "Kernels in the sharded steps")."""
 from dsv32_jax.train.config import default_config
 
 
