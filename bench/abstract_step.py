@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="", help="override config.attention (sparse | kernel | dense)")
     p.add_argument("--batch", type=int, default=0, help="override config.data.batch_size")
     p.add_argument("--seq_len", type=int, default=0, help="override config.data.seq_len")
+    p.add_argument("--save_hlo", default="", help="with --compile: write the compiled step's HLO text there")
     p.add_argument("--require_kernels", action="store_true",
                    help="with --compile: exit 1 if the compiled step holds no Pallas kernel")
     p.add_argument("--breakdown", type=int, default=0,
@@ -198,8 +199,8 @@ def main(argv=None) -> int:
           f"temp {ma.temp_size_in_bytes / 2**30:.2f} GiB", flush=True)
     from dsv32_jax.kernels.inspect import compiled_kernels
     text = compiled.as_text()
-    if os.environ.get("DSV32_SAVE_HLO"):
-        with open(os.environ["DSV32_SAVE_HLO"], "w") as f:
+    if a.save_hlo:
+        with open(a.save_hlo, "w") as f:
             f.write(text)
     kernels = compiled_kernels(text)
     print(f"Pallas kernels in the compiled step ({a.platform}, {mesh.devices.flat[0].device_kind}): "

@@ -45,8 +45,8 @@ def tree_err(x, y):
 
 def check_placement(fn, mesh, *args):
     with shd.use_mesh(mesh):
-        calls = pallas_calls(jax.make_jaxpr(fn)(*args))
-        outside = unsharded_kernels(jax.make_jaxpr(fn)(*args), mesh)
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    calls, outside = pallas_calls(jaxpr), unsharded_kernels(jaxpr, mesh)
     assert calls and not outside, (len(calls), outside)
     return len(calls)
 """
