@@ -59,26 +59,11 @@ MIB = 1 << 20
 
 
 # ------------------------------------------------------------------------------------------------- the cases
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-    name: str
-    queries: int
-    heads: int
-    d_qk: int
-    d_v: int
-    topk: int
-    index_heads: int
-    index_dim: int
-    keys: tuple[int, ...]
-    q_chunk: int
+# The shapes of tools/gpu_compile/gpu_compile.py (one definition): production (H 128, Dqk 576 = 512 + 64, k 2048,
+# indexer 64 x 128) and the tiny test model (4 heads, 32 + 8 latent dims, top-8) with a 4 x 128 indexer.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu_compile"))
+from gpu_compile import PROD, TINY, Shapes  # noqa: E402  (stdlib-only at import)
 
-
-# The shapes of tools/gpu_compile/gpu_compile.py: production (H 128, Dqk 576 = 512 + 64, k 2048, indexer 64 x 128)
-# and the tiny test model (4 heads, 32 + 8 latent dims, top-8) with a 4 x 128 indexer (hadamard_quant rotates 128).
-PROD = Shapes("prod", queries=4096, heads=128, d_qk=576, d_v=512, topk=2048, index_heads=64, index_dim=128,
-              keys=(8192, 131072), q_chunk=256)
-TINY = Shapes("tiny", queries=16, heads=4, d_qk=40, d_v=32, topk=8, index_heads=4, index_dim=128, keys=(64,),
-              q_chunk=8)
 SHAPES = {s.name: s for s in (PROD, TINY)}
 
 
