@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     import numpy as np
     from jax.sharding import AbstractMesh, AxisType, Mesh
 
-    from dsv32_jax import sharding as shd
+    from dsv32_jax.model import sharding as shd
     from dsv32_jax.train import steps
     from dsv32_jax.train.config import base_config, check_batch_mesh
     from dsv32_jax.train.optimizer import learning_rate_schedule

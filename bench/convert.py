@@ -1,4 +1,4 @@
-"""Checkpoint-conversion benchmark: peak host memory and throughput of `python -m dsv32_jax.convert` on a synthetic
+"""Checkpoint-conversion benchmark: peak host memory and throughput of `python -m dsv32_jax.checkpoint.convert` on a synthetic
 multi-shard FP8 checkpoint of a mid-size config (several GB on disk; kept under --workdir, never in the repo).
 
 Every conversion runs in a child process; its peak RSS is that child's ru_maxrss (os.wait4). The fixed overhead is
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import numpy as np  # noqa: E402
 
-from dsv32_jax.config import load_preset  # noqa: E402
+from dsv32_jax.model.config import load_preset  # noqa: E402
 
 PRESETS = {
     # hidden 2048, 8 layers (1 dense + 7 MoE) + MTP, 64 experts of width 1024: ~4.0 GB as FP8, ~8 GB as bf16
@@ -51,7 +51,7 @@ def preset_config(name: str):
 
 def stored_group_bytes(orbax_dir: str) -> dict[str, int]:
     """Bytes of each group (globals, layers.i, mtp.j) as stored in an orbax checkpoint (from its metadata)."""
-    from dsv32_jax import orbax_io
+    from dsv32_jax.checkpoint import orbax_io
 
     reader = orbax_io.ParamsReader(orbax_dir)
     out: dict[str, int] = {}
@@ -63,7 +63,7 @@ def stored_group_bytes(orbax_dir: str) -> dict[str, int]:
 
 def disk_group_bytes(hf_dir: str, num_hidden_layers: int) -> dict[str, int]:
     """Bytes of each group in an HF checkpoint (layer >= num_hidden_layers: MTP)."""
-    from dsv32_jax.safetensors_io import HFCheckpoint
+    from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint
 
     ckpt = HFCheckpoint(hf_dir)
     out: dict[str, int] = {}
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     print(f"fixed overhead (tiny conversion child, jitted kernels): peak RSS {overhead / 2**20:.0f} MiB")
 
     out = os.path.join(a.workdir, f"orbax_{a.preset}_{a.dtype}")
-    imp = run_child([py, "-m", "dsv32_jax.convert", "hf-to-orbax", f"--hf_dir={src}", f"--out={out}",
+    imp = run_child([py, "-m", "dsv32_jax.checkpoint.convert", "hf-to-orbax", f"--hf_dir={src}", f"--out={out}",
                      f"--dtype={a.dtype}", "--include_mtp", "--overwrite"])
     out_bytes = dir_bytes(out)
     stored = stored_group_bytes(out)
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     print(imp["stderr"].strip().splitlines()[-1] if imp["stderr"].strip() else "")
     if a.export:
         back = os.path.join(a.workdir, f"hf_back_{a.preset}")
-        exp = run_child([py, "-m", "dsv32_jax.convert", "orbax-to-hf", f"--ckpt={out}", f"--out={back}", "--fp8",
+        exp = run_child([py, "-m", "dsv32_jax.checkpoint.convert", "orbax-to-hf", f"--ckpt={out}", f"--out={back}", "--fp8",
                          f"--shard_size_gb={a.shard_size_gb}", "--overwrite"])
         back_bytes = dir_bytes(back)
         results["export_fp8"] = {"seconds": exp["seconds"], "peak_rss_mib": exp["peak_rss"] / 2**20,

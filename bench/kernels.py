@@ -35,8 +35,8 @@ if importlib.util.find_spec("dsv32_jax") is None:  # not installed: the source t
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # which needs the install)
 
 from dsv32_jax import kernels  # noqa: E402
-from dsv32_jax import attention  # noqa: E402
-from dsv32_jax.indexer import quantize_indexer  # noqa: E402
+from dsv32_jax.model import attention  # noqa: E402
+from dsv32_jax.model.indexer import quantize_indexer  # noqa: E402
 from dsv32_jax.kernels.indexer_logits import indexer_logits_reference  # noqa: E402
 from dsv32_jax.kernels.topk import topk_reference  # noqa: E402
 

@@ -35,9 +35,9 @@ from jax._src.ad_checkpoint import saved_residuals  # what jax.ad_checkpoint.pri
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv32_jax.config import load_preset  # noqa: E402
-from dsv32_jax.model import Transformer, _block_call  # noqa: E402
-from dsv32_jax.options import RunOptions  # noqa: E402
+from dsv32_jax.model.config import load_preset  # noqa: E402
+from dsv32_jax.model.transformer import Transformer, _block_call  # noqa: E402
+from dsv32_jax.model.options import RunOptions  # noqa: E402
 from dsv32_jax.train.optimizer import trainable_filter  # noqa: E402
 
 STAGES = ("dense", "warmup", "sparse")

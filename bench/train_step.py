@@ -65,7 +65,7 @@ def run_case(args) -> dict:
         metrics = jax.block_until_ready(trainer.train_step(batch))
         times.append(time.perf_counter() - t0)
     stats = jax.devices()[0].memory_stats() or {}
-    from dsv32_jax import sharding as shd
+    from dsv32_jax.model import sharding as shd
     from dsv32_jax.kernels.inspect import pallas_calls
     with shd.use_mesh(trainer.mesh):  # the Pallas kernels in the step that ran (0: reference / dense)
         kernels = pallas_calls(jax.make_jaxpr(trainer._step_fn)(trainer.ts.state, trainer.device_batch(batch)))

@@ -1,7 +1,7 @@
 """CPU learning demo of agentic post-training on the key-value lookup environment (`make agent-demo`).
 
 From random initialization, three phases in step 0 of stage "agent" (train/agent_grpo.py), then GRPO:
-1. recall stage (`agent.recall_steps`): 800 steps of 64 raw "span" sequences (dsv32_jax/agent/recall.py: 1-2 marked
+1. recall stage (`agent.recall_steps`): 800 steps of 64 raw "span" sequences (dsv32_jax/posttrain/agent/recall.py: 1-2 marked
    spans, random strings of 1-8 of the characters of lookup keys and values encoded by the BPE (with its merges,
    "sew" -> "se" "w", as a key in a task is), each copied again after its marker at a random distance, half the
    sequences with decoy markers, loss on every copied token), the tiny model's stand-in for the pretrained

@@ -12,7 +12,7 @@ def get_config():
     c = default_config()
     c.stage = "warmup"
     c.model = "deepseek_v32_671b"
-    c.init_from = ""  # the converted V3.1-Terminus checkpoint (python -m dsv32_jax.convert hf-to-orbax ...)
+    c.init_from = ""  # the converted V3.1-Terminus checkpoint (python -m dsv32_jax.checkpoint.convert hf-to-orbax ...)
     c.dtype = "bfloat16"
     c.param_dtype = "bfloat16"
     c.mesh = "fsdp:16,tensor:8,seq:16"  # batch 16 = fsdp:16 (data:4,fsdp:32,expert:16 would split it 2048 ways)

@@ -11,7 +11,7 @@ impl values:
   "interpret_tpu" the TPU kernel body run in Pallas' TPU interpret mode (`pltpu.InterpretParams`: DMAs,
                 semaphores and SMEM/VMEM simulated on CPU), for ops that have a TPU kernel.
 impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform of the
-device the trace targets (`target_device`: the active `dsv32_jax.sharding.use_mesh` mesh's devices, else
+device the trace targets (`target_device`: the active `dsv32_jax.model.sharding.use_mesh` mesh's devices, else
 `jax.default_device`, else the default backend's; so a step compiled for a deviceless TPU or H100 topology on a CPU
 host gets that chip's kernels): gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference". Those are process-wide preferences: an op
 without a kernel for the preferred backend, or inputs (shapes, dtypes) that backend cannot serve, runs its
@@ -48,9 +48,9 @@ _PLATFORM_IMPL = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"
 
 def target_device():
     """The device the code being traced is compiled for: the first device of the active mesh
-    (`dsv32_jax.sharding.use_mesh` with a concrete `jax.sharding.Mesh`, e.g. of deviceless TPU / GPU topology
+    (`dsv32_jax.model.sharding.use_mesh` with a concrete `jax.sharding.Mesh`, e.g. of deviceless TPU / GPU topology
     devices), else `jax.default_device`'s, else the default backend's first device (None if there is none)."""
-    from dsv32_jax.sharding import current_mesh  # the math layer; imported late (kernels import this module early)
+    from dsv32_jax.model.sharding import current_mesh  # the math layer; imported late (kernels import this module early)
     mesh = current_mesh()
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0]

@@ -1,8 +1,8 @@
 """Hadamard rotation + e4m3 quantization of the indexer's q and k (reference_spec.md 5.2 steps 3-4, 5.3).
 
 One row = one 128-dim vector (a q head of a token, or a token's k): y = x @ H_128 * 128^-1/2 rounded to x's dtype
-(as `dsv32_jax.fp8.hadamard_rotate`), then one power-of-two (ue8m0) scale per row and e4m3 codes
-(`dsv32_jax.fp8.act_quant` with block = 128).
+(as `dsv32_jax.model.fp8.hadamard_rotate`), then one power-of-two (ue8m0) scale per row and e4m3 codes
+(`dsv32_jax.model.fp8.act_quant` with block = 128).
 
 Kernel: rows are tiled [BR, 128]; the rotation is one MMA against the +-1 Sylvester matrix (exact in bf16 for bf16
 inputs, IEEE fp32 FMA for fp32 inputs) followed by the 128^-1/2 scale, the row amax, the exponent bit trick for
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsv32_jax.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
+from dsv32_jax.model.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 DIM = 128

@@ -2,7 +2,7 @@
 
     I[t, s] = k_scale[s] * sum_h w'[t, h] * ReLU(q_fp8[t, h] . k_fp8[s])    for s in [start_t, end_t), else -inf
 
-with the q scales and all constants folded into w' (`dsv32_jax.indexer.quantize_indexer`).
+with the q scales and all constants folded into w' (`dsv32_jax.model.indexer.quantize_indexer`).
 
 Kernel (Pallas, Triton backend): one program per (batch, block of BQ query tokens); q (BQ x H x D e4m3) and w'
 stay resident while the program walks the key axis in blocks of BK rows (DeepGEMM's q-resident layout, the K
@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from dsv32_jax.indexer import index_scores_fp8
+from dsv32_jax.model.indexer import index_scores_fp8
 from dsv32_jax.kernels import indexer_logits_mgpu as mgpu_kernel
 from dsv32_jax.kernels._dispatch import target_device, next_pow2, resolve_impl, round_up, tpu_interpret_params
 
@@ -215,7 +215,7 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     pallas_gpu picks that kernel on compute capability >= 9.0 when the shapes allow, else the Triton kernel;
     pallas_gpu and interpret (Triton kernel; block_q query rows x block_k keys, default 2 x 128),
     pallas_tpu and interpret_tpu (Mosaic kernel; block_q rows x block_k keys with block_q a multiple of 8, default
-    8 x 512, block_k a multiple of 128); CPU runs the reference (`dsv32_jax.indexer.index_scores_fp8`).
+    8 x 512, block_k a multiple of 128); CPU runs the reference (`dsv32_jax.model.indexer.index_scores_fp8`).
     """
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")

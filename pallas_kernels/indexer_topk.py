@@ -1,6 +1,6 @@
 """Lightning indexer scoring + top-k selection, chunked over queries (the model's composition, eq. 1).
 
-Same contract as `dsv32_jax.indexer.indexer_topk`: k = min(topk, S) keys per query among the visible ones
+Same contract as `dsv32_jax.model.indexer.indexer_topk`: k = min(topk, S) keys per query among the visible ones
 (causal and same segment), -1 for empty slots. Kernel path: `hadamard_quant` for q and k (fp8=True; k may come
 already quantized with its scales, e.g. from a decode cache), q scales folded into w, `indexer_logits` with per-row
 key ranges [segment start, q_index + 1) (blocks outside are skipped and read as -inf), then the radix-select
@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv32_jax import indexer as ref_indexer
-from dsv32_jax.attention import map_query_chunks, visible
+from dsv32_jax.model import indexer as ref_indexer
+from dsv32_jax.model.attention import map_query_chunks, visible
 from dsv32_jax.kernels._dispatch import resolve_impl
 from dsv32_jax.kernels.hadamard_quant import DIM as HADAMARD_DIM
 from dsv32_jax.kernels.hadamard_quant import hadamard_quant
@@ -58,9 +58,9 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
                  q_chunk: int | None = 128, impl: str | None = None, logits_dtype=jnp.float32, k_scale=None):
     """q [B, T, H_I, D], k [B, S, D], w [B, T, H_I] (constants folded) -> top-k key indices [B, T, min(topk, S)].
 
-    With fp8, k may be given already quantized (Hadamard-rotated e4m3 codes, `dsv32_jax.indexer.quantize_keys`)
+    With fp8, k may be given already quantized (Hadamard-rotated e4m3 codes, `dsv32_jax.model.indexer.quantize_keys`)
     with k_scale [B, S] (a decode cache). Backends: pallas_gpu, interpret (the GPU kernels above); pallas_tpu,
-    interpret_tpu (their TPU kernels); elsewhere the reference `dsv32_jax.indexer.indexer_topk`. The fp8 path
+    interpret_tpu (their TPU kernels); elsewhere the reference `dsv32_jax.model.indexer.indexer_topk`. The fp8 path
     quantizes with the `hadamard_quant` kernel, which needs D = 128: other D raise with an explicit impl and
     use the reference quantization with impl=None. Not differentiable (integer output).
     """

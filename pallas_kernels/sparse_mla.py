@@ -1,6 +1,6 @@
 """Gathered sparse MLA (absorbed MQA mode, eq. 2): forward, backward and the head-summed probabilities (eq. 4).
 
-Semantics are `dsv32_jax.attention.sparse_mla`: q [B, T, H, Dqk], kv [B, S, Dqk] (value = first d_v dims),
+Semantics are `dsv32_jax.model.attention.sparse_mla`: q [B, T, H, Dqk], kv [B, S, Dqk] (value = first d_v dims),
 topk_idx [B, T, K]; slots that are -1 or >= S contribute nothing, duplicates count twice, a row with no valid slot
 gives out = 0 and lse = -inf; lse is a natural log.
 
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dsv32_jax import attention
+from dsv32_jax.model import attention
 from dsv32_jax.kernels import sparse_mla_tpu
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
@@ -424,7 +424,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
     too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
     pallas_tpu and interpret_tpu (Mosaic TPU kernels, `sparse_mla_tpu`); CPU runs the reference
-    `dsv32_jax.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
+    `dsv32_jax.model.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
     Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 32: 64 x 64 needs 221,440 B of shared memory
     (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq and dkv programs hold bwd_block_h
     heads per step, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers

@@ -1,6 +1,6 @@
 """Exact per-row top-k (k up to 2048 over 128K+ candidates) by threshold/radix select, without a sort.
 
-Semantics = `dsv32_jax.indexer.select_topk`: per row, the k largest values among the candidates -- columns below
+Semantics = `dsv32_jax.model.indexer.select_topk`: per row, the k largest values among the candidates -- columns below
 the row's valid length whose value is > -inf -- with ties broken towards the lower index (as `jax.lax.top_k`);
 slots beyond the number of candidates are -1. The order of the returned indices is unspecified (the kernel
 returns them in ascending column order).
@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from dsv32_jax.indexer import select_topk
+from dsv32_jax.model.indexer import select_topk
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 INT_MIN = -(2**31)

@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from dsv32_jax import chat
-from dsv32_jax.agent import (GuessPolicy, OraclePolicy, RandomPolicy, ScriptedPolicy, extractive_summary, format_call,
+from dsv32_jax.posttrain import chat
+from dsv32_jax.posttrain.agent import (GuessPolicy, OraclePolicy, RandomPolicy, ScriptedPolicy, extractive_summary, format_call,
                              manage, over_budget, run_episode)
-from dsv32_jax.agent.context import STRATEGIES, parse_summary, split_summary
-from dsv32_jax.agent.episode import chat_tools, completion_text
-from dsv32_jax.agent.evaluate import VerbosePolicy, format_table, success_vs_budget, visible_facts
-from dsv32_jax.chat import Assistant, System, ToolCall, ToolResult, User
-from dsv32_jax.envs import CHARSET, in_charset, make_env
+from dsv32_jax.posttrain.agent.context import STRATEGIES, parse_summary, split_summary
+from dsv32_jax.posttrain.agent.episode import chat_tools, completion_text
+from dsv32_jax.posttrain.agent.evaluate import VerbosePolicy, format_table, success_vs_budget, visible_facts
+from dsv32_jax.posttrain.chat import Assistant, System, ToolCall, ToolResult, User
+from dsv32_jax.posttrain.envs import CHARSET, in_charset, make_env
 
 CODEC = chat.TinyCodec.printable()
 ENV_NAMES = ("lookup", "calculator", "trip")
@@ -348,7 +348,7 @@ def test_agent_imports_neither_jax_nor_numpy():
     import ast
     import os
 
-    import dsv32_jax.agent as agent
+    import dsv32_jax.posttrain.agent as agent
     folder = os.path.dirname(agent.__file__)
     model_side = {"rollout.py"}  # the batched driver over the JAX sampler; everything else is host-side
     for name in sorted(os.listdir(folder)):
@@ -363,9 +363,9 @@ def test_agent_imports_neither_jax_nor_numpy():
 
 @pytest.mark.parametrize("kind", ["repeat", "recall", "quote"])
 def test_recall_examples_train_only_on_an_answer_copied_from_the_context(kind):
-    """The recall stage's data (dsv32_jax/agent/recall.py): the loss mask covers exactly the answer + EOS, and the
+    """The recall stage's data (dsv32_jax/posttrain/agent/recall.py): the loss mask covers exactly the answer + EOS, and the
     answer is a string of the user message (nothing but copying predicts it); deterministic per seed."""
-    from dsv32_jax.agent.recall import recall_examples, recall_messages
+    from dsv32_jax.posttrain.agent.recall import recall_examples, recall_messages
 
     codec = chat.load_tokenizer()
     examples = recall_examples(7, 6, codec, kinds=(kind,))
@@ -387,7 +387,7 @@ def test_recall_induction_kind_is_a_raw_repeat_of_single_character_tokens_with_l
     """The "induction" kind (BENCHMARKS.md's positive control as data): BOS + n single-character tokens (the
     characters lookup keys and values are made of) + the same n again, loss on exactly the second copy; mixes with
     the chat kinds; deterministic per seed."""
-    from dsv32_jax.agent.recall import INDUCTION_CHARS, induction_alphabet, recall_examples
+    from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, induction_alphabet, recall_examples
 
     codec = chat.load_tokenizer()
     alphabet = induction_alphabet(codec)
@@ -409,7 +409,7 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
     varies (a fixed-offset head cannot solve it, unlike the induction kind); a copy is a string the codec encodes
     to exactly those tokens, so the BPE's merges occur ("sew" -> "se" "w", as in a lookup key); works with both
     codecs; deterministic per seed."""
-    from dsv32_jax.agent.recall import induction_alphabet, recall_examples, word_alphabet
+    from dsv32_jax.posttrain.agent.recall import induction_alphabet, recall_examples, word_alphabet
 
     for codec in (chat.load_tokenizer(), chat.TinyCodec.printable()):
         alphabet = set(word_alphabet(codec))
@@ -448,8 +448,8 @@ def test_recall_span_kind_copies_marked_spans_from_varying_distances():
 
 
 def test_near_miss_changes_one_string_argument_by_one_edit():
-    from dsv32_jax.agent import near_miss
-    from dsv32_jax.envs import ToolCall as EnvCall
+    from dsv32_jax.posttrain.agent import near_miss
+    from dsv32_jax.posttrain.envs import ToolCall as EnvCall
 
     rng = random.Random(0)
     seen = set()
@@ -466,8 +466,8 @@ def test_near_miss_changes_one_string_argument_by_one_edit():
 def test_recovery_demonstration_trains_the_retry_not_the_mistake():
     """A wrong first call (loss mask 0), its tool error in the context, then the oracle's calls and answer (loss
     mask 1 on exactly those completions); the episode succeeds."""
-    from dsv32_jax.agent import recovery_demonstration
-    from dsv32_jax.agent.episode import completion_text
+    from dsv32_jax.posttrain.agent import recovery_demonstration
+    from dsv32_jax.posttrain.agent.episode import completion_text
 
     codec = chat.load_tokenizer()
     env = make_env("lookup", sum_fraction=0.0)
@@ -494,7 +494,7 @@ def test_recovery_demonstration_trains_the_retry_not_the_mistake():
 
 def toolbox_env(instructions="answer with the integer only."):
     """A lookup env plus tools that crash, return a set, return chat markup and a character the codec lacks."""
-    from dsv32_jax.envs import LookupEnv, Tool
+    from dsv32_jax.posttrain.envs import LookupEnv, Tool
 
     schema = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
 

@@ -139,7 +139,7 @@ def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
     shows an earlier turn's reasoning, each training exactly that turn's completion; under the default
     ("after_user", V3.2) the whole episode is one example whose last turn sees the first turn's reasoning. The same
     setting reaches the rollouts' episodes. An unknown value is refused naming the field."""
-    from dsv32_jax.envs import make_env
+    from dsv32_jax.posttrain.envs import make_env
 
     seed = 7
     env = make_env("lookup")
@@ -303,7 +303,7 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
                                          r"'lookup' \(seed 0\) has \d+ tokens .* config.agent.max_new_tokens=12"):
         AgentLearner(_config(capacity=300), str(tmp_path))
     (tmp_path / "accented_env.py").write_text(
-        "from dsv32_jax.envs import LookupEnv\n\nclass Accented(LookupEnv):\n    name = 'accented'\n"
+        "from dsv32_jax.posttrain.envs import LookupEnv\n\nclass Accented(LookupEnv):\n    name = 'accented'\n"
         "    instructions = 'r\u00e9ponds.'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"config.agent.envs / config.agent.codec='tiny': environment 'accented' "
@@ -317,12 +317,12 @@ def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
     """The defaults, model "tiny" (256 ids) with codec "tiny" (113): the learner's samplers never emit an id the codec
     lacks (the first rollout used to die with "TinyCodec: id 161 outside the vocabulary"); environments by import path
     take env_kwargs by the class's name."""
-    c = _config(codec="tiny", envs=["dsv32_jax.envs.lookup:LookupEnv"], capacity=2048)
+    c = _config(codec="tiny", envs=["dsv32_jax.posttrain.envs.lookup:LookupEnv"], capacity=2048)
     c.model_overrides["vocab_size"] = 256
     c.agent.env_kwargs = {"lookup": {"max_steps": 2}}
     lrn = AgentLearner(c, str(tmp_path))
     assert lrn.sampling.vocab_size == lrn.greedy.vocab_size == 113
-    assert lrn.make_env("dsv32_jax.envs.lookup:LookupEnv").max_steps == 2
+    assert lrn.make_env("dsv32_jax.posttrain.envs.lookup:LookupEnv").max_steps == 2
     _, stats = lrn.rollout(0)
     assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts"} <= set(stats)
 

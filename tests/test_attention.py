@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
-from dsv32_jax import attention
+from dsv32_jax.model import attention
 
 
 def numpy_sparse_mla(q, kv, idx, scale, d_v):

@@ -1,13 +1,13 @@
-"""dsv32_jax.chat: the DeepSeek-V3.2 chat encoding. Golden strings are written by hand from the format (the package
-docstring, dsv32_jax/chat/__init__.py), not copied from the encoder; masks are checked by decoding the masked tokens;
+"""dsv32_jax.posttrain.chat: the DeepSeek-V3.2 chat encoding. Golden strings are written by hand from the format (the package
+docstring, dsv32_jax/posttrain/chat/__init__.py), not copied from the encoder; masks are checked by decoding the masked tokens;
 data (system, user, tool results, schemas, assistant text) is plain text in both codecs."""
 
 import json
 
 import pytest
 
-from dsv32_jax import chat
-from dsv32_jax.chat import Assistant, ChatFormatError, System, Tool, ToolCall, ToolResult, User
+from dsv32_jax.posttrain import chat
+from dsv32_jax.posttrain.chat import Assistant, ChatFormatError, System, Tool, ToolCall, ToolResult, User
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from dsv32_jax import ConfigError, ModelConfig, Transformer, load_preset
-from dsv32_jax.config import preset_path
+from dsv32_jax.model.config import preset_path
 
 PRESETS = ["tiny", "small", "deepseek_v32_671b"]
 

@@ -21,12 +21,12 @@ from test_convert_helpers import (INDEX, ROOT, compare_checkpoints, copy_checkpo
 
 import dsv32_jax
 from dsv32_jax import CheckpointError, ConfigError, load_preset
-from dsv32_jax import fp8_weights, orbax_io
-from dsv32_jax.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
-from dsv32_jax.fp8_weights import dequant_fp8, quantize_fp8
-from dsv32_jax.safetensors_io import ShardedSafetensorsWriter
-from dsv32_jax.hf import hf_inventory, tensor_specs
-from dsv32_jax.safetensors_io import HFCheckpoint
+from dsv32_jax.checkpoint import fp8_weights, orbax_io
+from dsv32_jax.checkpoint.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
+from dsv32_jax.checkpoint.fp8_weights import dequant_fp8, quantize_fp8
+from dsv32_jax.checkpoint.safetensors_io import ShardedSafetensorsWriter
+from dsv32_jax.checkpoint.hf import hf_inventory, tensor_specs
+from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint
 
 TINY = load_preset("tiny")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -125,7 +125,7 @@ def test_671b_inventory_matches_official_without_allocating():
 def test_mapping_covers_every_model_variable():
     from flax import nnx
 
-    from dsv32_jax.model import Transformer
+    from dsv32_jax.model.transformer import Transformer
 
     model = nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0)))
     leaves = {tuple(p) for p, _ in orbax_io.flatten_pure(nnx.to_pure_dict(nnx.state(model)))}
@@ -623,7 +623,7 @@ def test_interrupted_export_leaves_no_complete_directory(tmp_path, orbax_fp8, mo
 
 # ------------------------------------------------------------------------------------------------------- CLI
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "dsv32_jax.convert", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dsv32_jax.checkpoint.convert", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -658,8 +658,8 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 import dsv32_jax
-from dsv32_jax import orbax_io
-from dsv32_jax.convert import hf_to_orbax
+from dsv32_jax.checkpoint import orbax_io
+from dsv32_jax.checkpoint.convert import hf_to_orbax
 src, out = sys.argv[1:3]
 assert len(jax.devices()) == 8
 hf_to_orbax(src, out, dtype="float8", include_mtp=True, mesh="fsdp:2,tensor:4", progress=False)

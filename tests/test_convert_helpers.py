@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from make_synthetic_checkpoint import make_synthetic_checkpoint  # noqa: E402,F401
 
-from dsv32_jax.safetensors_io import write_safetensors  # noqa: E402
-from dsv32_jax.safetensors_io import HFCheckpoint, SafetensorsFile  # noqa: E402
+from dsv32_jax.checkpoint.safetensors_io import write_safetensors  # noqa: E402
+from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint, SafetensorsFile  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_convert_helpers import ROOT, leftovers, make_synthetic_checkpoint
 
-from dsv32_jax import orbax_io
+from dsv32_jax.checkpoint import orbax_io
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -43,7 +43,7 @@ def test_peak_memory_within_two_layers(tmp_path):
 
 def test_killed_conversion_leaves_no_complete_directory(tmp_path, mid_small):
     out = str(tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv32_jax.convert", "hf-to-orbax", f"--hf_dir={mid_small}",
+    proc = subprocess.Popen([sys.executable, "-m", "dsv32_jax.checkpoint.convert", "hf-to-orbax", f"--hf_dir={mid_small}",
                              f"--out={out}", "--include_mtp", "--noprogress"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tmp = f"{out}.tmp-{proc.pid}"
@@ -60,7 +60,7 @@ def test_killed_conversion_leaves_no_complete_directory(tmp_path, mid_small):
     assert leftovers(out) == [os.path.basename(tmp)]
     assert not orbax_io.is_orbax_checkpoint(tmp) and not os.path.exists(os.path.join(tmp, orbax_io.META_FILE))
     # a new run is not disturbed by the stale temporary directory and produces a complete checkpoint
-    r = subprocess.run([sys.executable, "-m", "dsv32_jax.convert", "hf-to-orbax", f"--hf_dir={mid_small}",
+    r = subprocess.run([sys.executable, "-m", "dsv32_jax.checkpoint.convert", "hf-to-orbax", f"--hf_dir={mid_small}",
                         f"--out={out}", "--noprogress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert orbax_io.is_orbax_checkpoint(out)

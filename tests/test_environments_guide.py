@@ -16,7 +16,7 @@ def runnable_blocks(path: str) -> list[str]:
 def test_the_guide_runs(monkeypatch):
     """Mutation tried: `Tool.run` without its catch-all (a crash raises) fails the third block; a guide without
     marked blocks fails the count."""
-    from dsv32_jax.envs import registry
+    from dsv32_jax.posttrain.envs import registry
 
     monkeypatch.setattr(registry, "ENVS", dict(registry.ENVS))  # the guide registers "shop"
     blocks = runnable_blocks(GUIDE)

@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from dsv32_jax.envs import (CHARSET, ENVS, Action, Env, Tool, ToolCall, ToolError, in_charset, make_env,
+from dsv32_jax.posttrain.envs import (CHARSET, ENVS, Action, Env, Tool, ToolCall, ToolError, in_charset, make_env,
                             validate_arguments)
-from dsv32_jax.envs.calculator import MAX_EXPR_CHARS, evaluate
-from dsv32_jax.envs.trip import feasible_plans, render_plan, score_plan, solve_trip
+from dsv32_jax.posttrain.envs.calculator import MAX_EXPR_CHARS, evaluate
+from dsv32_jax.posttrain.envs.trip import feasible_plans, render_plan, score_plan, solve_trip
 
 NAMES = sorted(ENVS)
 SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}, "n": {"type": "integer"},
@@ -89,7 +89,7 @@ def test_envs_import_neither_jax_nor_numpy():
     import ast
     import os
 
-    import dsv32_jax.envs as envs
+    import dsv32_jax.posttrain.envs as envs
     folder = os.path.dirname(envs.__file__)
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
@@ -380,7 +380,7 @@ def test_calculator_quote_renders_the_expression_as_the_call_does():
     """quote=True: the task quotes the expression, so a BPE splits it exactly as the first tool call's argument
     (unquoted, the space merges into the first digit where the BPE has that merge: " 2", " 5", not " 6"); the answer
     and the demonstration are unchanged."""
-    from dsv32_jax.chat import load_tokenizer
+    from dsv32_jax.posttrain.chat import load_tokenizer
 
     codec = load_tokenizer()
     plain = make_env("calculator", words_fraction=0.0, max_digits=2, min_ops=1, max_ops=1)
@@ -538,7 +538,7 @@ def test_hooks_are_public_and_tools_are_built_on_first_use():
     class Bad(_BrokenEnv):
         def make_tools(self):
             return [_tool(str, "a"), {"name": "b"}]
-    with pytest.raises(TypeError, match=r"Bad.make_tools\(\)\[1\]: expected a dsv32_jax.envs.Tool, got dict"):
+    with pytest.raises(TypeError, match=r"Bad.make_tools\(\)\[1\]: expected a dsv32_jax.posttrain.envs.Tool, got dict"):
         Bad().tools
 
 
@@ -557,7 +557,7 @@ def test_hooks_with_the_wrong_signature_fail_when_the_class_is_defined():
 
 
 def test_one_set_of_tool_call_types_and_the_helpers_are_exported():
-    from dsv32_jax import chat, envs
+    from dsv32_jax.posttrain import chat, envs
 
     assert envs.ToolCall is chat.ToolCall
     assert issubclass(envs.Tool, chat.Tool) and chat.as_tool(make_env("lookup").tools[0]).name == "get"
@@ -570,11 +570,11 @@ def test_one_set_of_tool_call_types_and_the_helpers_are_exported():
 
 def test_register_import_path_and_instances(tmp_path, monkeypatch):
     """Mutation tried: `make_env` without the import-path branch fails with "unknown environment"."""
-    from dsv32_jax.envs import registry
+    from dsv32_jax.posttrain.envs import registry
 
     monkeypatch.setattr(registry, "ENVS", dict(registry.ENVS))
     (tmp_path / "my_env_pkg.py").write_text(
-        "from dsv32_jax.envs import LookupEnv\n\nclass MyEnv(LookupEnv):\n    name = 'mine'\n\n"
+        "from dsv32_jax.posttrain.envs import LookupEnv\n\nclass MyEnv(LookupEnv):\n    name = 'mine'\n\n"
         "def not_an_env():\n    return 3\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     env = make_env("my_env_pkg:MyEnv", max_steps=2)
@@ -586,7 +586,7 @@ def test_register_import_path_and_instances(tmp_path, monkeypatch):
         make_env("nope_pkg:X")
     with pytest.raises(ValueError, match=r"module 'my_env_pkg' has no callable 'Missing'"):
         make_env("my_env_pkg:Missing")
-    with pytest.raises(TypeError, match="built a int, not a dsv32_jax.envs.Env"):
+    with pytest.raises(TypeError, match="built a int, not a dsv32_jax.posttrain.envs.Env"):
         make_env("my_env_pkg:not_an_env")
     registry.register("mine", type(env))
     assert type(make_env("mine")) is type(env)

@@ -21,10 +21,11 @@ from flax import nnx
 from test_convert_helpers import ROOT, compare_checkpoints, leftovers, make_synthetic_checkpoint
 
 import dsv32_jax
-from dsv32_jax import CheckpointError, load_preset, orbax_io
-from dsv32_jax.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
-from dsv32_jax.options import RunOptions
-from dsv32_jax.safetensors_io import HFCheckpoint
+from dsv32_jax import CheckpointError, load_preset
+from dsv32_jax.checkpoint import orbax_io
+from dsv32_jax.checkpoint.convert import OutputExistsError, hf_to_orbax, orbax_to_hf
+from dsv32_jax.model.options import RunOptions
+from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint
 from tests.test_train import load_config
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.trainer import Trainer
@@ -244,7 +245,7 @@ def test_fp8_export(run):
 
 def test_step_flag_and_cli(run):
     out = os.path.join(run["root"], "hf_step1")
-    r = subprocess.run([sys.executable, "-m", "dsv32_jax.convert", "orbax-to-hf", f"--ckpt={run['workdir']}",
+    r = subprocess.run([sys.executable, "-m", "dsv32_jax.checkpoint.convert", "orbax-to-hf", f"--ckpt={run['workdir']}",
                         "--step=1", f"--out={out}", "--noprogress"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stderr

@@ -3,8 +3,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsv32_jax.fp8_weights import dequant_fp8
-from dsv32_jax.fp8 import (act_dequant, act_quant, fake_quant, hadamard_matrix,
+from dsv32_jax.checkpoint.fp8_weights import dequant_fp8
+from dsv32_jax.model.fp8 import (act_dequant, act_quant, fake_quant, hadamard_matrix,
                            hadamard_rotate, ue8m0_round_up)
 
 

@@ -115,7 +115,7 @@ def test_indexer_keeps_learning_during_rl_without_touching_the_policy_gradient(t
     """grpo.indexer_weight (default 1): the eq. (4) KL trains the indexer during RL. Its inputs are detached, so the
     rest of the model takes exactly the update it takes with the term off (weight 0: the indexer stays put). The
     RL forward does not run the MTP layers."""
-    from dsv32_jax import sharding as shd
+    from dsv32_jax.model import sharding as shd
     from dsv32_jax.train import steps as steps_lib
 
     lrn = learner(tmp_path, 0, **{"optimizer.warmup_steps": 0})  # a non-zero learning rate at the first step

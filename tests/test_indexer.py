@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import rel_err
 
-from dsv32_jax import attention
-from dsv32_jax.indexer import index_scores, index_scores_fp8, indexer_topk, quantize_indexer, select_topk
+from dsv32_jax.model import attention
+from dsv32_jax.model.indexer import index_scores, index_scores_fp8, indexer_topk, quantize_indexer, select_topk
 
 
 def numpy_scores(q, k, w):

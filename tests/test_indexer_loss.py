@@ -9,7 +9,7 @@ from conftest import rel_err
 from flax import nnx
 
 from dsv32_jax import RunOptions, Transformer, load_preset
-from dsv32_jax.indexer_loss import dense_indexer_kl, sparse_indexer_kl
+from dsv32_jax.model.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 
 
 def np_scores(q, k, w):

@@ -16,8 +16,8 @@ from conftest import FIXTURES, rel_err
 from flax import nnx
 
 import dsv32_jax
-from dsv32_jax.options import RunOptions
-from dsv32_jax.safetensors_io import CheckpointError
+from dsv32_jax.model.options import RunOptions
+from dsv32_jax.checkpoint.safetensors_io import CheckpointError
 
 V3 = os.path.join(FIXTURES, "deepseek_v3_short")
 V32 = os.path.join(FIXTURES, "hf_short")

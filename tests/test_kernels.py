@@ -17,8 +17,8 @@ import pytest
 from conftest import FIXTURES, rel_err
 
 from dsv32_jax import kernels
-from dsv32_jax import indexer as ref_indexer
-from dsv32_jax.attention import sparse_mla as ref_sparse_mla
+from dsv32_jax.model import indexer as ref_indexer
+from dsv32_jax.model.attention import sparse_mla as ref_sparse_mla
 from dsv32_jax.kernels import _dispatch
 from dsv32_jax.kernels.hadamard_quant import hadamard_quant_reference
 from dsv32_jax.kernels.indexer_logits import indexer_logits_reference
@@ -459,7 +459,7 @@ def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
     from flax import nnx
 
     from dsv32_jax import RunOptions
-    from dsv32_jax import mla as mla_module
+    from dsv32_jax.model import mla as mla_module
     monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
     calls = {}
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dsv32_jax import load_preset
-from dsv32_jax.moe import MoE, route
+from dsv32_jax.model.moe import MoE, route
 from dsv32_jax.train import losses
 
 

@@ -94,7 +94,7 @@ import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import steps
 
 mesh = shd.make_mesh("fsdp:4,tensor:2")

@@ -48,7 +48,7 @@ def test_a_covering_topk_attends_densely_and_equals_the_gathered_selection(tiny,
     """index_topk >= S: mqa_attend's sparse path computes eq. 2 as dense attention over the visible keys (no
     [T, k, 576] gather), equal to attention.sparse_mla over the indexer's selection, which is every visible key;
     with S > index_topk it gathers (attention.sparse_mla is called)."""
-    from dsv32_jax import attention, mla
+    from dsv32_jax.model import attention, mla
 
     layer, k = tiny.layers[0].attn, tiny.config.index_topk
     calls = []

@@ -9,7 +9,7 @@ from conftest import rel_err
 from flax import nnx
 
 from dsv32_jax import load_preset
-from dsv32_jax.moe import MoE, route
+from dsv32_jax.model.moe import MoE, route
 
 
 def numpy_route(logits, bias, cfg):
@@ -161,7 +161,7 @@ def test_blocked_experts_match_ragged_reference_values_and_gradients(rng):
     """The GPU path (blocks of rows per expert, scanned) against the ragged_dot reference: local experts 2..6 of 8
     (ids outside contribute nothing), an empty expert, experts with more rows than a block; float32 values and
     gradients w.r.t. the tokens, the routing weights and all three expert weights."""
-    from dsv32_jax.moe import blocked_experts, ragged_experts
+    from dsv32_jax.model.moe import blocked_experts, ragged_experts
 
     n, k, g, d, i, first = 12, 3, 5, 16, 8, 2
     ids = np.stack([rng.choice(8, k, replace=False) for _ in range(n)]).astype(np.int32)

@@ -1,4 +1,4 @@
-"""Multi-turn sampling over one decode cache (dsv32_jax.sampler.MultiTurnSampler): the recorded log-probs, kept
+"""Multi-turn sampling over one decode cache (dsv32_jax.posttrain.sampler.MultiTurnSampler): the recorded log-probs, kept
 sets, expert routing and indexer selections of every generated token equal a teacher-forced forward over the whole
 trajectory's layout, with rows that stop at different turns and pieces of different lengths."""
 
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from dsv32_jax import Transformer, load_preset
-from dsv32_jax.sampler import MultiTurnSampler, SamplingConfig
+from dsv32_jax.posttrain.sampler import MultiTurnSampler, SamplingConfig
 from dsv32_jax.train.grpo_loss import processed_logprobs
 
 
@@ -77,10 +77,10 @@ def test_batched_rollout_appends_only_new_context_and_rows_stop_at_different_tur
     """The driver with a scripted sampler (the environments' oracle completions): every episode succeeds, rows end
     after 2-4 turns, and what the driver appended to each row's cache (pieces) plus what it generated is exactly the
     row's final context (Trajectory.ids): nothing re-encoded, nothing lost."""
-    from dsv32_jax import chat
-    from dsv32_jax.agent import rollout as rollout_lib
-    from dsv32_jax.agent.episode import OraclePolicy
-    from dsv32_jax.envs import make_env
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent import rollout as rollout_lib
+    from dsv32_jax.posttrain.agent.episode import OraclePolicy
+    from dsv32_jax.posttrain.envs import make_env
 
     codec = chat.TinyCodec.printable()
     envs = [make_env("lookup"), make_env("calculator"), make_env("lookup"), make_env("calculator")]
@@ -123,9 +123,9 @@ def test_batched_rollout_appends_only_new_context_and_rows_stop_at_different_tur
 def test_batched_rollout_with_the_model_records_every_generated_token():
     """The real sampler on a random tiny model: completions are garbage (no EOS within 8 tokens, or malformed), so
     every episode ends at its first turn with reward 0; the layout holds each row's prompt and completion."""
-    from dsv32_jax import chat
-    from dsv32_jax.agent.rollout import BatchedRollout
-    from dsv32_jax.envs import make_env
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.rollout import BatchedRollout
+    from dsv32_jax.posttrain.envs import make_env
 
     codec = chat.TinyCodec.printable()
     cfg_m = load_preset("tiny").replace(index_topk=8)
@@ -143,9 +143,9 @@ def test_batched_rollout_with_the_model_records_every_generated_token():
 def test_batched_rollout_ends_episodes_when_the_shared_cache_is_full():
     """A cache too small for a second turn: the oracle's first tool call runs, then the rows' episodes end as
     "context full" (no exception, no hung episode threads) instead of overflowing the sampler."""
-    from dsv32_jax import chat
-    from dsv32_jax.agent.rollout import BatchedRollout
-    from dsv32_jax.envs import make_env
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.rollout import BatchedRollout
+    from dsv32_jax.posttrain.envs import make_env
 
     codec = chat.TinyCodec.printable()
     model = Transformer(load_preset("tiny").replace(index_topk=8), rngs=nnx.Rngs(0), dtype=jnp.float32)
@@ -192,10 +192,10 @@ def test_batched_rollout_reports_the_first_failing_row_and_chains_its_exception(
     """Row 1's environment raises KeyError('boom') at reset while row 0 waits for its first completion: the error
     names row 1 (not the aborted row 0) and chains the KeyError. Mutation tried (the old code): recording the aborted
     rows' exception as their failure and reporting the lowest row reports row 0 and loses "boom"."""
-    from dsv32_jax import chat
-    from dsv32_jax.agent import rollout as rollout_lib
-    from dsv32_jax.agent.episode import OraclePolicy
-    from dsv32_jax.envs import LookupEnv
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent import rollout as rollout_lib
+    from dsv32_jax.posttrain.agent.episode import OraclePolicy
+    from dsv32_jax.posttrain.envs import LookupEnv
 
     class Boom(LookupEnv):
         def generate(self, seed):
@@ -215,10 +215,10 @@ def test_batched_rollout_survives_broken_tools(monkeypatch):
     """A tool that raises ZeroDivisionError and one that returns a set, called in the first turn of one row: the
     rollout finishes, both rows succeed, the failures are counted. Mutation tried: Tool.run catching only ToolError
     ends the rollout with "episode of row 1 ... failed: ZeroDivisionError"."""
-    from dsv32_jax import chat
-    from dsv32_jax.agent import rollout as rollout_lib
-    from dsv32_jax.agent.episode import ScriptedPolicy
-    from dsv32_jax.envs import LookupEnv, Tool
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent import rollout as rollout_lib
+    from dsv32_jax.posttrain.agent.episode import ScriptedPolicy
+    from dsv32_jax.posttrain.envs import LookupEnv, Tool
 
     schema = {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}
 
@@ -247,9 +247,9 @@ def test_a_larger_model_vocabulary_is_masked_to_the_codec():
     run_episode raises "outside the codec's vocabulary" (the old failure: "TinyCodec: id 161 outside")."""
     from types import SimpleNamespace
 
-    from dsv32_jax import chat
-    from dsv32_jax.agent.rollout import BatchedRollout
-    from dsv32_jax.envs import make_env
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.rollout import BatchedRollout
+    from dsv32_jax.posttrain.envs import make_env
 
     codec = chat.TinyCodec.printable()
     cfg = load_preset("tiny").replace(index_topk=8, num_hidden_layers=2, first_k_dense_replace=2)

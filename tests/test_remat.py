@@ -10,10 +10,10 @@ from conftest import rel_err
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-from dsv32_jax.attention import map_query_chunks, sparse_mla
-from dsv32_jax.config import load_preset
-from dsv32_jax.model import Transformer, _block_call
-from dsv32_jax.options import REMAT_POLICIES, RunOptions
+from dsv32_jax.model.attention import map_query_chunks, sparse_mla
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.transformer import Transformer, _block_call
+from dsv32_jax.model.options import REMAT_POLICIES, RunOptions
 from dsv32_jax.train.optimizer import trainable_filter
 from dsv32_jax.train.steps import LossWeights, lm_objective
 

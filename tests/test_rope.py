@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 from dsv32_jax import load_preset
-from dsv32_jax.rope import apply_rope_half, apply_rope_interleaved, rope_angles, yarn_inv_freq
+from dsv32_jax.model.rope import apply_rope_half, apply_rope_interleaved, rope_angles, yarn_inv_freq
 
 
 def test_yarn_table_671b():

@@ -8,7 +8,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from dsv32_jax.safetensors_io import HFCheckpoint, write_safetensors
+from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint, write_safetensors
 
 
 def test_write_then_read_round_trips_bf16_fp8_f32_bitwise(tmp_path, rng):

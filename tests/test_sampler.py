@@ -9,7 +9,7 @@ from conftest import rel_err
 from flax import nnx
 
 from dsv32_jax import RunOptions, Transformer, load_preset
-from dsv32_jax.sampler import SamplingConfig, generate, processed_logits, sample_token, sequence_layout
+from dsv32_jax.posttrain.sampler import SamplingConfig, generate, processed_logits, sample_token, sequence_layout
 
 
 @pytest.fixture(scope="session")

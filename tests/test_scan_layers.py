@@ -9,9 +9,9 @@ import pytest
 from conftest import rel_err
 from flax import nnx
 
-from dsv32_jax.config import load_preset
-from dsv32_jax.model import Transformer, layer_runs
-from dsv32_jax.options import RunOptions
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.transformer import Transformer, layer_runs
+from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train.optimizer import trainable_filter
 from dsv32_jax.train.steps import LossWeights, lm_objective
 

@@ -1,5 +1,5 @@
 """Sequence (context) parallelism: the mesh axis "seq" splits the tokens; MLA all-gathers the key side (latent
-rows, indexer keys, segments) and runs each device's queries against all keys (`dsv32_jax.mla.seq_parallel`).
+rows, indexer keys, segments) and runs each device's queries against all keys (`dsv32_jax.model.mla.seq_parallel`).
 On 8 CPU devices (a subprocess; fsdp:2 x seq:4, the rows split over fsdp as in the 671B recipes, which
 seq_parallel and the MoE's routing keep manual), loss and gradients of the dense, warm-up (eq. 3) and sparse (eq. 4) objectives
 equal the single-device computation (fp32, relative error of the loss <= 1e-5, 1e-4 for the ~1e-4 warm-up KL;
@@ -21,10 +21,10 @@ SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from dsv32_jax import sharding as shd
-from dsv32_jax.config import load_preset
-from dsv32_jax.model import Transformer
-from dsv32_jax.options import RunOptions
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.transformer import Transformer
+from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train.optimizer import trainable_filter
 from dsv32_jax.train.steps import LossWeights, lm_objective
 

@@ -1,4 +1,4 @@
-"""The kernels inside the sharded loops (`attention="kernel"` on a device mesh, `dsv32_jax.mla.kernel_parallel`).
+"""The kernels inside the sharded loops (`attention="kernel"` on a device mesh, `dsv32_jax.model.mla.kernel_parallel`).
 
 On 8 CPU devices (a subprocess; the kernels' bodies run in interpret mode, DSV32_KERNEL_IMPL=interpret), against
 the same computation on one device:
@@ -33,7 +33,7 @@ import os, sys, tempfile
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 sys.path.insert(0, os.getcwd())
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.kernels.inspect import pallas_calls, unsharded_kernels
 
 def rel(a, b):
@@ -52,9 +52,9 @@ def check_placement(fn, mesh, *args):
 """
 
 LM = COMMON + r"""
-from dsv32_jax.config import load_preset
-from dsv32_jax.model import Transformer
-from dsv32_jax.options import RunOptions
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.transformer import Transformer
+from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train.optimizer import trainable_filter
 from dsv32_jax.train.steps import LossWeights, lm_objective
 
@@ -224,7 +224,7 @@ def test_impl_follows_the_target_chip_not_the_host(monkeypatch):
 
     import jax
 
-    from dsv32_jax import sharding as shd
+    from dsv32_jax.model import sharding as shd
     from dsv32_jax.kernels import _dispatch
 
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)

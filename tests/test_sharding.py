@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = shd.parse_mesh_spec("data:2,fsdp:4,tensor:2,expert:8")
@@ -75,8 +75,9 @@ def test_mesh_needs_devices():
 EP_SCRIPT = r"""
 import jax, jax.numpy as jnp
 from flax import nnx
-from dsv32_jax import load_preset, sharding as shd
-from dsv32_jax.moe import MoE
+from dsv32_jax import load_preset
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.model.moe import MoE
 cfg = load_preset("tiny")
 moe = MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
 x = jax.random.normal(jax.random.key(1), (8, 6, cfg.hidden_size))

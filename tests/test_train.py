@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from ml_collections import config_flags
 
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.metrics import read_jsonl
 from dsv32_jax.train.plot import find_runs, plot
@@ -221,8 +221,8 @@ def test_bench_train_smoke():
 
 @pytest.mark.parametrize("source", ["hf", "orbax"])
 def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
-    """init_from an HF checkpoint directory or its orbax conversion (python -m dsv32_jax.convert hf-to-orbax)."""
-    from dsv32_jax.convert import hf_to_orbax
+    """init_from an HF checkpoint directory or its orbax conversion (python -m dsv32_jax.checkpoint.convert hf-to-orbax)."""
+    from dsv32_jax.checkpoint.convert import hf_to_orbax
 
     hf_dir = os.path.join(ROOT, "tests", "fixtures", "hf_long")
     init = hf_dir

@@ -1,8 +1,8 @@
 """Regenerate dsv32_jax/assets/chat_tokenizer.json: a small byte-level BPE tokenizer for the chat format.
 
 Trained with HF ``tokenizers`` on the built-in corpus (``dsv32_jax.train.data.builtin.builtin_documents``: pydoc
-topics + stdlib docstrings) plus the tools prompt of ``dsv32_jax.chat``, with every string of
-``dsv32_jax.chat.SPECIAL_TOKENS`` registered as a special (added) token, so each is one id (PAD = 0, BOS = 1,
+topics + stdlib docstrings) plus the tools prompt of ``dsv32_jax.posttrain.chat``, with every string of
+``dsv32_jax.posttrain.chat.SPECIAL_TOKENS`` registered as a special (added) token, so each is one id (PAD = 0, BOS = 1,
 EOS = 2, ...). Deterministic for a given Python version (the corpus comes from the running interpreter) and
 ``tokenizers`` version: single-threaded training, fixed corpus order.
 
@@ -20,7 +20,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before tokenizers is imported:
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from dsv32_jax.chat import CHAT_TOKENIZER_PATH, SPECIAL_TOKENS, TOOLS_PROMPT, HFCodec  # noqa: E402
+from dsv32_jax.posttrain.chat import CHAT_TOKENIZER_PATH, SPECIAL_TOKENS, TOOLS_PROMPT, HFCodec  # noqa: E402
 from dsv32_jax.train.data.builtin import builtin_documents  # noqa: E402
 
 

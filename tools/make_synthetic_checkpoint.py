@@ -1,6 +1,6 @@
 """Synthetic HF checkpoints in the official DeepSeek-V3.2 on-disk layout, for any config.
 
-Every tensor of `dsv32_jax.hf.hf_inventory(cfg)` is written with deterministic random values (seeded per tensor
+Every tensor of `dsv32_jax.checkpoint.hf.hf_inventory(cfg)` is written with deterministic random values (seeded per tensor
 name, so any tensor can be regenerated on its own): F8_E4M3 weights (codes with magnitudes 0.5..120 and one +-448
 per 128x128 block, as a real amax/448 quantization produces) with F32 `weight_scale_inv` blocks that are not powers
 of two (uniform(0.5, 2) * 2^-scale_exp), BF16 everything else, F32 `e_score_correction_bias`, the indexer k_norm in
@@ -26,14 +26,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv32_jax.config import ModelConfig, load_preset  # noqa: E402
-from dsv32_jax.convert import QUANTIZATION_CONFIG  # noqa: E402
-from dsv32_jax.io_utils import OutputExistsError, Progress, atomic_output_dir  # noqa: E402
-from dsv32_jax.fp8 import SCALE_SUFFIX  # noqa: E402
-from dsv32_jax.hf import hf_inventory, tensor_specs  # noqa: E402
-from dsv32_jax.safetensors_io import ShardedSafetensorsWriter  # noqa: E402
-from dsv32_jax.orbax_io import write_json  # noqa: E402
-from dsv32_jax.safetensors_io import DTYPES  # noqa: E402
+from dsv32_jax.model.config import ModelConfig, load_preset  # noqa: E402
+from dsv32_jax.checkpoint.convert import QUANTIZATION_CONFIG  # noqa: E402
+from dsv32_jax.checkpoint.io_utils import OutputExistsError, Progress, atomic_output_dir  # noqa: E402
+from dsv32_jax.model.fp8 import SCALE_SUFFIX  # noqa: E402
+from dsv32_jax.checkpoint.hf import hf_inventory, tensor_specs  # noqa: E402
+from dsv32_jax.checkpoint.safetensors_io import ShardedSafetensorsWriter  # noqa: E402
+from dsv32_jax.checkpoint.orbax_io import write_json  # noqa: E402
+from dsv32_jax.checkpoint.safetensors_io import DTYPES  # noqa: E402
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:

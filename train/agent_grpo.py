@@ -3,7 +3,7 @@ over whole trajectories with DeepSeek-V3.2's four stabilizers, task mixing with 
 eq. (4) indexer KL kept on during RL.
 
 One step: `tasks_per_step` (environment, seed) tasks drawn from the mix, each run `group_size` times by
-`dsv32_jax.agent.rollout.BatchedRollout` (every row's episode through the chat encoding, tools on the host, all
+`dsv32_jax.posttrain.agent.rollout.BatchedRollout` (every row's episode through the chat encoding, tools on the host, all
 rows' completions sampled together over one decode cache, recording log-probs, kept sets and routing of every
 model token); reward = the environment's verifier; A = R - group mean; then `epochs` x `minibatches` updates of
 `train/steps.py:grpo_trajectory_train_step` on the trajectories' layouts (loss on model tokens only: tool results
@@ -31,13 +31,13 @@ from absl import logging
 from flax import nnx
 
 from dsv32_jax import RunOptions, Transformer
-from dsv32_jax import chat
-from dsv32_jax import sharding as shd
-from dsv32_jax.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
-from dsv32_jax.agent.recall import INDUCTION_CHARS, recall_examples
-from dsv32_jax.agent.rollout import BatchedRollout
-from dsv32_jax.envs import env_factory, make_env
-from dsv32_jax.sampler import SamplingConfig
+from dsv32_jax.posttrain import chat
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
+from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
+from dsv32_jax.posttrain.agent.rollout import BatchedRollout
+from dsv32_jax.posttrain.envs import env_factory, make_env
+from dsv32_jax.posttrain.sampler import SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.grpo import minibatch_updates
 from dsv32_jax.train.grpo_loss import group_advantages
@@ -249,7 +249,7 @@ class AgentLearner:
         return out
 
     def recall_data(self, step: int, count: int) -> list[tuple[list[int], list[int]]]:
-        """`count` copying conversations (dsv32_jax/agent/recall.py) for SFT step `step` (seeded by it)."""
+        """`count` copying conversations (dsv32_jax/posttrain/agent/recall.py) for SFT step `step` (seeded by it)."""
         kinds = [k.strip() for k in self.a.recall_kinds.split(",") if k.strip()]
         return recall_examples(self.config.seed * 1_000_003 + step, count, self.codec, kinds, thinking=self.a.thinking,
                                induction_len=self.a.recall_induction_len, span_items=self.a.recall_span_items,

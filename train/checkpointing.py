@@ -2,7 +2,7 @@
 
 A workdir's checkpoints live in W/checkpoints, one orbax CheckpointManager; each step holds named items: array
 trees (nnx states, saved as pure dicts) and small JSON items. The trainer writes params, opt, data, meta; GRPO
-writes params, opt, ref, meta (dsv32_jax/orbax_io.py reads 'params' and 'meta' of either).
+writes params, opt, ref, meta (dsv32_jax/checkpoint/orbax_io.py reads 'params' and 'meta' of either).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 
 CHECKPOINTS_DIR = "checkpoints"
 

@@ -126,7 +126,7 @@ def default_config() -> ml_collections.ConfigDict:
         # policy GRPO optimizes; the paper's pass@1 averaged over samples): eval_sampled_reward / _success
         eval_samples=0,
         env_kwargs=ml_collections.ConfigDict(),
-        # recall stage before the cold start (dsv32_jax/agent/recall.py: synthetic copying conversations, the tiny
+        # recall stage before the cold start (dsv32_jax/posttrain/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;
         # `recall_mix`: the fraction of every cold-start batch that stays copying data
         # ("induction": raw repeats of `recall_induction_len` single-character tokens, loss on all of the copy;
@@ -152,7 +152,7 @@ def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
     Returns the mesh sizes. Raises ValueError naming both the batch and the mesh."""
     import jax
 
-    from dsv32_jax import sharding as shd
+    from dsv32_jax.model import sharding as shd
 
     spec = config.mesh or "fsdp:-1"
     sizes = shd.parse_mesh_spec(spec)
@@ -228,7 +228,7 @@ def check_init_from(config, config_name: str | None = None) -> None:
             f"python -m dsv32_jax.train.main --config={previous} --workdir={init}" if previous else
             f"python -m dsv32_jax.train.main --config=<a config with stage={prev!r}> --workdir={init}")
     else:
-        msg += ("an HF checkpoint directory, a converted orbax checkpoint (python -m dsv32_jax.convert hf-to-orbax) "
+        msg += ("an HF checkpoint directory, a converted orbax checkpoint (python -m dsv32_jax.checkpoint.convert hf-to-orbax) "
                 "or a training workdir: create it first or fix the path")
     msg += "\nor pass --config.init_from='' to start from random initialization (config.seed)."
     raise InitFromError(msg)

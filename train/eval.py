@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv32_jax.options import RunOptions
+from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.losses import token_nll
 
@@ -115,7 +115,7 @@ def evaluate_model(model, batches: list[dict], attention: str) -> dict:
 
 
 def _workdir_label(path: str) -> str:
-    from dsv32_jax import orbax_io
+    from dsv32_jax.checkpoint import orbax_io
 
     if orbax_io.is_training_workdir(path):
         tc = orbax_io.training_checkpoint(path)
@@ -128,7 +128,7 @@ def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_siz
     """{"rows": [{"model", "attention", "split", "seq_len", "loss", "tokens"}], ...} for every workdir x attention
     x split. attentions: workdir -> which attentions (default: 'dense' for a dense-stage workdir, else both)."""
     import dsv32_jax
-    from dsv32_jax import orbax_io
+    from dsv32_jax.checkpoint import orbax_io
 
     data = dict(data or {"source": "builtin"})
     eval_cfg = {"batch_size": batch_size, "seed": 0}

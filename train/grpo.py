@@ -21,8 +21,8 @@ from flax import nnx
 
 import dsv32_jax
 from dsv32_jax import RunOptions, Transformer
-from dsv32_jax import sharding as shd
-from dsv32_jax.sampler import SamplingConfig, generate, sequence_layout
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.posttrain.sampler import SamplingConfig, generate, sequence_layout
 from dsv32_jax.train import checkpointing, rl_tasks, steps
 from dsv32_jax.train.config import check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages

@@ -3,7 +3,7 @@
 Each step is a function of (state, batch) plus keyword-only static configuration (graphdef, stage, loss weights,
 schedule, ...) bound with functools.partial before jax.jit; nothing closes over a trainer object. `compile_*`
 jit them with explicit in/out shardings: the (model, optimizer) state sharded by the rule table of
-dsv32_jax.sharding, batch arrays split on their leading (batch) dimension over the batch mesh axes.
+dsv32_jax.model.sharding, batch arrays split on their leading (batch) dimension over the batch mesh axes.
 
     lm_train_step            dense LM pre-training, dense warm-up (eq. 3), sparse training (eq. 4)
     grpo_train_step          one GRPO minibatch update (train/grpo_loss.py)
@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import losses
 from dsv32_jax.train.grpo_loss import grpo_loss, processed_logprobs
 from dsv32_jax.train.optimizer import group_norms
@@ -252,7 +252,7 @@ def grpo_train_step(state: nnx.State, batch: dict, *, graphdef, temperature: flo
 # ------------------------------------------------------------------------------------------ multi-turn trajectories
 def trajectory_logprobs(model, batch, temperature: float, replay: bool):
     """Processed log-probs of every slot's token under the previous slot's logits, over a whole multi-turn
-    trajectory layout (dsv32_jax.sampler.MultiTurnSampler.layout: prompts, completions, tool results, padding);
+    trajectory layout (dsv32_jax.posttrain.sampler.MultiTurnSampler.layout: prompts, completions, tool results, padding);
     [B, S] with 0 at slot 0. Only slots with batch["gen"] = 1 (sampled tokens) enter the loss."""
     logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segments"],
                         routing=batch["routing"] if replay else None, return_aux=True, mtp=False)

@@ -22,9 +22,9 @@ from absl import logging
 from flax import nnx
 
 import dsv32_jax
-from dsv32_jax import orbax_io
+from dsv32_jax.checkpoint import orbax_io
 from dsv32_jax import RunOptions, Transformer, load_preset
-from dsv32_jax import sharding as shd
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_init_from

@@ -178,9 +178,9 @@ def model_kernel_step(length: int, spec):
     from flax import nnx
 
     from dsv32_jax import kernels as pk
-    from dsv32_jax.config import load_preset
-    from dsv32_jax.model import Transformer
-    from dsv32_jax.options import RunOptions
+    from dsv32_jax.model.config import load_preset
+    from dsv32_jax.model.transformer import Transformer
+    from dsv32_jax.model.options import RunOptions
     from dsv32_jax.train.steps import LossWeights, lm_objective
 
     pk.set_default_impl("pallas_gpu")

@@ -1,0 +1,180 @@
+"""Loading checkpoints into a ready `Transformer`: `from_pretrained` (HF safetensors, converted orbax checkpoints,
+training workdirs) and the orbax layer-by-layer loader.
+
+Layer: the top of the checkpoint stack below the convert CLI (fp8 -> fp8_weights -> safetensors_io -> hf ->
+orbax_io -> loading -> convert); imports only downward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.model.config import ModelConfig
+from dsv32_jax.checkpoint.fp8_weights import dequant_fp8
+from dsv32_jax.checkpoint.hf import checkpoint_has_mtp, is_indexer_spec, load_hf_state, tensor_specs
+from dsv32_jax.model.transformer import Transformer
+from dsv32_jax.checkpoint.orbax_io import (FP8_DTYPE, check_stored_tree, flatten_pure, group_of, group_sort_key, logical_sharding,
+                                open_params, param_axes, scale_path, str_path)
+from dsv32_jax.checkpoint import orbax_io
+from dsv32_jax.checkpoint.safetensors_io import CheckpointError, HFCheckpoint
+from dsv32_jax.checkpoint.validate import check_hf_checkpoint
+
+
+def resolve_mtp(cfg: ModelConfig, has_mtp: bool, include_mtp: bool | None, missing_error: str):
+    """(config to build, whether to load the MTP layer): None loads it iff present; True requires it."""
+    if include_mtp and not has_mtp:
+        raise CheckpointError(missing_error)
+    include_mtp = has_mtp if include_mtp is None else include_mtp
+    return (cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)), include_mtp
+
+
+def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
+    """(graphdef, abstract state) of Transformer(cfg) without allocating parameters."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                        param_dtype=param_dtype or dtype, options=options)))
+
+
+INIT_INDEXER = ("auto", "load", "fresh")
+
+
+def hf_model_type(path: str) -> str:
+    import json
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("model_type", "deepseek_v32")
+
+
+def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
+                    include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None,
+                    init_indexer: str = "auto", seed: int = 0, overrides: dict | None = None):
+    """Loads a checkpoint directory into a ready `Transformer`: an HF-layout safetensors checkpoint (config.json +
+    shards), a dsv32-jax orbax checkpoint (written by `python -m dsv32_jax.checkpoint.convert hf-to-orbax`; detected by its
+    `dsv32_meta.json`, loaded layer by layer, FP8 leaves dequantized), or a training workdir (`python -m
+    dsv32_jax.train.main --workdir=W`; detected by `W/checkpoints/`): the parameters of its latest finished checkpoint, or
+    of `step`, with the model config recorded in that checkpoint.
+
+    dtype: compute dtype (and parameter dtype unless param_dtype is given); router, correction bias and indexer
+    weights_proj stay float32. include_mtp: None loads the MTP layer iff the checkpoint has it. mesh: a
+    `jax.sharding.Mesh` or a spec like 'fsdp:2,tensor:4' to shard the parameters by their logical axes
+    (`rules`: logical axis -> mesh axes, default `dsv32_jax.model.sharding.DEFAULT_RULES`).
+    init_indexer (HF checkpoints): "load" the lightning indexers from the checkpoint (missing ones are an error),
+    "fresh" initialize them (`Transformer`'s init from `seed`) and load everything else, "auto" = "fresh" for an HF
+    `deepseek_v3` checkpoint (DeepSeek-V3.1-Terminus, where the paper's warm-up starts: no indexer weights, the
+    indexer geometry from config.json or V3.2's defaults) and "load" otherwise. Training workdirs and orbax
+    checkpoints take "fresh" too (loaded, then the indexers replaced). overrides: ModelConfig fields replacing
+    config.json's (HF checkpoints; e.g. the indexer geometry of fresh indexers).
+    """
+    if init_indexer not in INIT_INDEXER:
+        raise ValueError(f"from_pretrained: init_indexer must be one of {INIT_INDEXER}, got {init_indexer!r}")
+    path = os.fspath(path)
+    if orbax_io.is_orbax_checkpoint(path) or orbax_io.is_training_workdir(path):
+        model = load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
+                                 include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
+        if init_indexer == "fresh":
+            fresh = Transformer(model.config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype or dtype,
+                                options=options)
+            state, new = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(fresh))
+            _copy_indexers(state, new)
+            nnx.update(model, _as_state(model, state))
+            logging.info("%s: lightning indexers initialized fresh (seed %d), not loaded", path, seed)
+        return model
+    if step is not None:
+        raise ValueError(f"{path}: step={step} applies to training workdirs only (this is an HF checkpoint)")
+    config = ModelConfig.from_hf(path)
+    if overrides:
+        config = config.replace(**dict(overrides))
+    ckpt = HFCheckpoint(path)
+    has_mtp = checkpoint_has_mtp(ckpt, config)
+    if init_indexer == "auto":
+        init_indexer = "fresh" if hf_model_type(path) == "deepseek_v3" else "load"
+    load_indexer = init_indexer == "load"
+    # the converter's validator (hf-to-orbax runs the same); values are checked finite as they are read
+    check_hf_checkpoint(ckpt, config, has_mtp if include_mtp is None else include_mtp, load_indexer)
+    cfg, include_mtp = resolve_mtp(config, has_mtp, include_mtp,
+                                   f"{path}: include_mtp=True but the checkpoint has no MTP layer "
+                                   f"(model.layers.{config.num_hidden_layers}.eh_proj.weight)")
+    if load_indexer:
+        graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
+    else:  # a real initialization: the indexers keep it, everything else is overwritten by the checkpoint
+        graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                                                param_dtype=param_dtype or dtype, options=options))
+        fresh = sorted({".".join(map(str, s.path[:s.path.index("indexer") + 1]))
+                        for s in tensor_specs(cfg, include_mtp) if is_indexer_spec(s)})
+        logging.info("%s: %d lightning indexers initialized fresh (seed %d), not loaded: %s", path, len(fresh), seed,
+                     ", ".join(fresh[:3]) + (", ..." if len(fresh) > 3 else ""))
+    state = load_hf_state(ckpt, cfg, state, include_mtp, load_indexer)
+    if mesh is not None:
+        state = orbax_io.shard_state(state, shd.make_mesh(mesh) if isinstance(mesh, str) else mesh, rules)
+    return nnx.merge(graphdef, state)
+
+
+def _copy_indexers(dst: dict, src: dict) -> None:
+    """dst[...]['indexer'] = src[...]['indexer'] everywhere in two pure parameter dicts."""
+    for key, value in src.items():
+        if key == "indexer":
+            dst[key] = value
+        elif isinstance(value, dict):
+            _copy_indexers(dst[key], value)
+
+
+def _as_state(model, pure: dict):
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
+                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
+    """Loads a dsv32-jax orbax checkpoint directory, or a training workdir (its latest finished checkpoint, or
+    `step`; parameters only), into a ready `Transformer`, one layer at a time.
+
+    dtype / param_dtype / options / include_mtp as in `from_pretrained`; FP8 leaves are dequantized. mesh: a
+    `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
+    """
+    source = open_params(path, step)
+    reader = source.reader
+    cfg, include_mtp = resolve_mtp(source.cfg, source.has_mtp, include_mtp,
+                                   f"{source.label}: include_mtp=True but the checkpoint has no MTP layer")
+    if isinstance(mesh, str):
+        mesh = shd.make_mesh(mesh)
+    graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
+    axes = param_axes(state)
+    targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
+    check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
+                      allow_extra_prefix=None if include_mtp else [("mtp",)])
+    pure = nnx.to_pure_dict(state)
+    groups: dict[str, list] = {}
+    for p in targets:
+        groups.setdefault(group_of(p), []).append(p)
+    for group in sorted(groups, key=group_sort_key):
+        paths = groups[group]
+        wanted = []
+        for p in paths:
+            wanted.append(p)
+            if reader.dtype(p) == FP8_DTYPE:
+                wanted.append(scale_path(p))
+        stored = reader.load(wanted)
+        for p in paths:
+            x = stored.pop(str_path(p))
+            target = targets[p]
+            if x.dtype == FP8_DTYPE:
+                x = dequant_fp8(x, stored.pop(scale_path(p)), target.dtype)
+            x = np.asarray(x).astype(target.dtype, copy=False)
+            if mesh is not None:
+                value = jax.device_put(x, logical_sharding(axes.get(p, ()), x.shape, mesh, rules))
+            else:
+                value = jnp.asarray(x)
+            node = pure
+            for key in p[:-1]:
+                node = node[key]
+            node[p[-1]] = value
+            del x
+        del stored
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,75 @@
+"""FP8 (e4m3) quantization and the Hadamard rotation used by the production lightning indexer.
+
+`act_quant` follows the official kernel: groups of 128 along the last dim, amax clamped at 1e-4, scale
+amax/448 rounded UP to a power of two when scale_fmt == "ue8m0". Checkpoint weights (e4m3 with 128x128 "weight_scale_inv" block
+multipliers) are dequantized by `dsv32_jax.checkpoint.convert.dequant_fp8`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+FP8_MAX = 448.0  # largest finite e4m3 value
+FP8_DTYPE = jnp.float8_e4m3fn
+WEIGHT_BLOCK = 128  # checkpoint weights: one scale per 128x128 block
+SCALE_SUFFIX = "_scale_inv"  # HF: "<name>.weight_scale_inv" holds the block multipliers of "<name>.weight"
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Sylvester (natural-order) Hadamard matrix H_n with entries +-1; n must be a power of two."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard_rotate(x: jnp.ndarray) -> jnp.ndarray:
+    """x @ H_d * d^-1/2 over the last dim (orthonormal, so dot products are preserved)."""
+    d = x.shape[-1]
+    h = jnp.asarray(hadamard_matrix(d) * d**-0.5, jnp.float32)
+    y = jnp.einsum("...d,de->...e", x.astype(jnp.float32), h, precision="highest")
+    return y.astype(x.dtype)
+
+
+def ue8m0_round_up(s: jnp.ndarray) -> jnp.ndarray:
+    """Smallest power of two >= s (s > 0), exactly: 2^ceil(log2 s)."""
+    mantissa, exponent = jnp.frexp(s)  # s = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    return jnp.ldexp(jnp.ones_like(s), exponent)
+
+
+def act_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0"):
+    """Quantizes x [..., N] to e4m3 per group of `block` along the last dim.
+
+    Returns (codes float8_e4m3fn [..., N], scales float32 [..., N // block]); x ~= codes * scale.
+    """
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"act_quant: last dim {n} is not a multiple of the block size {block}")
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), 1e-4)
+    scale = amax / FP8_MAX
+    if scale_fmt == "ue8m0":
+        scale = ue8m0_round_up(scale)
+    elif scale_fmt is not None:
+        raise ValueError(f"act_quant: unknown scale_fmt {scale_fmt!r} (expected 'ue8m0' or None)")
+    codes = jnp.clip(xg / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return codes.reshape(x.shape), scale
+
+
+def act_dequant(codes: jnp.ndarray, scale: jnp.ndarray, dtype=jnp.float32) -> jnp.ndarray:
+    n = codes.shape[-1]
+    block = n // scale.shape[-1]
+    xg = codes.astype(jnp.float32).reshape(*codes.shape[:-1], scale.shape[-1], block) * scale[..., None]
+    return xg.reshape(codes.shape).astype(dtype)
+
+
+def fake_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0") -> jnp.ndarray:
+    """Quantize-dequantize round trip (simulates an FP8 cache or FP8 GEMM input), same dtype as x."""
+    return act_dequant(*act_quant(x, block, scale_fmt), dtype=x.dtype)

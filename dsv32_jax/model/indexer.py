@@ -1,0 +1,109 @@
+"""Lightning indexer (DSA), eq. (1):  I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]).
+
+Weights w fold the head scale H_I^-1/2 and the dot scale D_I^-1/2. Two scoring paths:
+  * exact   -- float32 dot products (what HF transformers, MaxText and Megatron train with);
+  * fp8     -- production path: 128-dim Hadamard rotation, e4m3 codes with power-of-two (ue8m0) scales,
+               one scale per (token, head) for q folded into w, one per token for k applied after the head sum.
+One top-k selection per query token is shared by every MLA head; empty slots are -1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv32_jax.model.attention import map_query_chunks, visible
+from dsv32_jax.model.config import ModelConfig
+from dsv32_jax.model.fp8 import act_quant, hadamard_rotate
+from dsv32_jax.model.layers import Dense, LayerNorm
+from dsv32_jax.model.rope import apply_rope_half, apply_rope_interleaved
+
+
+def index_scores(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
+    """Exact eq. (1). q [B, C, H_I, D], k [B, S, D], w [B, C, H_I] (constants folded) -> [B, C, S] float32."""
+    dots = jnp.einsum("bchd,bsd->bchs", q, k, preferred_element_type=jnp.float32)
+    return jnp.einsum("bchs,bch->bcs", jax.nn.relu(dots), w.astype(jnp.float32))
+
+
+def quantize_keys(k: jnp.ndarray):
+    """Indexer keys as cached in production: Hadamard-rotated e4m3 codes [B, S, D] and one scale per token [B, S]."""
+    k_fp8, k_scale = act_quant(hadamard_rotate(k), block=k.shape[-1])
+    return k_fp8, k_scale[..., 0]
+
+
+def quantize_queries(q: jnp.ndarray, w: jnp.ndarray):
+    """Hadamard-rotated e4m3 queries [B, T, H_I, D]; the per-(token, head) scale is folded into w' [B, T, H_I]."""
+    q_fp8, q_scale = act_quant(hadamard_rotate(q), block=q.shape[-1])
+    return q_fp8, w.astype(jnp.float32) * q_scale[..., 0]
+
+
+def quantize_indexer(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray):
+    """Returns (q_fp8 [B, T, H_I, D], k_fp8 [B, S, D], k_scale [B, S] f32, w' [B, T, H_I] f32)."""
+    q_fp8, w_folded = quantize_queries(q, w)
+    k_fp8, k_scale = quantize_keys(k)
+    return q_fp8, k_fp8, k_scale, w_folded
+
+
+def index_scores_fp8(q_fp8, k_fp8, k_scale, w_folded) -> jnp.ndarray:
+    """FP8 eq. (1) (DeepGEMM fp8_mqa_logits semantics): I = s_k[s] * sum_j w'[t, j] ReLU(q_fp8 . k_fp8)."""
+    dots = jnp.einsum("bchd,bsd->bchs", q_fp8.astype(jnp.float32), k_fp8.astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+    return jnp.einsum("bchs,bch->bcs", jax.nn.relu(dots), w_folded) * k_scale[:, None, :]
+
+
+def select_topk(scores: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
+    """Top-k keys per query among the valid ones; slots beyond the valid count are -1. [B, C, S] -> [B, C, k]."""
+    masked = jnp.where(valid, scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, k)
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: bool = False,
+                 q_chunk: int | None = 128, k_scale=None) -> jnp.ndarray:
+    """Scores eq. (1) and selects k = min(topk, S) keys per query, chunked over queries so that at most
+    chunk x S scores are live. Causal/segment mask before selection, -1 for selected-but-invisible slots.
+
+    With fp8, k may be given already quantized (codes from `quantize_keys`, e.g. a decode cache) with k_scale."""
+    num_keys = k.shape[1]
+    k_eff = min(topk, num_keys)
+    if fp8:
+        q, w = quantize_queries(q, w)
+        if k_scale is None:
+            k, k_scale = quantize_keys(k)
+
+    def chunk_fn(q_c, w_c, qi_c, qs_c):
+        scores = index_scores_fp8(q_c, k, k_scale, w_c) if fp8 else index_scores(q_c, k, w_c)
+        return select_topk(scores, visible(qi_c, qs_c, kv_segment), k_eff)
+
+    return map_query_chunks(chunk_fn, q_chunk, (q, w, q_index, q_segment))
+
+
+class Indexer(nnx.Module):
+    """Lightning-indexer parameters: wq_b from the MLA query latent c_q, wk + LayerNorm from x, fp32 weights_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype, param_dtype):
+        h, d = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Dense(cfg.q_lora_rank, h * d, ("q_lora", "index_heads"), rngs=rngs, dtype=dtype,
+                          param_dtype=param_dtype, std=cfg.initializer_range)
+        self.wk = Dense(cfg.hidden_size, d, ("embed", None), rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                        std=cfg.initializer_range)
+        self.k_norm = LayerNorm(d, eps=1e-6, param_dtype=param_dtype)
+        self.weights_proj = Dense(cfg.hidden_size, h, ("embed", None), rngs=rngs, dtype=jnp.float32,
+                                  param_dtype=jnp.float32, std=cfg.initializer_range)
+        self.n_heads, self.head_dim, self.rope_dim = h, d, cfg.qk_rope_head_dim
+        self.rope = apply_rope_interleaved if cfg.indexer_rope_interleave else apply_rope_half
+
+    def project(self, x: jnp.ndarray, c_q: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray):
+        """x [B, T, D_model], c_q [B, T, q_lora] -> q [B, T, H_I, D], k [B, T, D], w [B, T, H_I] (f32).
+
+        RoPE goes on the FIRST rope_dim dims of q and k ([rope | nope], opposite of MLA).
+        """
+        b, t, _ = x.shape
+        r = self.rope_dim
+        q = self.wq_b(c_q).reshape(b, t, self.n_heads, self.head_dim)
+        q = jnp.concatenate([self.rope(q[..., :r], cos[:, :, None], sin[:, :, None]), q[..., r:]], axis=-1)
+        k = self.k_norm(self.wk(x))
+        k = jnp.concatenate([self.rope(k[..., :r], cos, sin), k[..., r:]], axis=-1)
+        w = self.weights_proj(x.astype(jnp.float32)) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        return q, k, w

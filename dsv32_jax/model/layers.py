@@ -1,0 +1,52 @@
+"""Basic parameterised layers. Every parameter carries logical axis names (metadata `axes`) that the
+sharding rule table in `dsv32_jax.model.sharding` maps to mesh axes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def normal_param(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=tuple(axes))
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel, kernel [in, out] (HF stores [out, in]). No bias anywhere in DeepSeek-V3.2's linears."""
+
+    def __init__(self, d_in: int, d_out: int, axes, *, rngs: nnx.Rngs, dtype, param_dtype, std: float = 0.02):
+        self.kernel = normal_param(rngs, (d_in, d_out), axes, param_dtype, std)
+        self.dtype = dtype
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """w * x * rsqrt(mean(x^2) + eps), computed in float32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, axes=("norm",)):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=tuple(axes))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Mean-centred LayerNorm with affine weight and bias (the indexer's k_norm), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, axes=("norm",)):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=tuple(axes))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=tuple(axes))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,62 @@
+"""Run-time options of the model's forward pass (which attention path, which indexer path). Static: changing
+them changes the traced program. Set them on a model with `model.options = RunOptions(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_IMPLS = ("sparse", "dense", "kernel")
+# Rematerialization of each decoder block (jax.checkpoint policies): what the backward pass may keep from the
+# forward. "none": everything (fastest, most memory); "full": only the block's inputs (recompute the block);
+# "dots": matmul outputs; "dots_no_batch": matmul outputs without batch dimensions (weights-like products).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+MLA_MODES = ("mqa", "mha")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    # "sparse": gathered top-k rows in plain JAX (eq. 2, O(T*k)); "dense": masked dense reference;
+    # "kernel": the Pallas kernels from `dsv32_jax.kernels` (pallas_kernels/) for the indexer selection
+    # (`indexer_topk`: FP8 quant, logits, top-k) and the sparse MLA; on a mesh they run per device inside one
+    # shard_map over every mesh axis (`dsv32_jax.model.mla.kernel_parallel`), resolved for the mesh's chip.
+    attention: str = "sparse"
+    # Execution mode of the dense reference: absorbed MQA ("mqa") or decompressed per-head MHA ("mha").
+    mla_mode: str = "mqa"
+    # False: plain dense causal attention and no indexer selection (the dense warm-up stage, a dense model).
+    dsa: bool = True
+    # Production indexer path: Hadamard rotation + e4m3 with ue8m0 scales (else exact float32 scores).
+    indexer_fp8: bool = False
+    # Simulate the FP8 latent cache (c_kv quantize/dequantize in 128-blocks, as the official demo since 2025-11-17).
+    fp8_kv: bool = False
+    # Indexer training objective computed per layer (returned in aux["indexer_kl"]): None, "dense" (eq. 3, KL to
+    # the head-summed dense attention, plus the captured-mass metric) or "sparse" (eq. 4, on the selected set).
+    indexer_loss: str | None = None
+    # Query-chunk sizes that bound the references' memory (each chunk is rematerialized in the backward pass).
+    attn_chunk: int = 64
+    index_chunk: int = 128
+    # Per-block rematerialization policy (REMAT_POLICIES).
+    remat: str = "none"
+    # Training / scoring forward: runs of consecutive decoder blocks of one structure (the MoE blocks of DeepSeek-V3)
+    # as one `lax.scan` over their stacked parameters instead of a Python loop: the compiled program holds one block
+    # body instead of 58, so XLA compiles the 671B step in bounded host memory and time. Same numbers either way.
+    scan_layers: bool = False
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"RunOptions.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.mla_mode not in MLA_MODES:
+            raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
+        if self.mla_mode == "mha" and self.attention != "dense":
+            raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"RunOptions.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.indexer_loss not in (None, "dense", "sparse"):
+            raise ValueError(f"RunOptions.indexer_loss must be None, 'dense' or 'sparse', got {self.indexer_loss!r}")
+        if self.indexer_loss == "sparse" and not self.dsa:
+            raise ValueError("RunOptions.indexer_loss='sparse' needs dsa=True (it trains on the selected set)")
+        for name in ("attn_chunk", "index_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunOptions.{name} must be >= 1, got {getattr(self, name)}")
+
+    def replace(self, **changes) -> "RunOptions":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,195 @@
+"""Device mesh and the one rule table that maps logical axis names to mesh axes.
+
+Parameters carry logical names in their `axes` metadata (optimizer state inherits them); activations name
+theirs through `constrain`. Mesh axes: data (pure data parallel), fsdp (parameters sharded, batch split),
+tensor (heads / hidden units), expert (routed experts split; batch split too), seq (sequence / context
+parallelism: activations split along the tokens; MLA all-gathers the keys, `dsv32_jax.model.mla.seq_parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert", "seq")
+SEQ_AXIS = "seq"  # sequence (context) parallelism: tokens split over it, keys all-gathered in attention
+TENSOR_AXIS = "tensor"  # attention / indexer heads, hidden units
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# logical name -> mesh axis (or tuple of mesh axes, or None = replicated)
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "seq": SEQ_AXIS,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    # FSDP on the LoRA ranks, tensor parallelism on heads: never two mesh axes on one dimension (XLA's SPMD
+    # partitioner produced wrong gradients for kv_b_proj with heads -> ("tensor", "fsdp"), see tests/test_train.py)
+    "q_lora": "fsdp",
+    "kv_lora": "fsdp",
+    "heads": "tensor",
+    "index_heads": "tensor",
+    "mlp": "tensor",
+    "moe_mlp": "tensor",
+    # Routed experts (~97% of a DeepSeek-V3 model's parameters) are also split over the sequence-parallel axis:
+    # seq devices hold different tokens of the same sequences, so they would otherwise keep identical copies of
+    # every expert weight, gradient and AdamW moment (ZeRO-3 over seq; the MoE all-gathers them per layer, see
+    # dsv32_jax.model.moe._expert_parallel). Both axes in one dimension: "expert" outer, "seq" inner.
+    "expert": ("expert", SEQ_AXIS),
+    "norm": None,
+}
+
+_CONTEXT: dict = {"mesh": None, "rules": DEFAULT_RULES}
+
+
+def parse_mesh_spec(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """'fsdp:2,tensor:2,expert:2' (or a dict) -> sizes for every mesh axis; one axis may be -1 (the rest)."""
+    if isinstance(spec, str):
+        sizes = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, sep, size = (x.strip() for x in part.partition(":"))
+            if not sep or name not in MESH_AXES or not size.lstrip("-").isdigit() or int(size) == 0 or int(size) < -1:
+                raise ValueError(f"--mesh: bad entry {part!r}; expected name:size with name in {MESH_AXES}, "
+                                 "e.g. 'fsdp:2,tensor:4'")
+            if name in sizes:
+                raise ValueError(f"--mesh: axis {name!r} given twice in {spec!r}")
+            sizes[name] = int(size)
+    else:
+        sizes = dict(spec)
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh axes {sorted(unknown)} unknown; expected a subset of {MESH_AXES}")
+    return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mapping[str, int] = "", devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = parse_mesh_spec(spec)
+    auto = [a for a, s in sizes.items() if s == -1]
+    if len(auto) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {auto}")
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if auto:
+        sizes[auto[0]] = len(devices) // known
+    need = math.prod(sizes.values())
+    if need > len(devices) or (auto and need != len(devices)):
+        raise ValueError(f"mesh {sizes} needs {need} devices but only {len(devices)} are visible "
+                         "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    devices = devices[:need]  # an explicit smaller mesh uses the first devices
+    return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
+
+
+def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES,
+                    mesh_shape: Mapping[str, int] | None = None) -> P:
+    """Logical axis names -> PartitionSpec; a mesh axis is used at most once, size-1 mesh axes are dropped."""
+    if names is None:
+        return P()
+    used, out = set(), []
+    for name in names:
+        target = rules.get(name) if name is not None else None
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used and (mesh_shape is None or mesh_shape[a] > 1))
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*out)
+
+
+def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
+    """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
+    used at most once per array, size-1 mesh axes are dropped, and a dimension is split over the longest leading
+    run of its mesh axes whose product divides it (none: replicated), leaving the rest free for later dimensions."""
+    axes = tuple(axes or ())
+    axes = axes + (None,) * (len(shape) - len(axes))
+    used, out = set(), []
+    for name, dim in zip(axes, shape):
+        target = rules.get(name) if name is not None else None
+        cand = (target,) if isinstance(target, str) else tuple(target or ())
+        cand = tuple(a for a in cand if a not in used and mesh_shape.get(a, 1) > 1)
+        while cand and dim % math.prod(mesh_shape[a] for a in cand):
+            cand = cand[:-1]
+        used.update(cand)
+        out.append((cand[0] if len(cand) == 1 else cand) if cand else None)
+    return P(*out)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def variable_spec(var, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
+    """PartitionSpec of one nnx variable from its `axes` metadata (replicated without, or on a rank mismatch)."""
+    axes = var.get_metadata().get("axes") if _is_var(var) else None
+    shape = getattr(var.get_value() if _is_var(var) else var, "shape", ())
+    if axes is None or len(axes) != len(shape):
+        return P()
+    return array_spec(axes, shape, mesh_shape, rules)
+
+
+def state_specs(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES):
+    """PartitionSpecs for every variable of an nnx state; needs only the mesh's axis sizes (no devices)."""
+    return jax.tree.map(lambda v: variable_spec(v, mesh_shape, rules), state, is_leaf=_is_var)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping = DEFAULT_RULES):
+    """NamedSharding for every variable of an nnx state, as a state-shaped tree (for jit in/out_shardings)."""
+    return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, variable_spec(v, mesh.shape, rules))) if _is_var(v)
+                        else NamedSharding(mesh, P()), state, is_leaf=_is_var)
+
+
+def _placeholder(x) -> bool:
+    """optax.MaskedNode (no array: a parameter that another optimizer group owns) without importing optax."""
+    return type(x).__name__ == "MaskedNode"
+
+
+def abstract_sharded(state, shardings):
+    """ShapeDtypeStructs of `state` placed with `shardings` (matching trees: nnx states or pure dicts);
+    optimizer-state placeholders without arrays (optax.MaskedNode) stay as they are."""
+    return jax.tree.map(lambda x, s: x if _placeholder(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings, is_leaf=_placeholder)
+
+
+def per_device_bytes(state: nnx.State, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> int:
+    """Bytes each device holds for `state` (abstract or concrete) under the rule table."""
+    total = 0
+    for var in jax.tree.leaves(state, is_leaf=_is_var):
+        value = var.get_value() if _is_var(var) else var
+        if _placeholder(value):
+            continue
+        spec = variable_spec(var, mesh_shape, rules)
+        shards = math.prod(math.prod(mesh_shape[a] for a in ((e,) if isinstance(e, str) else e))
+                           for e in spec if e is not None)
+        total += int(np.prod(value.shape)) * np.dtype(value.dtype).itemsize // shards
+    return total
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: Mapping = DEFAULT_RULES):
+    """Activates `constrain` for code traced inside (a no-op outside any mesh)."""
+    old = dict(_CONTEXT)
+    _CONTEXT.update(mesh=mesh, rules=rules)
+    try:
+        yield mesh
+    finally:
+        _CONTEXT.update(old)
+
+
+def current_mesh() -> Mesh | None:
+    return _CONTEXT["mesh"]
+
+
+def current_rules() -> Mapping:
+    return _CONTEXT["rules"]
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """with_sharding_constraint by logical names under the active mesh."""
+    mesh = _CONTEXT["mesh"]
+    if mesh is None or mesh.size == 1:
+        return x
+    spec = array_spec(names, x.shape, mesh.shape, _CONTEXT["rules"])
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,0 +1,258 @@
+"""The DeepSeek-V3.2 transformer: embedding, pre-norm decoder blocks (MLA + DSA, dense MLP or MoE), final norm,
+untied LM head, and the multi-token-prediction (MTP) module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv32_jax.model.config import ModelConfig
+from dsv32_jax.model.layers import Dense, RMSNorm, normal_param
+from dsv32_jax.model.mla import MLA, Positions
+from dsv32_jax.model.moe import MLP, MoE
+from dsv32_jax.model.options import RunOptions
+from dsv32_jax.model.rope import rope_angles, yarn_inv_freq
+from dsv32_jax.model.sharding import constrain
+
+ACTIVATION_AXES = ("batch", "seq", "embed")
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = MLA(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        if cfg.is_moe_layer(layer):
+            self.ffn = MoE(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.ffn = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                           std=cfg.initializer_range)
+        self.is_moe = cfg.is_moe_layer(layer)
+
+    def __call__(self, h, pos: Positions, opts: RunOptions, replay_ids=None, cache=None):
+        """h [B, T, D] -> (h, aux): attention aux (topk, indexer losses, cache) and MoE aux (routing, router_prob)."""
+        attn_out, aux = self.attn(self.attn_norm(h), pos, opts, cache)
+        h = h + attn_out
+        if self.is_moe:
+            ffn_out, moe_aux = self.ffn(self.ffn_norm(h), replay_ids)
+            aux.update(moe_aux)
+        else:
+            ffn_out = self.ffn(self.ffn_norm(h))
+            aux["routing"] = None
+        return h + ffn_out, aux
+
+
+class MTPLayer(nnx.Module):
+    """h' = eh_proj([enorm(Emb(t_{i+1})) ; hnorm(h_i)]) (embedding half first), one decoder block, shared_head.norm;
+    the main model's embedding and LM head are shared."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs, dtype, param_dtype):
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.eh_proj = Dense(2 * cfg.hidden_size, cfg.hidden_size, (None, "embed"), rngs=rngs, dtype=dtype,
+                             param_dtype=param_dtype, std=cfg.initializer_range)
+        self.block = DecoderLayer(cfg, layer, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+
+class Transformer(nnx.Module):
+    """DeepSeek-V3.2 causal LM.
+
+    `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds, per
+    layer (keys 0..L-1, and L+j for MTP depth j as in the checkpoint): `topk` (indexer selections [B, T, k]), `routing` (expert ids [B, T, k]),
+    `router_prob` (MoE layers), `indexer_kl` / `indexer_captured` (with RunOptions.indexer_loss); and
+    `mtp_logits` (list of [B, T, V]; entry j predicts token t+2+j) and `hidden` (final normed state).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 options: RunOptions | None = None):
+        cfg = config
+        self.config = cfg
+        self.options = options or RunOptions()
+        self.dtype = dtype
+        self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype,
+                                  cfg.initializer_range)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=jnp.float32,
+                             param_dtype=param_dtype, std=cfg.initializer_range)
+        self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                             for i in range(cfg.num_nextn_predict_layers)])
+
+    def positions(self, tokens, positions=None, segment_ids=None, start: int | jnp.ndarray = 0,
+                  kv_segment=None) -> Positions:
+        """Bookkeeping for tokens [B, T] occupying key slots [start, start + T): RoPE tables from `positions`
+        (default: the slot index), segments (default: one document), and the keys' segments (default: the
+        tokens' own, i.e. no cache)."""
+        b, t = tokens.shape
+        index = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = index if positions is None else positions.astype(jnp.int32)
+        segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        cos, sin = rope_angles(positions, yarn_inv_freq(self.config), self.config.rope_attention_factor)
+        return Positions(cos=cos, sin=sin, q_index=index, q_segment=segments,
+                         kv_segment=segments if kv_segment is None else kv_segment)
+
+    def embed_tokens(self, tokens):
+        # the table's model dim is stored split over fsdp, which also splits the tokens' rows: gathered first (in
+        # the compute dtype), else GSPMD replicates the whole [B, T, D] lookup to reshard it
+        table = constrain(self.embed[...].astype(self.dtype), ("vocab", None))
+        return jnp.take(table, tokens, axis=0)
+
+    def logits(self, h):
+        return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))
+
+    def __call__(self, tokens, positions=None, segment_ids=None, routing=None, return_aux: bool = False,
+                 mtp: bool = True):
+        """tokens int [B, T]; positions [B, T] (RoPE positions, default 0..T-1); segment_ids [B, T] (packed
+        documents: attention and the indexer never cross a segment boundary); routing: {layer: ids [B, T, k]}
+        to replay recorded expert choices. With return_aux, aux["mtp_logits"] holds the MTP heads' logits unless
+        mtp=False (RL and evaluation do not use them: the MTP layers are then not run at all)."""
+        _check_tokens(tokens, self.config.vocab_size)
+        pos = self.positions(tokens, positions, segment_ids)
+        h, aux = self.backbone(self.embed_tokens(tokens), pos, routing)
+        logits = self.logits(h)
+        if not return_aux:
+            return logits
+        aux["hidden"] = h
+        aux["mtp_logits"] = self.mtp_logits(tokens, h, pos, routing, aux) if mtp else []
+        return logits, aux
+
+    def backbone(self, h, pos: Positions, routing=None, cache=None):
+        """Input embeddings [B, T, D] -> final normed hidden state, aux {topk, routing, ...} per layer.
+
+        With options.remat != "none" (and no decode cache) every block is a `jax.checkpoint` with that policy."""
+        routing = routing or {}
+        aux = {}
+        h = constrain(h, ACTIVATION_AXES)
+        if cache is None and self.options.scan_layers:
+            for start, stop in layer_runs(self.layers):
+                h, run_aux = _scan_blocks(list(self.layers)[start:stop], h, pos, self.options,
+                                          [routing.get(i) for i in range(start, stop)], first=start)
+                for j, i in enumerate(range(start, stop)):
+                    _collect(aux, i, jax.tree.map(lambda x: x[j], run_aux))  # noqa: B023
+            return self.norm(h), aux
+        call = _block_call(self.options.remat) if cache is None else _call_layer
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache["layers"][i]
+            h, layer_aux = call(layer, h, pos, self.options, routing.get(i), layer_cache)
+            h = constrain(h, ACTIVATION_AXES)
+            _collect(aux, i, layer_aux)
+        return self.norm(h), aux
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty decode cache for `length` slots: per-layer latents (see MLA.init_cache) and the slots' segment
+        ids (-1 = empty)."""
+        return {"segment": jnp.full((batch, length), -1, jnp.int32),
+                "layers": [layer.attn.init_cache(batch, length, self.options) for layer in self.layers]}
+
+    def decode(self, tokens, cache: dict, index, positions, segment_ids, routing=None):
+        """Incremental forward: tokens [B, T] occupy cache slots [index, index + T) (the same slots in every row:
+        prompts are left-padded), attend to every visible earlier slot, and are appended to the cache.
+
+        positions [B, T] are RoPE positions, segment_ids [B, T] (0 for padding). Prefill = decode on an empty
+        cache with index 0. Returns (logits [B, T, V] float32, new cache, aux per layer: topk, routing)."""
+        seg_cache = jax.lax.dynamic_update_slice_in_dim(cache["segment"], segment_ids.astype(jnp.int32), index, axis=1)
+        pos = self.positions(tokens, positions, segment_ids, start=index, kv_segment=seg_cache)
+        h, aux = self.backbone(self.embed_tokens(tokens), pos, routing, cache)
+        new_cache = {"segment": seg_cache, "layers": [aux["cache"][i] for i in range(len(self.layers))]}
+        del aux["cache"]
+        return self.logits(h), new_cache, aux
+
+    def mtp_logits(self, tokens, h, pos: Positions, routing, aux) -> list:
+        """MTP depth j predicts token t+2+j from h_t and Emb(t_{t+1+j}); positions past the end see token 0."""
+        routing = routing or {}
+        out = []
+        next_tokens = tokens
+        for j, mtp in enumerate(self.mtp):
+            next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
+            x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
+            key = self.config.num_hidden_layers + j  # the MTP layer's index in the checkpoint
+            h, layer_aux = _block_call(self.options.remat)(mtp.block, mtp.eh_proj(x), pos, self.options,
+                                                           routing.get(key), None)
+            _collect(aux, key, layer_aux)
+            out.append(self.logits(mtp.norm(h)))
+        return out
+
+
+def _call_layer(layer, h, pos, opts, replay_ids, cache):
+    return layer(h, pos, opts, replay_ids, cache)
+
+
+REMAT_POLICY_FNS = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _block_call(policy: str):
+    """layer(h, pos, opts, replay_ids, cache) -> (h, aux), rematerialized with the named policy ("none": as is)."""
+    if policy == "none":
+        return _call_layer
+
+    def call(layer, h, pos, opts, replay_ids, cache):
+        del cache  # training forward only (decode passes its cache to _call_layer)
+        graphdef, state = nnx.split(layer)  # a pure function of the block's state: the block mutates nothing
+
+        def pure(state, h, pos, replay_ids):
+            return nnx.merge(graphdef, state)(h, pos, opts, replay_ids, None)
+
+        return jax.checkpoint(pure, policy=REMAT_POLICY_FNS[policy])(state, h, pos, replay_ids)
+
+    return call
+
+
+def layer_runs(layers) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive blocks with one structure (graph definition): DeepSeek-V3's dense blocks,
+    then its MoE blocks."""
+    runs, prev = [], None
+    for i, layer in enumerate(layers):
+        graphdef = nnx.graphdef(layer)
+        if runs and graphdef == prev:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+        prev = graphdef
+    return runs
+
+
+def _scan_blocks(layers, h, pos, opts, replay, first: int):
+    """Blocks of one structure as a lax.scan over their stacked states (each step rematerialized with opts.remat);
+    returns (h, aux stacked along a leading layer axis)."""
+    graphdef = nnx.graphdef(layers[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+    if any(r is None for r in replay) and not all(r is None for r in replay):
+        missing = [first + j for j, r in enumerate(replay) if r is None]
+        raise ValueError(f"routing replay: layers {missing} have no recorded routing but other layers of their "
+                         f"scanned run [{first}, {first + len(layers)}) do (scan_layers needs all or none)")
+    ids = None if replay[0] is None else jnp.stack(replay)
+
+    def body(h, xs):
+        state, replay_ids = xs
+        out, aux = nnx.merge(graphdef, state)(h, pos, opts, replay_ids, None)
+        return constrain(out, ACTIVATION_AXES), aux
+
+    if opts.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICY_FNS[opts.remat])
+    return jax.lax.scan(body, h, (stacked, ids))
+
+
+def _collect(aux: dict, key, layer_aux: dict) -> None:
+    """aux[name][layer] = value, for each per-layer output."""
+    for name, value in layer_aux.items():
+        aux.setdefault(name, {})[key] = value
+
+
+def _check_tokens(tokens, vocab_size: int) -> None:
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if isinstance(tokens, np.ndarray | jax.Array) and not isinstance(tokens, jax.core.Tracer):
+        concrete = np.asarray(tokens)  # numpy: no tracing even when the array is closed over inside a jit
+        lo, hi = int(concrete.min()), int(concrete.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got range [{lo}, {hi}]")

@@ -1,0 +1,146 @@
+"""Batched multi-turn rollouts of a JAX model in tool environments: `run_episode` (episode.py) for every row, the
+model's completions sampled together by one `MultiTurnSampler` over one decode cache.
+
+Each row's episode runs `run_episode` unchanged (chat encoding, parsing, tools on the host, context strategies,
+segments) in its own thread; its policy hands the prompt to the driver and blocks. When every unfinished episode
+is waiting, the driver appends each row's NEW context (the prompt's suffix after what the row's cache already holds:
+the tool results and the next generation prompt) to the cache and samples all rows' next completions in one jitted
+call; a row whose prompt does not extend its cached context (a context strategy rewrote the history) restarts in a
+fresh segment of the cache. Rows that finish their episode stop generating; the others go on. When the next
+step would not fit the cache's `capacity` slots (shared by all rows: every step takes the longest row's piece plus
+`max_new_tokens`), the waiting rows get an empty completion, which ends their episodes as "context full".
+
+`BatchedRollout.run(envs, seeds)` returns the Trajectories and the sampler's slot layout (tokens, segments,
+positions, the generated-token mask, the sampler's log-probs, kept sets, routing and indexer selections): the
+teacher-forcing batch of the whole trajectories for GRPO.
+
+A model vocabulary larger than the codec's (padded) is masked: the sampler never emits an id the codec cannot
+decode (`SamplingConfig.vocab_size`, set to the codec's here); a smaller one is refused. When an episode raises (an
+environment's bug; tool failures never raise), the rollout stops and raises a RuntimeError naming the FIRST row
+that failed, its environment and seed, chained to that row's exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Sequence
+
+import jax
+
+from dsv32_jax.posttrain import chat
+from dsv32_jax.posttrain.agent.episode import Trajectory, run_episode
+from dsv32_jax.posttrain.envs import Env
+from dsv32_jax.posttrain.sampler import MultiTurnSampler, SamplingConfig
+
+
+class _Aborted(Exception):
+    """Raised in the episode threads still waiting when the rollout stops (not a failure of their own)."""
+
+
+class _RowPolicy:
+    def __init__(self, driver: "BatchedRollout", row: int):
+        self.driver, self.row = driver, row
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        return self.driver._request(self.row, list(prompt_ids), max_new_tokens)
+
+
+class BatchedRollout:
+    """`BatchedRollout(model, codec, cfg, capacity).run(envs, seeds, **run_episode_kwargs)`."""
+
+    def __init__(self, model, codec: chat.Codec, cfg: SamplingConfig, capacity: int, seed: int = 0):
+        if cfg.eos_id != codec.eos_id:
+            raise ValueError(f"SamplingConfig.eos_id={cfg.eos_id} but the codec's EOS id is {codec.eos_id}")
+        vocab = model.config.vocab_size if model is not None else codec.vocab_size  # None: a test's scripted sampler
+        if vocab < codec.vocab_size:
+            raise ValueError(f"the model's vocab_size {vocab} is smaller than the codec's {codec.vocab_size}: the "
+                             "model cannot emit every token of the chat format")
+        if cfg.vocab_size and cfg.vocab_size != codec.vocab_size:
+            raise ValueError(f"SamplingConfig.vocab_size={cfg.vocab_size} but the codec has {codec.vocab_size} ids")
+        if vocab > codec.vocab_size:
+            cfg = dataclasses.replace(cfg, vocab_size=codec.vocab_size)
+        self.model, self.codec, self.cfg, self.capacity, self.seed = model, codec, cfg, capacity, seed
+
+    def _request(self, row: int, prompt: list[int], limit: int) -> list[int]:
+        with self._cond:
+            self._pending[row] = (prompt, limit)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: row in self._results or self._abort)
+            if self._abort:
+                raise _Aborted
+            return self._results.pop(row)
+
+    def run(self, envs: Sequence[Env], seeds: Sequence[int], **episode_kwargs) -> tuple[list[Trajectory], dict]:
+        b = len(envs)
+        if len(seeds) != b:
+            raise ValueError(f"BatchedRollout.run: {len(envs)} envs but {len(seeds)} seeds")
+        sampler = MultiTurnSampler(self.model, b, self.capacity, self.cfg)
+        self._cond = threading.Condition()
+        self._pending, self._results, self._abort = {}, {}, False
+        finished, errors, trajectories = set(), [], [None] * b  # errors: (row, exception) in the order they came
+        cached: list[list[int]] = [[] for _ in range(b)]  # what each row's current cache segment holds
+
+        def work(row):
+            try:
+                trajectories[row] = run_episode(envs[row], seeds[row], _RowPolicy(self, row), self.codec,
+                                                **episode_kwargs)
+            except _Aborted:
+                pass
+            except BaseException as e:  # noqa: BLE001 (re-raised by the driver)
+                with self._cond:
+                    errors.append((row, e))
+            finally:
+                with self._cond:
+                    finished.add(row)
+                    self._cond.notify_all()
+
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(b)]
+        for t in threads:
+            t.start()
+        turn = 0
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: len(self._pending) + len(finished - set(self._pending)) >= b)
+                    if errors:
+                        break
+                    pending = dict(self._pending)
+                    self._pending.clear()
+                if not pending:
+                    break
+                pieces, live = [[] for _ in range(b)], [False] * b
+                for row, (prompt, _) in pending.items():
+                    if prompt[:len(cached[row])] != cached[row] or not cached[row]:
+                        if cached[row]:
+                            sampler.restart(row)
+                        cached[row] = []
+                    pieces[row] = prompt[len(cached[row]):]
+                    live[row] = True
+                if sampler.fits(pieces):
+                    outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn))
+                    turn += 1
+                else:  # the shared cache is full: these rows' completions are empty (run_episode: "context full")
+                    outs = [[] for _ in range(b)]
+                with self._cond:
+                    for row, (prompt, limit) in pending.items():
+                        cached[row] = prompt + outs[row]
+                        self._results[row] = outs[row][:limit]
+                    self._cond.notify_all()
+        except BaseException:
+            with self._cond:
+                self._abort = True
+                self._cond.notify_all()
+            raise
+        finally:
+            with self._cond:
+                if errors:
+                    self._abort = True
+                    self._cond.notify_all()
+            for t in threads:
+                t.join(timeout=60)
+        if errors:
+            row, err = errors[0]
+            raise RuntimeError(f"episode of row {row} ({envs[row].name or type(envs[row]).__name__}, seed "
+                               f"{seeds[row]}) failed: {type(err).__name__}: {err}") from err
+        return trajectories, jax.device_get(sampler.layout())

@@ -1,0 +1,215 @@
+"""Tool environments for agentic RL (paper section 3.2): each task is an environment, its tools, a task and a verifier.
+
+An episode: `obs = env.reset(seed)` gives the system prompt and the task text (the user message). The agent then
+answers with `Action`s. An action with tool calls runs each call and the next observation holds one result string
+per call (reward 0, not done); an action without tool calls is the final answer: the verifier scores its content
+(reward in [0, 1], done). More than `max_steps` tool turns end the episode with reward 0 (info["truncated"]).
+
+Nothing a model can send makes `step` raise: a bad call, a tool's `ToolError`, any other exception of a tool, a
+result JSON cannot encode and a call past the deadline all become `error: ...` results (tools.py), counted in the
+step's info (`tool_errors`, `tool_crashes`, `tool_timeouts`). The deadline is `Env.tool_timeout` seconds (default
+10; None: no deadline, the call runs inline): each call then runs in a daemon worker thread. Python cannot stop a
+thread, so one that overruns is left to finish and the environment refuses further calls (as `timeout` errors)
+until it has: at most one runaway thread per environment, never a pile of them.
+
+Writing an environment: docs/environments.md. What an environment returns is data to the chat encoding (plain text,
+never special tokens). This module imports neither jax nor numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+from typing import Any, Mapping, Sequence
+
+from dsv32_jax.posttrain.chat import ToolCall
+from dsv32_jax.posttrain.envs.tools import Tool, ToolOutput, sanitize, tool_counts
+
+
+@dataclasses.dataclass
+class Action:
+    """One assistant turn: tool calls, or (without them) the final answer in `content`. The env ignores `reasoning`."""
+    content: str = ""
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    reasoning: str = ""
+
+    @classmethod
+    def coerce(cls, action: Action | Mapping[str, Any]) -> Action:
+        """An Action from an Action or a dict {"content", "tool_calls": [{"name", "arguments"}], "reasoning"}."""
+        if isinstance(action, Action):
+            return action
+        if not isinstance(action, Mapping):
+            raise TypeError(f"action must be an Action or a dict, got {type(action).__name__}")
+        calls = [_coerce_call(c) for c in action.get("tool_calls") or []]
+        return cls(str(action.get("content") or ""), calls, str(action.get("reasoning") or ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"content": self.content, "tool_calls": [c.to_dict() for c in self.tool_calls],
+                "reasoning": self.reasoning}
+
+
+def _coerce_call(call: Any) -> ToolCall:
+    """A ToolCall from a ToolCall or a dict; anything else becomes a call of the unknown tool "" (an error result)."""
+    if isinstance(call, ToolCall):
+        return call
+    if isinstance(call, Mapping):
+        return ToolCall(str(call.get("name", "")), call.get("arguments", {}))
+    return ToolCall("", {})
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the agent sees: the system prompt, the task (user message) and the results of the last tool turn."""
+    system: str
+    task: str
+    tool_results: tuple[str, ...] = ()
+
+
+class Env:
+    """Base class of the tool environments (docs/environments.md). A subclass sets `name`, `domain` and
+    `instructions` and implements the hooks `generate(seed)`, `make_tools()`, `render_task(instance)`,
+    `score(instance, answer)` and `solve(instance)`; tool functions read the current episode's `self.instance`.
+
+    `make_tools` is called once, on the first use of `tools` (not by the constructor), so a subclass may set its
+    fields before or after `super().__init__()`, or not call it at all (the class attributes are the defaults)."""
+    name: str = ""
+    domain: str = ""  # the per-domain KL weight key
+    instructions: str = ""  # the system prompt's first sentence(s): answer format
+    max_steps: int = 4
+    tool_timeout: float | None = 10.0  # seconds a tool call may run (None: no deadline, run inline)
+    instance: Any = None
+    steps: int = 0
+    done: bool = True
+
+    #: hook name -> the arguments it is called with (besides self)
+    HOOKS = {"generate": ("seed",), "make_tools": (), "render_task": ("instance",), "score": ("instance", "answer"),
+             "solve": ("instance",)}
+
+    def __init_subclass__(cls, **kwargs):
+        """A hook whose signature cannot take its arguments (e.g. the earlier `score(answer)`, or the private
+        `_make_tools`) fails when the class is defined, naming the hook, instead of mid-episode."""
+        super().__init_subclass__(**kwargs)
+        if "_make_tools" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}._make_tools: the hook is public now; rename it make_tools(self)")
+        for name, args in Env.HOOKS.items():
+            fn = cls.__dict__.get(name)
+            if fn is None:
+                continue
+            try:
+                inspect.signature(fn).bind(None, *args)
+            except TypeError:
+                raise TypeError(f"{cls.__name__}.{name}{inspect.signature(fn)}: the hook is called as "
+                                f"{name}(self{''.join(', ' + a for a in args)})") from None
+
+    def __init__(self, max_steps: int = 4):
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+        self.max_steps = max_steps
+
+    # --- subclass hooks ---
+    def generate(self, seed: int) -> Any:
+        """The task instance for `seed` (deterministic; no effect on the current episode)."""
+        raise NotImplementedError(f"{type(self).__name__}.generate(seed)")
+
+    def make_tools(self) -> list[Tool]:
+        """The tools (called once, on the first use of `self.tools`); their functions read `self.instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.make_tools()")
+
+    def render_task(self, instance: Any) -> str:
+        """The task text (user message) of `instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.render_task(instance)")
+
+    def score(self, instance: Any, answer: str) -> tuple[float, dict[str, Any]]:
+        """Verifier: (reward in [0, 1], details) for the final answer `answer` to `instance`."""
+        raise NotImplementedError(f"{type(self).__name__}.score(instance, answer)")
+
+    def solve(self, instance: Any) -> list[Action]:
+        """Oracle trajectory for `instance`: tool-call turns, then the final answer."""
+        raise NotImplementedError(f"{type(self).__name__}.solve(instance)")
+
+    # --- tools ---
+    @property
+    def tools(self) -> list[Tool]:
+        if self.__dict__.get("_tools") is None:
+            tools = list(self.make_tools())
+            for i, t in enumerate(tools):
+                if not isinstance(t, Tool):
+                    raise TypeError(f"{type(self).__name__}.make_tools()[{i}]: expected a dsv32_jax.posttrain.envs.Tool, got "
+                                    f"{type(t).__name__}")
+            names = [t.name for t in tools]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{type(self).__name__}.make_tools(): duplicate tool names {names}")
+            self._tools = tools
+        return self._tools
+
+    def run_tool(self, call: ToolCall | Mapping[str, Any]) -> ToolOutput:
+        """Run one call (module docstring: statuses, deadline); never raises."""
+        call = _coerce_call(call)
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            return ToolOutput(f'error: unknown tool "{sanitize(call.name)}"', "error")
+        if self.tool_timeout is None:
+            return tool.run(call.arguments)
+        runaway = self.__dict__.get("_runaway")
+        if runaway is not None and runaway.is_alive():
+            return ToolOutput(f'error: tool "{call.name}" not run: an earlier call timed out and is still running',
+                              "timeout")
+        box: dict[str, ToolOutput] = {}
+        worker = threading.Thread(target=lambda: box.setdefault("out", tool.run(call.arguments)), daemon=True,
+                                  name=f"{self.name or type(self).__name__}.{call.name}")
+        worker.start()
+        worker.join(self.tool_timeout)
+        if worker.is_alive():
+            self._runaway = worker
+            return ToolOutput(f'error: tool "{call.name}" timed out after {self.tool_timeout:g} s', "timeout")
+        return box.get("out", ToolOutput(f'error: tool "{call.name}" failed', "crash"))
+
+    def call_tool(self, call: ToolCall | Mapping[str, Any]) -> str:
+        """The result text of one call (`run_tool(call).text`)."""
+        return self.run_tool(call).text
+
+    # --- episode API ---
+    def system_prompt(self) -> str:
+        return f"{self.instructions} tools: " + ". ".join(f"{t.signature()} {t.description}" for t in self.tools)
+
+    def reset(self, seed: int) -> Observation:
+        self.instance = self.generate(seed)
+        self.steps = 0
+        self.done = False
+        return self._observation()
+
+    def step(self, action: Action | Mapping[str, Any]) -> tuple[Observation, float, bool, dict[str, Any]]:
+        if self.instance is None:
+            raise RuntimeError(f"{self.name}: step() before reset(seed)")
+        if self.done:
+            raise RuntimeError(f"{self.name}: the episode is over; call reset(seed)")
+        action = Action.coerce(action)
+        if action.tool_calls:
+            if self.steps >= self.max_steps:
+                self.done = True
+                return self._observation(), 0.0, True, {
+                    "success": False, "steps": self.steps, "truncated": True,
+                    "reason": f"more than max_steps={self.max_steps} tool turns"}
+            self.steps += 1
+            outputs = [self.run_tool(c) for c in action.tool_calls]
+            return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
+                    {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
+        reward, details = self.score(self.instance, action.content)
+        reward = min(max(float(reward), 0.0), 1.0)
+        self.done = True
+        return self._observation(), reward, True, {"success": reward == 1.0, "steps": self.steps, "truncated": False,
+                                                   **details}
+
+    def verify(self, answer: str) -> float:
+        """The verifier's reward for `answer` to the current instance (no effect on the episode)."""
+        if self.instance is None:
+            raise RuntimeError(f"{self.name}: verify() before reset(seed)")
+        return self.score(self.instance, answer)[0]
+
+    def demonstration(self, seed: int) -> list[Action]:
+        """Oracle trajectory for `seed`'s instance (for cold-start SFT); replay it after `reset(seed)`."""
+        return self.solve(self.generate(seed))
+
+    def _observation(self, results: Sequence[str] = ()) -> Observation:
+        return Observation(self.system_prompt(), self.render_task(self.instance), tuple(results))
