@@ -80,6 +80,15 @@ def flops_per_token(cfg: dsv32_jax.ModelConfig, seq_len: int, sparse: bool) -> f
     return 6 * matmul + 3 * (attention + index_scores)
 
 
+def tokenizer_record(spec: str) -> str:
+    """What a checkpoint's meta records as its tokenizer (`dsv32-generate` reads it): "byte", or the absolute
+    path of the tokenizer.json that config.data.tokenizer names (a file or a directory holding one)."""
+    if spec == "byte":
+        return spec
+    path = os.path.abspath(os.path.expanduser(spec))
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
 @dataclasses.dataclass
 class TrainState:
     graphdef: object
@@ -132,14 +141,18 @@ class Trainer:
         shardings = shd.state_shardings(state, self.mesh)
         if model is None:
             state = jax.jit(lambda: nnx.split(self._build())[1], out_shardings=shardings)()
-        else:
-            state = jax.device_put(nnx.split(self._build(model))[1], shardings)
+        else:  # the loaded parameters are already sharded; the optimizer state is created in place, sharded
+            model_def, params = nnx.split(model)
+            state = jax.jit(lambda p: nnx.split(self._build(nnx.merge(model_def, p)))[1],
+                            out_shardings=shardings)(params)
         return TrainState(graphdef, state, shardings)
 
     def _load_model(self, init: str) -> Transformer:
         """Parameters from an HF / converted checkpoint or a training workdir (its latest finished checkpoint, with
-        the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`."""
-        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype,
+        the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`, onto this run's mesh:
+        an orbax checkpoint or workdir is restored straight into the shardings, each process reading only the
+        slices its devices hold."""
+        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype, mesh=self.mesh,
                                            init_indexer=self.config.get("init_indexer", "auto"), seed=self.config.seed,
                                            overrides=dict(self.config.model_overrides) or None)
         # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
@@ -189,7 +202,7 @@ class Trainer:
 
     def save(self, mngr, step: int, data_state, force: bool = False) -> bool:
         meta = {"step": step, "stage": self.stage, "rng": np.asarray(self.rng).tolist(),
-                "model_config": self.cfg.to_hf()}
+                "model_config": self.cfg.to_hf(), "tokenizer": tokenizer_record(self.config.data.tokenizer)}
         return checkpointing.save(mngr, step, arrays={"params": self.ts.state[0], "opt": self.ts.state[1]},
                                   json={"data": data_state, "meta": meta}, force=force)
 

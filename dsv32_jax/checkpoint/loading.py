@@ -77,10 +77,8 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
         model = load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
                                  include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
         if init_indexer == "fresh":
-            fresh = Transformer(model.config, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype or dtype,
-                                options=options)
-            state, new = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(fresh))
-            _copy_indexers(state, new)
+            state = nnx.to_pure_dict(nnx.state(model))
+            _copy_indexers(state, _fresh_indexers(model.config, seed, dtype, param_dtype, options, mesh, rules))
             nnx.update(model, _as_state(model, state))
             logging.info("%s: lightning indexers initialized fresh (seed %d), not loaded", path, seed)
         return model
@@ -114,6 +112,73 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     return nnx.merge(graphdef, state)
 
 
+def _to_target_sharded(x: jax.Array, scale: np.ndarray | None, dtype) -> jax.Array:
+    """A restored (sharded, stored-dtype) array in the parameter dtype, shard by shard on the devices that hold it:
+    FP8 codes times the 128x128 block scales of each slice (the same float32 products as `dequant_fp8`)."""
+    dtype = np.dtype(dtype)
+    if scale is None:
+        if x.dtype == dtype:
+            return x
+        return jax.jit(lambda a: a.astype(dtype), out_shardings=x.sharding)(x)
+    done: dict = {}
+    buffers = []
+    for shard in x.addressable_shards:
+        key = tuple((s.start, s.stop) for s in shard.index)
+        if key not in done:
+            done[key] = dequant_fp8_slice(np.asarray(shard.data), scale, shard.index, x.shape, dtype)
+        buffers.append(jax.device_put(done[key], shard.device))
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding, buffers)
+
+
+def dequant_fp8_slice(codes: np.ndarray, scale: np.ndarray, index: tuple, shape: tuple, dtype) -> np.ndarray:
+    """The slice `index` (of the global FP8 array of `shape`) of codes * block scale: `codes` holds just that
+    slice, `scale` the whole array's block scales [..., ceil(r/128), ceil(c/128)]. Bitwise `dequant_fp8(whole)`
+    restricted to the slice (one float32 product per element, then the cast)."""
+    from dsv32_jax.model.fp8 import WEIGHT_BLOCK as block
+
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+    lead = tuple(slice(a, b) for a, b in bounds[:-2])
+    s = np.asarray(scale, np.float32)[lead]
+    for axis, (a, b) in zip((-2, -1), bounds[-2:]):
+        blocks = np.arange(a, b) // block
+        s = np.take(s, blocks, axis=axis)
+    return (codes.astype(np.float32) * s).astype(dtype)
+
+
+def _indexer_subtree(tree: dict) -> dict:
+    """The parts of a pure parameter dict under 'indexer' keys (same nesting)."""
+    out = {}
+    for key, value in tree.items():
+        if key == "indexer":
+            out[key] = value
+        elif isinstance(value, dict):
+            sub = _indexer_subtree(value)
+            if sub:
+                out[key] = sub
+    return out
+
+
+def _fresh_indexers(cfg, seed, dtype, param_dtype, options, mesh, rules) -> dict:
+    """The lightning indexers of `Transformer(cfg)` initialized from `seed` (a pure-dict subtree). On a mesh they
+    are computed by one jitted init that keeps only the indexers (the rest of the model is never materialized)
+    and placed with their logical shardings."""
+    def build():
+        model = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype or dtype, options=options)
+        return _indexer_subtree(nnx.to_pure_dict(nnx.state(model)))
+
+    if mesh is None:
+        return build()
+    if isinstance(mesh, str):
+        mesh = shd.make_mesh(mesh)
+    _, state = abstract_model(cfg, dtype, param_dtype, options)
+    axes = param_axes(state)
+    shapes = jax.eval_shape(build)
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda path, x: logical_sharding(axes.get(tuple(p.key for p in path), ()), x.shape, mesh, rules), shapes)
+    return jax.jit(build, out_shardings=shardings)()
+
+
 def _copy_indexers(dst: dict, src: dict) -> None:
     """dst[...]['indexer'] = src[...]['indexer'] everywhere in two pure parameter dicts."""
     for key, value in src.items():
@@ -135,7 +200,10 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     `step`; parameters only), into a ready `Transformer`, one layer at a time.
 
     dtype / param_dtype / options / include_mtp as in `from_pretrained`; FP8 leaves are dequantized. mesh: a
-    `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes.
+    `jax.sharding.Mesh` (or a spec string like 'fsdp:2,tensor:4') to shard every parameter by its logical axes:
+    then every array is restored straight into its sharding (orbax restore targets with the shardings), so each
+    process reads from storage only the chunks overlapping the slices its own devices hold, FP8 codes are
+    dequantized slice by slice, and no host ever holds a whole parameter (multi-host: every process calls this).
     """
     source = open_params(path, step)
     reader = source.reader
@@ -159,17 +227,20 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
             wanted.append(p)
             if reader.dtype(p) == FP8_DTYPE:
                 wanted.append(scale_path(p))
-        stored = reader.load(wanted)
+        shardings = None
+        if mesh is not None:  # each process reads only the slices of its devices (FP8 scales: whole, 1/16384 of it)
+            shardings = {p: logical_sharding(axes.get(p, ()), reader.shape(p), mesh, rules) for p in paths}
+        stored = reader.load(wanted, shardings)
         for p in paths:
             x = stored.pop(str_path(p))
             target = targets[p]
-            if x.dtype == FP8_DTYPE:
-                x = dequant_fp8(x, stored.pop(scale_path(p)), target.dtype)
-            x = np.asarray(x).astype(target.dtype, copy=False)
             if mesh is not None:
-                value = jax.device_put(x, logical_sharding(axes.get(p, ()), x.shape, mesh, rules))
+                scale = stored.pop(scale_path(p)) if reader.dtype(p) == FP8_DTYPE else None
+                value = _to_target_sharded(x, scale, target.dtype)
             else:
-                value = jnp.asarray(x)
+                if x.dtype == FP8_DTYPE:
+                    x = dequant_fp8(x, stored.pop(scale_path(p)), target.dtype)
+                value = jnp.asarray(np.asarray(x).astype(target.dtype, copy=False))
             node = pure
             for key in p[:-1]:
                 node = node[key]
