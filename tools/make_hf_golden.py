@@ -14,6 +14,8 @@ on tiny random configs and writes, per case, ``tests/fixtures/hf_<case>/``:
                             of decoder layer i, before the final norm); ``inv_freq`` f32 (HF YaRN
                             inverse frequencies of the rope dims).
 * ``meta.json``          -- versions, seed, description, check statistics.
+* ``generate.json``      -- (cases long, moe_bias) HF greedy ``generate`` with and without its decode cache
+                            (see ``record_generate``); ``--generate_only`` rewrites just these.
 
 ``topk_l{i}``: k' = min(index_topk, S) as HF uses. Each row holds the *causally visible* selected key
 positions sorted ascending, followed by ``-1`` padding. (For query s with s+1 <= k' visible keys HF's
@@ -39,7 +41,7 @@ Requirements (the project's ``hf`` extra provides them)::
 
 (generated with torch 2.13.0+cpu, transformers 5.23.0).  Usage::
 
-    python tools/make_hf_golden.py --out tests/fixtures [--cases short long moe_bias] [--seed 0]
+    python tools/make_hf_golden.py --out tests/fixtures [--cases short long moe_bias] [--seed 0] [--generate_only]
 """
 
 from __future__ import annotations
@@ -651,7 +653,54 @@ def generate(name, spec, out_root, seed0, gap_tol):
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=False)
         f.write("\n")
+    if name in GEN_CASES:
+        record_generate(out_dir)
     return out_dir, meta
+
+
+GEN_PROMPT = 16  # prompt tokens (the first 16 of golden.npz's tokens per row): > index_topk (8) of the sparse cases
+GEN_NEW = 16  # greedy tokens generated after each prompt
+GEN_CASES = ("long", "moe_bias")  # the cases whose top-k selection is active (prompt + generated > index_topk)
+
+
+def record_generate(out_dir):
+    """``generate.json``: HF ``generate`` (greedy, with its decode cache, and again with ``use_cache=False``,
+    which re-runs the whole prefix per token: the reference that needs no cache to be right) on the first
+    GEN_PROMPT tokens of each row of golden.npz, GEN_NEW new tokens, no EOS stop. Both must agree (else HF's cached
+    decode is wrong here and the test compares with the uncached tokens, recorded as ``reference``); the smallest
+    top-1 / top-2 logit margin along the greedy path is recorded (a near-tie would make any port's tokens fragile)."""
+    import transformers
+    from transformers import DeepseekV32ForCausalLM
+
+    model = DeepseekV32ForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+    tokens = np.load(os.path.join(out_dir, "golden.npz"))["tokens"]
+    prompt = torch.from_numpy(tokens[:, :GEN_PROMPT]).long()
+    runs = {}
+    with torch.no_grad():
+        for name, use_cache in (("cached", True), ("uncached", False)):
+            out = model.generate(prompt, max_new_tokens=GEN_NEW, do_sample=False, use_cache=use_cache,
+                                 output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                                 eos_token_id=None, attention_mask=torch.ones_like(prompt))
+            runs[name] = (out.sequences[:, GEN_PROMPT:].numpy().astype(int).tolist(), torch.stack(out.scores, 1))
+    top2 = runs["uncached"][1].topk(2, dim=-1).values
+    margin = float((top2[..., 0] - top2[..., 1]).min())
+    agree = runs["cached"][0] == runs["uncached"][0]
+    record = dict(
+        transformers_version=transformers.__version__, torch_version=torch.__version__,
+        description=f"greedy generate: the first {GEN_PROMPT} tokens of each row of golden.npz's tokens as the "
+        f"prompt (index_topk {model.config.index_topk}: top-k selection active), {GEN_NEW} new tokens, no EOS",
+        prompt=tokens[:, :GEN_PROMPT].astype(int).tolist(), max_new_tokens=GEN_NEW,
+        hf_generate_cached=runs["cached"][0], hf_generate_uncached=runs["uncached"][0],
+        cached_equals_uncached=agree, reference="hf_generate_cached" if agree else "hf_generate_uncached",
+        min_top2_logit_margin=margin,
+    )
+    assert margin > 1e-4, f"{out_dir}: greedy path has a near-tie (margin {margin:.2e}); pick another prompt"
+    with open(os.path.join(out_dir, "generate.json"), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"  generate: cached == uncached: {agree}; min top-2 margin {margin:.2e}")
+    return record
 
 
 def _cfg_equal(a, b):
@@ -669,10 +718,18 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), help="cases (default all)")
     ap.add_argument("--seed", type=int, default=0, help="first seed to try (default 0)")
     ap.add_argument("--gap", type=float, default=1e-3, help="min relative top-k score gap (default 1e-3)")
+    ap.add_argument("--generate_only", action="store_true",
+                    help=f"only (re)write generate.json (HF greedy generate) of the existing {GEN_CASES} fixtures")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     torch.use_deterministic_algorithms(True)
+    if args.generate_only:
+        for name in GEN_CASES:
+            if name in args.cases:
+                print(f"== {name} (generate)")
+                record_generate(os.path.join(args.out, f"hf_{name}"))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name in args.cases:

@@ -1,0 +1,126 @@
+"""Streaming text generation from a loaded `Transformer` with the decode caches (the MLA latent cache and the
+indexer key cache of `Transformer.decode`, as the sampler uses them): one jitted prefill over the prompt, then one
+jitted step per token whose sampled id comes back to the host at once, so a caller can print it as it comes.
+
+`generate_stream(model, ids, cfg, rng)` yields token ids; `generate_ids` collects them; `generate_no_cache` is the
+baseline that re-runs the whole prefix for every token (same tokens; `bench/generate.py` compares the speed).
+Sampling is the sampler's own (`dsv32_jax.posttrain.sampler.sample_token`: temperature, top-k / top-p inside a
+bounded candidate set, or greedy argmax).
+
+Layer: posttrain (uses the model; the command line lives in `dsv32_jax.train.generate_main`, which adds tokenizers
+and checkpoint resolution).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv32_jax.posttrain.sampler import SamplingConfig, prompt_layout, sample_token
+
+
+class PromptTooLongError(ValueError):
+    """A prompt does not fit the model's context (config.max_position_embeddings)."""
+
+
+PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (fewer prefill compilations)
+
+
+def context_length(model) -> int:
+    return int(model.config.max_position_embeddings)
+
+
+def check_prompt(model, n_prompt: int, max_new_tokens: int, where: str = "prompt") -> int:
+    """The number of tokens that can be generated after a prompt of n_prompt ids (max_new_tokens, cut to the
+    context); raises PromptTooLongError (naming `where` and both lengths) when the prompt leaves no room."""
+    ctx = context_length(model)
+    if n_prompt == 0:
+        raise ValueError(f"{where}: empty prompt (no token ids)")
+    if n_prompt >= ctx:
+        raise PromptTooLongError(f"{where}: {n_prompt} tokens, but the model's context is {ctx} tokens "
+                                 f"(config max_position_embeddings); shorten the prompt to at most {ctx - 1} tokens")
+    return max(0, min(max_new_tokens, ctx - n_prompt))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _prefill(graphdef, state, cache, tokens, segments, positions, cfg: SamplingConfig, rng):
+    model = nnx.merge(graphdef, state)
+    logits, cache, _ = model.decode(tokens, cache, 0, positions, segments)
+    tok, _, _, _ = sample_token(logits[:, -1], rng, cfg)
+    return tok, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
+def _step(graphdef, state, cache, token, slot, position, cfg: SamplingConfig, rng):
+    model = nnx.merge(graphdef, state)
+    logits, cache, _ = model.decode(token[:, None], cache, slot, position[:, None], jnp.ones_like(token)[:, None])
+    tok, _, _, _ = sample_token(logits[:, -1], rng, cfg)
+    return tok, cache
+
+
+def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> Iterator[int]:
+    """Yields up to cfg.max_new_tokens sampled ids after the prompt `ids` (stops after cfg.eos_id, which is
+    yielded; eos_id < 0: never stops early), each as soon as it is sampled. The prompt is left-padded to a
+    multiple of PROMPT_BUCKET (padding is segment 0: invisible to attention and the indexer) and the cache holds
+    prompt + max_new_tokens slots. rng: a jax key (default key(0)); step i samples with fold_in(rng, i)."""
+    ids = [int(i) for i in ids]
+    n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
+    if n_new == 0:
+        return
+    vocab = model.config.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+    rng = jax.random.key(0) if rng is None else rng
+    width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+    total = width + n_new
+    segments, positions = prompt_layout(jnp.asarray([len(ids)], jnp.int32), width, total)
+    tokens = jnp.asarray([[cfg.pad_id] * (width - len(ids)) + ids], jnp.int32)
+    graphdef, state = nnx.split(model)
+    tok, cache = _prefill(graphdef, state, model.init_cache(1, total), tokens, segments[:, :width],
+                          positions[:, :width], cfg, jax.random.fold_in(rng, 0))
+    for i in range(n_new):
+        token = int(tok[0])
+        yield token
+        if token == cfg.eos_id or i + 1 == n_new:
+            return
+        tok, cache = _step(graphdef, state, cache, tok, jnp.int32(width + i), jnp.asarray([len(ids) + i], jnp.int32),
+                           cfg, jax.random.fold_in(rng, i + 1))
+
+
+def generate_ids(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> list[int]:
+    """`generate_stream` collected into a list."""
+    return list(generate_stream(model, ids, cfg, rng))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _full_step(graphdef, state, tokens, last, cfg: SamplingConfig, rng):
+    model = nnx.merge(graphdef, state)
+    logits = model(tokens, return_aux=False)
+    row = jax.lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False)
+    tok, _, _, _ = sample_token(row, rng, cfg)
+    return tok
+
+
+def generate_no_cache(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> list[int]:
+    """The same sampling without a decode cache: every token re-runs the model over the whole sequence (held in
+    one buffer of prompt + max_new_tokens ids, so one compilation; causal attention makes the unfilled tail
+    invisible to the positions read). The speed baseline of bench/generate.py, and a check of the cache."""
+    ids = [int(i) for i in ids]
+    n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
+    rng = jax.random.key(0) if rng is None else rng
+    graphdef, state = nnx.split(model)
+    buf = jnp.asarray([ids + [cfg.pad_id] * n_new], jnp.int32)
+    out: list[int] = []
+    for i in range(n_new):
+        tok = _full_step(graphdef, state, buf, jnp.int32(len(ids) + i - 1), cfg, jax.random.fold_in(rng, i))
+        token = int(tok[0])
+        out.append(token)
+        if token == cfg.eos_id:
+            break
+        buf = buf.at[0, len(ids) + i].set(token)
+    return out
