@@ -1,0 +1,113 @@
+"""dsv32-generate (issue #33): the CLI on a training workdir (the checkpoint's recorded tokenizer, streaming, JSONL
+in and out) and its named errors: a checkpoint without a tokenizer, a prompt longer than the context, an empty
+prompts file, a malformed JSONL line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from conftest import FIXTURES
+from test_train import load_config
+
+import dsv32_jax
+from dsv32_jax.posttrain.generate import PromptTooLongError, generate_no_cache
+from dsv32_jax.posttrain.sampler import SamplingConfig
+from dsv32_jax.train import data as data_lib
+from dsv32_jax.train.generate_main import GenerateError, read_prompts, resolve_tokenizer, run
+from dsv32_jax.train.trainer import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A training workdir like `make train`'s (tiny preset, byte tokenizer), 1 step, 2 layers."""
+    path = str(tmp_path_factory.mktemp("gen") / "w")
+    config = load_config("dense_tiny", steps=1, log_every=1000, **{
+        "data.seq_len": 32, "data.batch_size": 2, "checkpoint.every": 1, "checkpoint.use_async": False})
+    config.model_overrides = {"num_hidden_layers": 2}
+    trainer = Trainer(config, path)
+    trainer.fit(data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size))
+    return path
+
+
+def _cli(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    return subprocess.run([sys.executable, "-m", "dsv32_jax.train.generate_main", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.heavy  # the workdir fixture trains (compiles) a model: ~50 s on 2 cores
+def test_cli_on_a_training_workdir_streams_greedy_tokens(workdir):
+    r = _cli(f"--ckpt={workdir}", "--prompt=the cat sat", "--temperature=0", "--max_new_tokens=12")
+    assert r.returncode == 0, r.stderr[-3000:]
+    streamed = r.stdout.rstrip("\n")
+    # the same greedy tokens without the decode cache (the whole prefix re-run per token), byte-decoded
+    model = dsv32_jax.from_pretrained(workdir, dtype=jnp.float32, include_mtp=False)
+    ids = generate_no_cache(model, list(b"the cat sat"), SamplingConfig(max_new_tokens=12, greedy=True, eos_id=-1))
+    assert streamed == bytes(ids).decode("utf-8", errors="replace")
+    assert len(ids) == 12
+
+
+@pytest.mark.heavy
+def test_prompts_file_to_jsonl_with_chat_encoding(workdir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello", "id": 1}\n\n{"prompt": "two", "id": 2}\n')
+    out = tmp_path / "out.jsonl"
+    shown = []
+    rows = run(workdir, [(f"{prompts}:{n}", o) for n, o in read_prompts(str(prompts), chat=True)], out=str(out),
+               chat=True, thinking=False, max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, write=shown.append)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written == rows and [r["id"] for r in rows] == [1, 2]
+    assert all(r["completion_tokens"] == 5 for r in rows)  # the byte tokenizer has no EOS
+    assert not list(tmp_path.glob("out.jsonl.tmp-*"))
+    text = "".join(shown)
+    assert f"### {prompts}:1" in text and f"### {prompts}:3" in text
+    assert rows[0]["completion"] in text and rows[1]["completion"] in text
+
+
+def test_checkpoint_without_tokenizer_names_the_file_and_the_flag():
+    ckpt = os.path.join(FIXTURES, "hf_long")  # an HF checkpoint directory without tokenizer.json
+    with pytest.raises(GenerateError, match=r"hf_long/tokenizer.json is missing.*--tokenizer="):
+        resolve_tokenizer(ckpt)
+    assert resolve_tokenizer(ckpt, "byte").vocab_size == 256
+    with pytest.raises(GenerateError, match=r"--tokenizer: .*/nope.json not found"):
+        resolve_tokenizer(ckpt, "/nope.json")
+    r = _cli(f"--ckpt={ckpt}", "--prompt=hi")
+    assert r.returncode == 2 and "tokenizer.json is missing" in r.stderr and "--tokenizer=" in r.stderr
+
+
+@pytest.mark.heavy
+def test_workdir_records_its_tokenizer(workdir):
+    assert resolve_tokenizer(workdir).name == "byte"
+
+
+def test_prompt_longer_than_the_context():
+    ckpt = os.path.join(FIXTURES, "hf_long")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        ctx = json.load(f)["max_position_embeddings"]
+    with pytest.raises(PromptTooLongError, match=rf"--prompt: {ctx + 5} tokens, but the model's context is {ctx}"):
+        run(ckpt, [("--prompt", {"prompt": "a" * (ctx + 5)})], tokenizer="byte", write=lambda s: None)
+
+
+def test_empty_prompts_file(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(GenerateError, match=rf"{empty}: empty prompts file"):
+        read_prompts(str(empty), chat=False)
+
+
+def test_malformed_jsonl_line_names_its_number(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"prompt": "b",\n')
+    with pytest.raises(GenerateError, match=rf"{bad}:3: not valid JSON"):
+        read_prompts(str(bad), chat=False)
+    bad.write_text('{"prompt": "a"}\n["b"]\n')
+    with pytest.raises(GenerateError, match=rf"{bad}:2: expected a JSON object"):
+        read_prompts(str(bad), chat=False)
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(GenerateError, match=rf"{bad}:1: field 'prompt' \(a string\) missing"):
+        read_prompts(str(bad), chat=False)

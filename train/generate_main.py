@@ -1,0 +1,258 @@
+"""Generate text from a checkpoint: `dsv32-generate --ckpt=DIR --prompt="..."` (or `python -m
+dsv32_jax.train.generate_main`).
+
+--ckpt: an HF checkpoint directory (config.json + safetensors), a dsv32-jax orbax checkpoint (dsv32-convert
+hf-to-orbax) or a training workdir (dsv32-train --workdir=W: its latest checkpoint, or --step). The tokenizer is
+the checkpoint's own: tokenizer.json in an HF / orbax directory (read with `tokenizers`), and for a workdir the one
+its trainer recorded (data.tokenizer: "byte" for the built-in demo data, or a tokenizer.json); --tokenizer overrides
+it ("byte", "chat:tiny", "chat:bpe" -- the shipped chat BPE --, or a tokenizer.json / a directory holding one).
+
+One prompt (--prompt) streams its completion to stdout as the tokens come. --prompts_file reads JSONL (one object
+per line with "prompt": a string, or with --chat also "messages": [{"role": ..., "content": ...}]) and --out
+writes JSONL (each input object plus "completion" and "completion_tokens"), written to a temporary file and
+renamed at the end. --chat renders the prompt as a user turn of the DeepSeek-V3.2 chat format (--thinking: the
+model opens a <think> block first; default off). --temperature=0 is greedy decoding.
+
+Errors name the file, the flag or the line: a checkpoint without a tokenizer, a prompt longer than the model's
+context (config max_position_embeddings), an empty prompts file, a line that is not a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("ckpt", None, "HF checkpoint dir, dsv32-jax orbax checkpoint dir, or training workdir")
+flags.DEFINE_string("prompt", None, "one prompt (text)")
+flags.DEFINE_string("prompts_file", None, "JSONL prompts: one object per line with 'prompt' (or 'messages' with --chat)")
+flags.DEFINE_string("out", None, "JSONL output for --prompts_file (default: stdout only)")
+flags.DEFINE_boolean("chat", False, "encode the prompt as a user turn of the DeepSeek-V3.2 chat format")
+flags.DEFINE_boolean("thinking", False, "with --chat: thinking mode (the assistant turn opens with <think>)")
+flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate at most per prompt (cut to the model's context)")
+flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy")
+flags.DEFINE_float("top_p", 1.0, "nucleus sampling: keep the most likely tokens up to this probability mass")
+flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_string("mesh", "", "device mesh for the parameters, e.g. 'fsdp:2,tensor:4' (default: one device)")
+flags.DEFINE_string("tokenizer", None, "override the checkpoint's tokenizer: 'byte', 'chat:tiny', 'chat:bpe', or a "
+                    "tokenizer.json path (or a directory holding one)")
+flags.DEFINE_integer("step", None, "training workdirs: the checkpoint step (default: the latest)")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute / parameter dtype")
+
+
+class GenerateError(ValueError):
+    """Bad input to dsv32-generate; the message names the file, flag or line."""
+
+
+# ------------------------------------------------------------------------------------------------ tokenizers
+class _CodecTokenizer:
+    """A chat codec (TinyCodec / HFCodec) as a tokenizer; encodes chat markup as its special ids."""
+
+    def __init__(self, codec, name):
+        self.codec, self.name = codec, name
+        self.vocab_size, self.eos_id = codec.vocab_size, codec.eos_id
+
+    def encode(self, text):
+        return self.codec.encode(text)
+
+    def decode(self, ids):
+        return self.codec.decode(ids)
+
+
+def _make(spec: str, where: str):
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.train.data.tokenizers import make_tokenizer
+
+    if spec == "chat:tiny":
+        return _CodecTokenizer(chat.TinyCodec.printable(), spec)
+    if spec == "chat:bpe":
+        return _CodecTokenizer(chat.load_tokenizer(), spec)
+    try:
+        return make_tokenizer(spec)
+    except FileNotFoundError as e:
+        raise GenerateError(f"{where}: {e}") from None
+
+
+def resolve_tokenizer(ckpt: str, override: str | None = None, step: int | None = None):
+    """The checkpoint's tokenizer (see the module docstring), or `override`; errors name the missing file and the
+    --tokenizer flag."""
+    from dsv32_jax.checkpoint import orbax_io
+
+    if override:
+        return _make(override, "--tokenizer")
+    hint = ("; pass one with --tokenizer=PATH (a tokenizer.json or a directory holding one, 'byte' for byte-level "
+            "models such as the built-in demo, 'chat:tiny' / 'chat:bpe' for the agent demos' codecs)")
+    if orbax_io.is_training_workdir(ckpt):
+        meta = orbax_io.training_checkpoint(ckpt, step).meta
+        spec = meta.get("tokenizer") if isinstance(meta, dict) else None
+        if spec is None:
+            own = os.path.join(ckpt, "tokenizer.json")
+            if os.path.isfile(own):
+                return _make(own, ckpt)
+            raise GenerateError(f"{ckpt}: training workdir records no tokenizer (its checkpoint meta has no "
+                                f"'tokenizer' field: written before dsv32-jax recorded it) and {own} is missing"
+                                + hint)
+        if spec not in ("byte", "chat:tiny", "chat:bpe") and not os.path.isfile(spec):
+            raise GenerateError(f"{ckpt}: the recorded tokenizer {spec} is missing" + hint)
+        return _make(spec, ckpt)
+    path = os.path.join(ckpt, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise GenerateError(f"{ckpt}: no tokenizer ({path} is missing)" + hint)
+    return _make(path, ckpt)
+
+
+# -------------------------------------------------------------------------------------------------- prompts
+def read_prompts(path: str, chat: bool) -> list[dict]:
+    """The JSONL objects of a prompts file (blank lines skipped); each has 'prompt' (a string) or, with chat,
+    'messages'. Errors name the file and the line number."""
+    rows = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise GenerateError(f"--prompts_file={path}: cannot read ({e.strerror})") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GenerateError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise GenerateError(f"{path}:{n}: expected a JSON object with 'prompt', got {type(obj).__name__}")
+            if chat and "messages" in obj:
+                if not isinstance(obj["messages"], list) or not obj["messages"]:
+                    raise GenerateError(f"{path}:{n}: 'messages' must be a non-empty list of messages")
+            elif not isinstance(obj.get("prompt"), str):
+                need = "'prompt' (a string) or 'messages'" if chat else "'prompt' (a string)"
+                raise GenerateError(f"{path}:{n}: field {need} missing")
+            rows.append((n, obj))
+    if not rows:
+        raise GenerateError(f"{path}: empty prompts file (no JSON lines); expected one object per line like "
+                            '{"prompt": "..."}')
+    return rows
+
+
+def encode_prompt(tok, obj: dict, chat: bool, thinking: bool) -> list[int]:
+    if not chat:
+        return list(tok.encode(obj["prompt"]))
+    from dsv32_jax.posttrain.chat import encoding
+
+    messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
+    if isinstance(tok, _CodecTokenizer):
+        return encoding.encode_tokens(messages, tok.codec, thinking=thinking)[0]
+    return list(tok.encode(encoding.encode(messages, thinking=thinking)))
+
+
+# ------------------------------------------------------------------------------------------------- running
+def stream_text(tok, tokens, write) -> list[int]:
+    """Consumes a token stream, writing the newly decoded text after each token (the whole completion is
+    re-decoded, so multi-byte characters and merged pieces come out whole); returns the ids."""
+    ids, shown = [], ""
+    for t in tokens:
+        ids.append(t)
+        text = tok.decode(ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            continue
+        if text.startswith(shown):
+            write(text[len(shown):])
+        shown = text
+    text = tok.decode(ids)
+    if text != shown and text.startswith(shown):
+        write(text[len(shown):])
+    return ids
+
+
+def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, chat: bool = False,
+        thinking: bool = False, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+        seed: int = 0, mesh: str = "", tokenizer: str | None = None, step: int | None = None,
+        dtype: str = "float32", write=None) -> list[dict]:
+    """Loads the checkpoint, encodes and checks every prompt (before generating anything), then generates and
+    streams each completion through `write` (default: stdout). prompts: (label for errors, object) pairs.
+    Returns the output rows."""
+    import jax
+    import jax.numpy as jnp
+
+    import dsv32_jax
+    from dsv32_jax.posttrain.generate import check_prompt, generate_stream
+    from dsv32_jax.posttrain.sampler import SamplingConfig
+
+    if write is None:
+        def write(s):
+            sys.stdout.write(s)
+            sys.stdout.flush()
+    if not os.path.exists(ckpt):
+        raise GenerateError(f"--ckpt={ckpt}: does not exist")
+    if temperature < 0:
+        raise GenerateError(f"--temperature={temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise GenerateError(f"--top_p={top_p}: must be in (0, 1]")
+    if max_new_tokens < 1:
+        raise GenerateError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+    tok = resolve_tokenizer(ckpt, tokenizer, step)
+    model = dsv32_jax.from_pretrained(ckpt, dtype=jnp.dtype(dtype), mesh=mesh or None, step=step, include_mtp=False)
+    if tok.vocab_size > model.config.vocab_size:
+        raise GenerateError(f"tokenizer {tok.name}: {tok.vocab_size} ids, more than the model's vocab_size "
+                            f"{model.config.vocab_size} ({ckpt}); pass the model's own tokenizer with --tokenizer")
+    encoded = []
+    for label, obj in prompts:
+        ids = encode_prompt(tok, obj, chat, thinking)
+        check_prompt(model, len(ids), max_new_tokens, where=label)
+        encoded.append(ids)
+    eos = tok.eos_id if tok.eos_id is not None else -1
+    cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature or 1.0, greedy=temperature == 0,
+                         top_p=top_p, eos_id=eos, pad_id=0, vocab_size=tok.vocab_size
+                         if tok.vocab_size < model.config.vocab_size else 0)
+    rng = jax.random.key(seed)
+    rows = []
+    for i, ((label, obj), ids) in enumerate(zip(prompts, encoded)):
+        if len(prompts) > 1:
+            write(f"\n### {label}\n" if i else f"### {label}\n")
+        gen = stream_text(tok, generate_stream(model, ids, cfg, jax.random.fold_in(rng, i)), write)
+        write("\n")
+        rows.append(dict(obj, completion=tok.decode(gen), completion_tokens=len(gen)))
+    if out:
+        write_jsonl_atomic(out, rows)
+    return rows
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS.ckpt:
+        raise app.UsageError("--ckpt is required (an HF checkpoint, an orbax checkpoint or a training workdir)")
+    if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):
+        raise app.UsageError("give exactly one of --prompt and --prompts_file")
+    try:
+        if FLAGS.prompts_file:
+            prompts = [(f"{FLAGS.prompts_file}:{n}", obj) for n, obj in read_prompts(FLAGS.prompts_file, FLAGS.chat)]
+        else:
+            prompts = [("--prompt", {"prompt": FLAGS.prompt})]
+        run(FLAGS.ckpt, prompts, out=FLAGS.out, chat=FLAGS.chat, thinking=FLAGS.thinking,
+            max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
+            mesh=FLAGS.mesh, tokenizer=FLAGS.tokenizer, step=FLAGS.step, dtype=FLAGS.dtype)
+    except (GenerateError, ValueError, OSError) as e:  # ValueError: PromptTooLongError, CheckpointError, ...
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def cli() -> None:
+    """Console script `dsv32-generate`."""
+    sys.modules["__main__"].__doc__ = __doc__
+    app.run(main)
+
+
+if __name__ == "__main__":
+    cli()
