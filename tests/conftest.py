@@ -34,6 +34,7 @@ def pytest_configure(config):
     run's, the CLI's), and a hit skips XLA's compile. Keyed on the program and the compile options, so a hit is the
     same executable; DSV32_TEST_COMPILE_CACHE=0 turns it off, and a JAX_COMPILATION_CACHE_DIR already set is kept.
     Created by the controlling process before jax is imported anywhere; removed when the run ends."""
+    _fast_cpu_compiles()
     if hasattr(config, "workerinput") or os.environ.get("DSV32_TEST_COMPILE_CACHE", "1") == "0":
         return
     if _CACHE_ENV not in os.environ:
@@ -44,6 +45,28 @@ def pytest_configure(config):
     # No size bound: with one, jax rescans the directory under a file lock on every write. Without it an entry read
     # while another process is still writing it fails to decompress, and jax warns and compiles instead.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+
+# LLVM's optimization level for XLA:CPU programs. Most of the suite's time is XLA compiling tiny programs that then
+# run for milliseconds; at -O0 (and without LLVM's expensive passes) a compile is much cheaper, and the results are
+# the same (IEEE semantics either way: no fast-math; XLA's own HLO passes do not depend on this level). Measured
+# 2026-11-27 on 2 cores, test_sampler + test_model + a kernel decode test: 149 s -> 100 s of CPU time.
+# DSV32_TEST_FAST_COMPILE=0 keeps XLA's defaults; flags already in XLA_FLAGS win.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def child_xla_flags(extra: str = "") -> str:
+    """XLA_FLAGS for a subprocess a test starts: the fast-compile flags (unless turned off) and `extra`."""
+    fast = "" if os.environ.get("DSV32_TEST_FAST_COMPILE", "1") == "0" else " ".join(FAST_COMPILE_FLAGS)
+    return f"{fast} {extra}".strip()
+
+
+def _fast_cpu_compiles():
+    if os.environ.get("DSV32_TEST_FAST_COMPILE", "1") == "0":
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in flags]
+    os.environ["XLA_FLAGS"] = " ".join([flags] + extra).strip()
 
 
 def pytest_unconfigure(config):
@@ -71,6 +94,26 @@ def seed(request) -> int:
 def rng(seed):
     """numpy Generator seeded from the test's name (see `test_seed`)."""
     return np.random.default_rng(seed)
+
+
+_JIT_DECODE = {}
+
+
+def jit_decode(model, tokens, cache, index, positions, segment_ids):
+    """`model.decode` under one jit (the model's graph static, `index` traced): a test's prefill and its one-token
+    steps compile once each instead of dispatching every op eagerly (eager decode of the tiny model with interpret-
+    mode kernels took ~2 min a test). One jit per kernel-impl environment value: the dispatch reads it when tracing."""
+    import jax
+    from flax import nnx
+
+    from dsv32_jax.kernels import _dispatch
+    key = os.environ.get(_dispatch.ENV_VAR)
+    if key not in _JIT_DECODE:
+        def run(graphdef, state, *args):
+            return nnx.merge(graphdef, state).decode(*args)
+        _JIT_DECODE[key] = jax.jit(run, static_argnums=0)
+    graphdef, state = nnx.split(model)
+    return _JIT_DECODE[key](graphdef, state, tokens, cache, jax.numpy.int32(index), positions, segment_ids)
 
 
 def rel_err(a, b) -> float:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import FIXTURES, rel_err
+from conftest import FIXTURES, child_xla_flags, rel_err
 from test_convert_helpers import (INDEX, ROOT, compare_checkpoints, copy_checkpoint, edit_checkpoint, leftovers,
                                   make_synthetic_checkpoint, numpy_dequantized_copy, shard_of)
 
@@ -268,6 +268,17 @@ def test_orbax_without_mtp_and_include_mtp_semantics(work, synth_fp8, reference_
     assert rel_err(model(jnp.asarray(TOKENS)), reference_logits[0]) <= 1e-6
     with pytest.raises(CheckpointError, match="include_mtp"):
         dsv32_jax.from_pretrained(out, include_mtp=True)
+
+
+def test_a_converted_checkpoint_loads_from_a_relative_path(orbax_fp8, monkeypatch):
+    """orbax reads metadata only from absolute paths; given `ckpt/orbax` it read back nothing and loading failed with
+    an AttributeError (found by running docs/checkpoints.md). Mutation: drop the abspath in ParamsReader."""
+    monkeypatch.chdir(os.path.dirname(orbax_fp8))
+    rel = os.path.basename(orbax_fp8)
+    reader = orbax_io.ParamsReader(rel)
+    assert reader.shape(("layers", 1, "ffn", "experts", "w_gate")) == (8, 64, 32)
+    (bias,) = reader.load([("layers", 1, "ffn", "bias")]).values()
+    assert bias.shape == (8,) and np.all(np.isfinite(bias))
 
 
 def test_hf_fixture_through_orbax_loads_identical_parameters(tmp_path):
@@ -688,7 +699,7 @@ print(json.dumps({"meta_mesh": meta["mesh"], "same": same, "same_hf": same_hf, "
 def test_sharded_conversion_and_load_on_8_cpu_devices(tmp_path, synth_fp8):
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED_SCRIPT)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": child_xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}
     r = subprocess.run([sys.executable, str(script), synth_fp8, str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=300, env=env)

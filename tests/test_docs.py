@@ -33,6 +33,7 @@ import sys
 import time
 
 import pytest
+from conftest import child_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -112,6 +113,7 @@ def run_blocks(blocks: list[Block], workdir, timeout: int) -> str:
     with open(spec, "w", encoding="utf-8") as f:
         json.dump([dataclasses.asdict(b) for b in blocks], f)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH", "VIRTUAL_ENV")}
+    env["XLA_FLAGS"] = child_xla_flags()
     env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", TMPDIR=os.path.join(workdir, "tmp"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
     t0 = time.time()

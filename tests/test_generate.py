@@ -9,7 +9,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, child_xla_flags
 from test_train import load_config
 
 import dsv32_jax
@@ -36,6 +36,7 @@ def workdir(tmp_path_factory):
 
 def _cli(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["XLA_FLAGS"] = child_xla_flags()
     return subprocess.run([sys.executable, "-m", "dsv32_jax.train.generate_main", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

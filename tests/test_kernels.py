@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, rel_err
+from conftest import FIXTURES, jit_decode, rel_err
 
 from dsv32_jax import kernels
 from dsv32_jax.model import indexer as ref_indexer
@@ -511,10 +511,10 @@ def test_decode_with_kernel_attention_matches_sparse(rng, monkeypatch, fp8):
     for attention in ("kernel", "sparse"):
         model.options = RunOptions(attention=attention, indexer_fp8=fp8)
         cache = model.init_cache(b, p + t)
-        logits, cache, aux = model.decode(toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
+        logits, cache, aux = jit_decode(model, toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
         outs, tops = [logits], [aux["topk"]]
         for i in range(p, p + t):
-            logits, cache, aux = model.decode(toks[:, i:i + 1], cache, i, pos[:, i:i + 1], seg[:, i:i + 1])
+            logits, cache, aux = jit_decode(model, toks[:, i:i + 1], cache, i, pos[:, i:i + 1], seg[:, i:i + 1])
             outs.append(logits), tops.append(aux["topk"])
         runs[attention] = jnp.concatenate(outs, 1), tops
     model.options = RunOptions()

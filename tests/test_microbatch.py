@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import child_xla_flags
 from flax import nnx
 
 from dsv32_jax.train import steps
@@ -91,7 +92,7 @@ def test_microbatched_step_equals_the_unsplit_step(tmp_path, rng, stage, microba
 
 SPLIT_SCRIPT = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
 from dsv32_jax.model import sharding as shd
@@ -122,7 +123,7 @@ print("CONTIGUOUS", collectives(contiguous))
 def test_microbatch_split_keeps_every_row_on_its_device():
     """[16, 8] rows over fsdp:4 -> [2, 8, 8] microbatches still over fsdp:4, without any collective (taking
     contiguous halves instead needs one)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     assert "SPLIT ([], (None, 'fsdp'" in res.stdout, res.stdout

@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import child_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "fsdp:2,tensor:2,expert:2"
@@ -26,7 +27,7 @@ import json, os, sys
 pid, nproc, port, root, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 meshes = sys.argv[6].split(";")
 stages = sys.argv[7].split(",")
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={8 // nproc}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 if nproc > 1:
@@ -67,6 +68,7 @@ def _free_port() -> int:
 def _run(nproc: int, root: str, steps: int, meshes=(MESH,), stages=("dense", "sparse")) -> list[dict]:
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = child_xla_flags()
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, root, str(steps),
                                ";".join(meshes), ",".join(stages)], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

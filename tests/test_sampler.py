@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import jit_decode, rel_err
 from flax import nnx
 
 from dsv32_jax import RunOptions, Transformer, load_preset
@@ -35,10 +35,10 @@ def test_decode_matches_full_forward(model, rng, opts):
     pos = jnp.asarray(np.clip(np.arange(p + t)[None] - (p - lens)[:, None], 0, None))
     full, aux = model(toks, positions=pos, segment_ids=seg, return_aux=True)
     cache = model.init_cache(b, p + t)
-    logits, cache, a = model.decode(toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
+    logits, cache, a = jit_decode(model, toks[:, :p], cache, 0, pos[:, :p], seg[:, :p])
     outs, routes, tops = [logits], [a["routing"]], [a["topk"]]
     for i in range(t):
-        logits, cache, a = model.decode(toks[:, p + i:p + i + 1], cache, p + i, pos[:, p + i:p + i + 1],
+        logits, cache, a = jit_decode(model, toks[:, p + i:p + i + 1], cache, p + i, pos[:, p + i:p + i + 1],
                                         seg[:, p + i:p + i + 1])
         outs.append(logits), routes.append(a["routing"]), tops.append(a["topk"])
     valid = np.asarray(seg).astype(bool)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +76,7 @@ for name, stage, scan in RUNS:
 
 @pytest.mark.heavy
 def test_sequence_parallel_matches_single_device(seed):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(seed % 1000)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]

@@ -13,13 +13,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import json, os, sys, time
 pid, nproc, port, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={8 // nproc}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 if nproc > 1:
@@ -97,6 +98,7 @@ def _free_port() -> int:
 def _run(nproc: int, work: str) -> list[dict]:
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = child_xla_flags()
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, work], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
     results = []

@@ -6,6 +6,7 @@ import sys
 
 import jax.numpy as jnp
 import pytest
+from conftest import child_xla_flags
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -105,7 +106,7 @@ for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8", "seq:2,f
 
 @pytest.mark.heavy
 def test_expert_parallel_moe_matches_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", EP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(res.stdout.strip().splitlines()) == 5

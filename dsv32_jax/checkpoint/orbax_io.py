@@ -348,7 +348,9 @@ class ParamsReader:
         self.directory = os.fspath(checkpoint_dir)
         self.path = os.path.join(self.directory, item or PARAMS_DIR)  # what error messages name
         # (root, checkpointable name) for orbax: a converted checkpoint's params/ resolves itself ('AUTO')
-        self._source = (self.path, "AUTO") if item is None else (self.directory, item)
+        # orbax needs absolute paths (a relative one reads back no metadata)
+        root = os.path.abspath(self.path if item is None else self.directory)
+        self._source = (root, "AUTO") if item is None else (root, item)
         try:
             tree = ocp.metadata(self._source[0], checkpointable_name=self._source[1]).metadata
         except Exception as e:  # orbax raises a variety of types for unreadable checkpoints
