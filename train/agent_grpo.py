@@ -102,6 +102,19 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
     return nnx.state((model, optimizer)), metrics
 
 
+def perturb_params(model, rel: float, seed: int = 0) -> None:
+    """In place: every floating parameter x -> x * (1 + rel * N(0, 1)), the noise drawn from `seed` (not from
+    config.seed: the same perturbation at every seed). `config.agent.init_perturb` applies it to the initial
+    parameters: a run perturbed by 1e-6 diverges from the unperturbed one as a run on another CPU (other float
+    rounding, e.g. AVX2 vs AVX-512) does, so a result that holds only for the exact bits shows up as fragile."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, out))
+
+
 def _format_error(t) -> bool:
     """The episode ended on a malformed completion (chat.parse_completion's "format: ..." errors)."""
     return str(t.info.get("error", "")).startswith("format")
@@ -155,6 +168,9 @@ class AgentLearner:
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        perturb = float(a.get("init_perturb", 0.0))
+        if perturb:
+            perturb_params(model, perturb)
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
         self.graphdef, state = nnx.split((model, optimizer))
         # GRPO (agent.rl_lr) and the end of the cold start (agent.anneal_lr) may run at their own constant learning
@@ -401,6 +417,7 @@ class AgentLearner:
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
         if self.step % self.a.eval_every == 0 or self.step == self.config.steps:
             metrics.update(self.evaluate())
+        metrics["step_s"] = time.perf_counter() - t0  # the whole step: step 0's recall stage and cold start included
         return metrics
 
     def fit(self) -> list[dict]:

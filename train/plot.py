@@ -1,6 +1,10 @@
 """Renders training curves to PNG: `python -m dsv32_jax.train.plot RUN_DIR [RUN_DIR ...] --out curves.png`.
 
-Every metrics.jsonl under the given directories becomes one line per metric panel (labelled by its directory)."""
+Every metrics.jsonl under the given directories becomes one line per metric panel (labelled by its directory).
+Evaluations (`eval_*` panels) are drawn as points, unsmoothed. An agentic run (train/agent_grpo.py) logs, in its
+first row, the evaluations before any training (`start_eval_*`) and after the recall stage and cold start
+(`pre_eval_*`): its eval panels show them left of step 0, where GRPO begins (a dashed vertical line in every panel
+of such a run), so the jump from chance to the cold start's level is visible next to what GRPO adds."""
 
 from __future__ import annotations
 
@@ -29,13 +33,28 @@ def find_runs(paths) -> dict[str, list[dict]]:
     return runs
 
 
+def grpo_phases(rows: list[dict], name: str) -> list[tuple[float, float, str]]:
+    """(x, value, text) of an agentic run's evaluations before GRPO for panel `name` (eval_*: start_<name> and
+    pre_<name> of the first row); [] when the run has none (not an agentic run, or not an eval panel). x: the start
+    left of step 0 by a tenth of the run (at least 1 step), the post-cold-start one at 0, where GRPO begins."""
+    if not rows or not name.startswith("eval_"):
+        return []
+    first, last = rows[0], rows[-1]["step"]
+    gap = max(1.0, 0.1 * last)
+    out = []
+    for key, x, text in ((f"start_{name}", -gap, "start"), (f"pre_{name}", 0.0, "cold start")):
+        if key in first:
+            out.append((x, first[key], text))
+    return out
+
+
 def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
     matplotlib = require("matplotlib", "plot", "Plotting training curves")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    panels = [p for p in PANELS if any(p in r for rows in runs.values() for r in rows)]
+    panels = [p for p in PANELS if any(p in r or f"pre_{p}" in r for rows in runs.values() for r in rows)]
     if not panels:
         raise ValueError(f"no known metric in {sorted(runs)}")
     cols = min(3, len(panels))
@@ -45,6 +64,21 @@ def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
     for ax, name in zip(axes.flat, panels):
         for label, rows in runs.items():
             pts = [(r["step"], r[name]) for r in rows if name in r]
+            phases = grpo_phases(rows, name)
+            if not pts and not phases:
+                continue
+            if rows and any(k.startswith("pre_eval_") for k in rows[0]):  # agentic: GRPO begins at step 0
+                ax.axvline(0, color=colors[label], ls="--", lw=0.8, alpha=0.6)
+            if name.startswith("eval_"):
+                # evaluations are a few points: unsmoothed, with markers; the pre-GRPO ones left of step 0
+                pre = [(x, y) for x, y, _ in phases]
+                xs = [x for x, _ in pre] + [s for s, _ in pts]
+                ys = [y for _, y in pre] + [v for _, v in pts]
+                ax.plot(xs, ys, color=colors[label], marker="o", ms=4, label=label)
+                for x, y, text in phases:
+                    ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10 if y > 0.5 else 6),
+                                fontsize=7, color=colors[label])
+                continue
             if not pts:
                 continue
             x, y = map(np.asarray, zip(*pts))
@@ -52,6 +86,8 @@ def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
                 y = np.convolve(y, np.ones(smooth) / smooth, mode="valid")
                 x = x[smooth - 1:]
             ax.plot(x, y, label=label, color=colors[label])
+        if name.startswith("eval_") and any(grpo_phases(rows, name) for rows in runs.values()):
+            ax.text(0, 1.0, " GRPO", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="0.4")
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -1,0 +1,106 @@
+"""The three evaluations of an agentic run as a table: `python -m dsv32_jax.train.agent_report RUN_DIR [RUN_DIR ...]`.
+
+For each workdir of stage "agent" (train/agent_grpo.py; its metrics.jsonl), the greedy held-out evaluation before any
+training (`start_eval_*`), after the recall stage and cold start (`pre_eval_*`) and at the last GRPO step
+(`eval_*`), the sampled success of the training rollouts over the first and the last `--window` GRPO steps, and the
+wall time (the sum of the steps' `step_s`: everything but the process start and the first compile of the model).
+With several workdirs, one line per run and the min / median / max of every column (`make agent-demo` prints the
+first form; BENCHMARKS.md's seed sweeps the second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from dsv32_jax.train.metrics import read_jsonl
+
+COLUMNS = (("start", "greedy success before training"), ("cold_start", "greedy success after the cold start"),
+           ("end", "greedy success after GRPO"), ("rollout_first", "rollout success, first steps"),
+           ("rollout_last", "rollout success, last steps"), ("minutes", "wall minutes"))
+
+
+def load(workdir: str) -> list[dict]:
+    path = workdir if workdir.endswith(".jsonl") else os.path.join(workdir, "metrics.jsonl")
+    rows = {}
+    for row in read_jsonl(path):
+        rows[row["step"]] = row  # a resumed run re-logs steps: keep the last
+    if not rows:
+        raise ValueError(f"{path}: no metrics")
+    return [rows[s] for s in sorted(rows)]
+
+
+def summarize(rows: list[dict], window: int = 5) -> dict:
+    """The run's three greedy evaluations (success and reward), rollout success over the first / last `window`
+    GRPO steps, the final KL to pi_ref and the wall minutes."""
+    first, last = rows[0], rows[-1]
+    evals = [r for r in rows if "eval_success" in r]
+    if "pre_eval_success" not in first or not evals:
+        raise ValueError("not an agentic run with a cold start and a final evaluation (pre_eval_success, eval_success)")
+    end = evals[-1]
+    w = max(1, min(window, len(rows) // 2))
+    out = {"steps": last["step"], "end_step": end["step"], "window": w,
+           "start": first.get("start_eval_success", float("nan")), "cold_start": first["pre_eval_success"],
+           "end": end["eval_success"], "start_reward": first.get("start_eval_reward", float("nan")),
+           "cold_start_reward": first.get("pre_eval_reward", float("nan")),
+           "end_reward": end.get("eval_reward", float("nan")),
+           "rollout_first": float(np.mean([r["success"] for r in rows[:w]])),
+           "rollout_last": float(np.mean([r["success"] for r in rows[-w:]])),
+           "kl_end": last.get("kl", float("nan")),
+           "minutes": sum(r.get("step_s", 0.0) for r in rows) / 60}
+    for k in ("sampled_success", "sampled_reward"):
+        if f"pre_eval_{k}" in first and f"eval_{k}" in end:
+            out[f"cold_start_{k}"], out[f"end_{k}"] = first[f"pre_eval_{k}"], end[f"eval_{k}"]
+    return out
+
+
+def table(s: dict) -> str:
+    """One run: the three evaluations, then the rollouts' success and the time."""
+    lines = ["| evaluation (held-out, greedy) | step | success | reward |", "|---|---|---|---|",
+             f"| before training | 0 | {s['start']:.3f} | {s['start_reward']:.3f} |",
+             f"| after recall + cold start | 0 | {s['cold_start']:.3f} | {s['cold_start_reward']:.3f} |",
+             f"| after GRPO | {s['end_step']} | {s['end']:.3f} | {s['end_reward']:.3f} |"]
+    if "cold_start_sampled_success" in s:
+        lines.append(f"sampled evaluation (same keys): success {s['cold_start_sampled_success']:.3f} -> "
+                     f"{s['end_sampled_success']:.3f}, reward {s['cold_start_sampled_reward']:.3f} -> "
+                     f"{s['end_sampled_reward']:.3f}")
+    lines.append(f"GRPO rollouts' success: {s['rollout_first']:.3f} (steps 1-{s['window']}) -> {s['rollout_last']:.3f} "
+                 f"(last {s['window']} of {s['steps']}); KL to pi_ref at the end {s['kl_end']:.4f}; "
+                 f"{s['minutes']:.1f} wall minutes")
+    return "\n".join(lines)
+
+
+def sweep_table(runs: dict[str, dict]) -> str:
+    """Several runs: one line each and the min / median / max of every column."""
+    head = "| run | " + " | ".join(title for _, title in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
+    for name, s in runs.items():
+        lines.append(f"| {name} | " + " | ".join(f"{s[k]:.3f}" if k != "minutes" else f"{s[k]:.1f}"
+                                                 for k, _ in COLUMNS) + " |")
+    for label, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
+        vals = [fn([s[k] for s in runs.values()]) for k, _ in COLUMNS]
+        lines.append(f"| **{label}** | " + " | ".join(f"{v:.3f}" if k != "minutes" else f"{v:.1f}"
+                                                        for v, (k, _) in zip(vals, COLUMNS)) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="workdirs of stage 'agent' (or their metrics.jsonl)")
+    parser.add_argument("--window", type=int, default=5, help="GRPO steps averaged for the rollouts' success")
+    parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    args = parser.parse_args(argv)
+    runs = {os.path.relpath(r): summarize(load(r), args.window) for r in args.runs}
+    if args.json:
+        print(json.dumps(runs, indent=1))
+    elif len(runs) == 1:
+        print(table(next(iter(runs.values()))))
+    else:
+        print(sweep_table(runs))
+
+
+if __name__ == "__main__":
+    main()
