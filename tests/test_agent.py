@@ -578,3 +578,75 @@ def test_success_vs_budget_takes_an_instance():
     env = make_env("calculator")
     rows = success_vs_budget(env, lambda e, c, s: OraclePolicy(e, c, s), CODEC, [4096], ["none"], range(3))
     assert rows[0]["success_rate"] == 1.0
+
+
+
+def test_a_row_that_overflows_the_shared_cache_ends_alone(monkeypatch):
+    """BatchedRollout: a step takes as many cache slots as its longest piece, and a row whose sampled ids re-encode
+    differently restarts, prefilling its whole context again. When that does not fit, only the rows with the longest
+    pieces end ("context full"); the others' turns go on. Found by the agentic GRPO gain test (tests/
+    test_agent_grpo.py, PingEnv at capacity 192-256): before, one such row emptied the second turn of every row of the
+    step (success 0 at some steps of both arms). Mutation: the old rule (`fits` false -> every row's completion
+    empty) -> row 0 ends "context full" too and this fails."""
+    from dsv32_jax.posttrain.agent import rollout as rollout_lib
+    from dsv32_jax.posttrain.sampler import SamplingConfig
+
+    codec = chat.load_tokenizer()
+    envs, seeds = [make_env("lookup"), make_env("lookup")], [0, 1]
+    max_new = 64
+
+    def split_one(ids):
+        """The same text with its first two-character ordinary token as two tokens: parses alike, re-encodes back."""
+        for j, i in enumerate(ids):
+            t = codec.decode([i])
+            parts = [codec.encode(ch) for ch in t]
+            if len(t) == 2 and all(len(p) == 1 for p in parts):
+                return ids[:j] + [p[0] for p in parts] + ids[j + 1:]
+        raise AssertionError("no two-character token to split")
+
+    def run(capacity):
+        scripts = [OraclePolicy(e, codec, s, False) for e, s in zip(envs, seeds)]
+        widths = []
+
+        class CacheSampler:
+            """The real sampler's slot accounting (index + widest piece + max_new_tokens <= capacity)."""
+
+            def __init__(self, model, b, capacity, cfg):
+                self.turn, self.index, self.capacity = [0] * b, 0, capacity
+
+            def fits(self, pieces):
+                return self.index + max([len(p) for p in pieces] + [1]) + max_new <= self.capacity
+
+            def step(self, pieces, live, rng):
+                assert self.fits(pieces)
+                widths.append([len(p) for p in pieces])
+                self.index += max([len(p) for p in pieces] + [1]) + max_new
+                out = []
+                for i, on in enumerate(live):
+                    ids = list(scripts[i].completions[self.turn[i]]) if on else []
+                    if on and i == 1 and self.turn[i] == 0:
+                        ids = split_one(ids)  # row 1 restarts at its second turn
+                    self.turn[i] += bool(on)
+                    out.append(ids)
+                return out
+
+            def restart(self, row):
+                pass
+
+            def layout(self):
+                return {}
+
+        monkeypatch.setattr(rollout_lib, "MultiTurnSampler", CacheSampler)
+        cfg = SamplingConfig(max_new_tokens=max_new, eos_id=codec.eos_id, pad_id=codec.pad_id)
+        trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=capacity).run(
+            envs, seeds, max_turns=4, thinking=False, tools_prompt="compact", context_budget=4096)
+        return trajs, widths
+
+    trajs, widths = run(4096)
+    assert [t.success for t in trajs] == [True, True] and len(trajs[1].segments) == 2  # row 1 restarted
+    (p0, p1), (r0, r1) = widths[0], widths[1]
+    assert r1 > r0  # turn 2: row 1 prefills its whole context, row 0 only the tool result
+    # room for turn 2 with row 0's piece, not with row 1's
+    trajs, _ = run(max(p0, p1) + max_new + r0 + max_new)
+    assert trajs[0].success, trajs[0].info
+    assert not trajs[1].success and trajs[1].info["error"].startswith("context full"), trajs[1].info

@@ -117,7 +117,14 @@ class BatchedRollout:
                         cached[row] = []
                     pieces[row] = prompt[len(cached[row]):]
                     live[row] = True
-                if sampler.fits(pieces):
+                # the step takes as many cache slots as its longest piece: when it does not fit, the rows with the
+                # longest pieces (a row that restarted prefills its whole context again) get an empty completion
+                # (run_episode: "context full") until the others fit; before, one such row emptied every row's turn
+                for row in sorted(pending, key=lambda r: (-len(pieces[r]), r)):
+                    if sampler.fits(pieces):
+                        break
+                    pieces[row], live[row] = [], False
+                if any(live):
                     outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn))
                     turn += 1
                 else:  # the shared cache is full: these rows' completions are empty (run_episode: "context full")
