@@ -114,10 +114,16 @@ train: $(STAMP)
 	  --batches=8 --out=runs/demo/eval
 
 # Agentic post-training on CPU (configs/agent_lookup.py): recall (copying) stage, cold start on the lookup
-# environment's demonstrations, GRPO over multi-turn tool trajectories; curves in runs/agent/lookup/curves.png.
+# environment's demonstrations, GRPO over multi-turn tool trajectories; curves in runs/agent/lookup/curves.png, the
+# three evaluations (before training, after the cold start, after GRPO) as a table at the end.
+# AGENT_DEMO_ARGS: extra flags, e.g. AGENT_DEMO_ARGS="--config.seed=3" AGENT_DEMO_DIR=runs/agent/lookup_s3.
+AGENT_DEMO_DIR ?= runs/agent/lookup
+AGENT_DEMO_ARGS ?=
 agent-demo: $(STAMP)
-	$(PY) -m dsv32_jax.train.main --config=configs/agent_lookup.py --workdir=runs/agent/lookup
-	$(PY) -m dsv32_jax.train.plot runs/agent/lookup --out runs/agent/lookup/curves.png
+	@echo "agent-demo: about 14 minutes alone on 2 CPU cores (recall ~5, cold start ~4, 10 GRPO steps ~2, evaluations and compiles ~3), 30-60 beside other jobs; BENCHMARKS.md, 'make agent-demo over seeds'"
+	$(PY) -m dsv32_jax.train.main --config=configs/agent_lookup.py --workdir=$(AGENT_DEMO_DIR) $(AGENT_DEMO_ARGS)
+	$(PY) -m dsv32_jax.train.plot $(AGENT_DEMO_DIR) --out $(AGENT_DEMO_DIR)/curves.png
+	$(PY) -m dsv32_jax.train.agent_report $(AGENT_DEMO_DIR)
 
 # Regenerates tests/fixtures/hf_* with HF transformers (needs torch + transformers: pip install '.[hf]').
 golden:

@@ -10,8 +10,48 @@ import sys
 import numpy as np
 import pytest
 
+from dsv32_jax.posttrain.chat import ToolCall
+from dsv32_jax.posttrain.envs.base import Action, Env
+from dsv32_jax.posttrain.envs.helpers import integer_score
+from dsv32_jax.posttrain.envs.tools import Tool
 from dsv32_jax.train.agent_grpo import AgentLearner, sft_batch
 from dsv32_jax.train.config import default_config
+
+
+class PingEnv(Env):
+    """The smallest agentic task (tests only): a `get()` tool returns 7, and the verifier rewards the answer 7 only
+    when the episode called the tool first (the search-agent rule "look it up, do not guess"). A policy that answers
+    7 straight away is fluent and wrong: what separates the two is the first decision of the episode, which is what
+    a policy gradient over whole trajectories must learn and supervised imitation of a mixture does not."""
+
+    name = "ping"
+    domain = "search"
+    instructions = "answer with the integer only."
+    called = False
+
+    def generate(self, seed):
+        return 7
+
+    def reset(self, seed):
+        self.called = False
+        return super().reset(seed)
+
+    def make_tools(self):
+        return [Tool("get", "returns the number", {"type": "object", "properties": {}}, self._get)]
+
+    def _get(self):
+        self.called = True
+        return str(self.instance)
+
+    def render_task(self, instance):
+        return "find the number"
+
+    def score(self, instance, answer):
+        reward, info = integer_score(answer, instance)
+        return (reward, info) if self.called else (0.0, {"reason": "answered without calling get"})
+
+    def solve(self, instance):
+        return [Action(tool_calls=[ToolCall("get", {})]), Action(content=str(instance))]
 
 
 def _config(**agent):
@@ -221,7 +261,9 @@ def test_lookup_tool_use_learned_from_chance(tmp_path):
     recall stage, the cold start with its annealed tail and 10 GRPO steps. About 20 CPU minutes.
     Measured (BENCHMARKS.md, "Agentic post-training"): seed 0 (`make agent-demo`) 0.00 -> 1.00 after the cold start
     and after GRPO; this test's seed (9473) 0.00 -> 0.97 -> 0.97, and with DSV32_TEST_PERTURB=1e-6 0.00 -> 0.94 -> 0.97
-    (16 minutes alone on 2 cores)."""
+    (16 minutes alone on 2 cores). Known to fail where the cold start lands in its ~0.6 basin (issue #36: seed 0 with
+    XLA's AVX2 code paths gave 0.59-0.66; BENCHMARKS.md, "`make agent-demo` over seeds, a perturbation and AVX2"):
+    this test holds only at seeds / CPUs that land in the ~1.0 basin until the recipe is made robust."""
     _tool_use_learned_from_chance("agent_lookup", "test_lookup_tool_use_learned", tmp_path)
 
 
@@ -344,3 +386,87 @@ def test_trip_planning_cold_start_from_chance_then_grpo_improves_the_sampled_pol
     assert first["pre_eval_reward"] >= 0.25
     assert last["eval_sampled_reward"] >= first["pre_eval_sampled_reward"] + 0.05
     assert last["eval_reward"] >= first["pre_eval_reward"] - 0.05
+
+
+GAP = 0.15  # the GRPO arm's lead over the control (test_grpo_over_trajectories_beats_the_zero_rate_control_...)
+
+
+def _ping_gain(seed: int, rl_lr: float, tmp_path, cold_steps: int = 80, steps: int = 8, last: int = 4):
+    """One cold start on configs like agent_lookup.py's model (tiny, plain RoPE 16, dense FFNs, dense attention) on
+    `PingEnv`, half its SFT examples the oracle's (call get, answer 7) and half a fluent shortcut (answer 7 without
+    the call: reward 0), so the cold-start policy takes the call about half the time; then two arms from that same
+    state, `steps` GRPO steps of 8 tasks x 8 rollouts each: rl_lr = `rl_lr`, and the control, learning rate 0 (the
+    rollouts only: the policy stays the cold start's). Both arms draw step s's rollouts with the same key
+    (`AgentLearner.rollout`: config.seed and the step), so they are paired. Returns the two arms' per-step sampled
+    success."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.episode import chat_tools
+    from tests.learning import perturb_params
+
+    c = default_config()
+    c.stage, c.mesh, c.log_every, c.seed, c.model = "agent", "", 1000, seed, "tiny"
+    c.model_overrides = {"vocab_size": 1536, "rope_type": "default", "qk_rope_head_dim": 16, "index_topk": 256,
+                         "first_k_dense_replace": 3}
+    c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.lr = "constant", 0, 3e-3
+    # capacity 320: the batched decode cache (BatchedRollout) holds a second turn that re-prefills a row's whole
+    # context (a row whose sampled ids re-encode differently restarts); at 192 or 256 such a row did not fit and the
+    # second turn of EVERY row of that step came back empty ("context full"): success 0 at some steps of both arms
+    c.agent.update(dict(envs="tests.test_agent_grpo:PingEnv", codec="bpe", tools_prompt="compact", capacity=320,
+                        max_new_tokens=24, max_turns=2, tasks_per_step=8, group_size=8, indexer_weight=0.0,
+                        rl_lr=rl_lr))
+    lrn = AgentLearner(c, str(tmp_path))
+    perturb_params(lrn.state[0])
+    env = PingEnv()
+    obs = env.reset(0)
+    shortcut = chat.encode_tokens([chat.System(obs.system), chat.User(obs.task), chat.Assistant(content="7")],
+                                  lrn.codec, tools=chat_tools(env), thinking=False, tools_prompt="compact")
+    oracle = lrn.demonstrations([0])
+    for _ in range(cold_steps):
+        lrn._sft_update(oracle * 8 + [shortcut] * 8)
+    start = jax.tree.map(jnp.copy, lrn.state)
+    arms = {}
+    for arm in ("grpo", "control"):
+        lrn.state, lrn.ref, lrn.step = jax.tree.map(jnp.copy, start), None, 0
+        success, malformed = [], []
+        for step in range(steps):
+            batch, stats = lrn.rollout(step)
+            if arm == "grpo":
+                lrn.update(batch)
+            lrn.step += 1
+            success.append(stats["success"])
+            malformed.append(stats["format_errors"])
+        arms[arm] = success
+        print(f"ping {arm}: malformed {[round(x, 3) for x in malformed]}")
+    gap = float(np.mean(arms["grpo"][-last:]) - np.mean(arms["control"][-last:]))
+    print(f"ping gain: seed {seed} grpo {[round(x, 3) for x in arms['grpo']]} control "
+          f"{[round(x, 3) for x in arms['control']]} gap over the last {last} steps {gap:.3f}")
+    return arms, gap
+
+
+@pytest.mark.heavy
+def test_grpo_over_trajectories_beats_the_zero_rate_control_from_one_cold_start(tmp_path):
+    """Issue #35 item 3: an agentic GRPO gain in CI. From one cold start on `PingEnv` (half the SFT examples call
+    the tool, half answer without it and earn 0: `_ping_gain`), 8 GRPO steps at rl_lr 1e-3 against a learning-rate-0
+    control with the same rollout keys: the GRPO arm's sampled success over the last 4 steps (256 episodes) exceeds
+    the control's by >= GAP. What it catches: a policy gradient that does not favour the rewarded trajectories
+    (sign, advantages, masks over the multi-turn layout) leaves the arms level or puts GRPO below the control.
+
+    Measured (2026-11-27, 2 shared CPU cores, load 5-9, so the times are 2-5x an idle machine's), sampled success
+    step by step, GRPO | control, and the gap over the last 4 steps:
+      seed 2304 (this test's): 0.34 0.67 0.72 0.78 0.67 0.70 0.95 0.88 | 0.34 0.39 0.30 0.45 0.50 0.47 0.50 0.45: 0.320
+      DSV32_TEST_SEED=1 (2305): 0.52 -> 0.95 | 0.52 -> 0.45: 0.344;  =2 (2306): 0.39 -> 0.94 | 0.39 -> 0.56: 0.430;
+      =3 (2307): 0.50 -> 0.88 | 0.50 -> 0.59: 0.359;  DSV32_TEST_PERTURB=1e-6: PERTURBED
+    min 0.320, median MEDIAN. GAP = 0.15: under half the smallest measured gap, and about 3 standard deviations of
+    the gap's sampling noise above 0 (each arm's last-4 mean is 256 episodes at p ~ 0.5: sd 0.031, the difference's
+    <= 0.045), so a correct GRPO passes with room on any CPU and an inert one fails. 194 s at load ~5, 440-610 s at
+    load ~8 (one pytest process each). Mutation (tests/mutate.sh train/agent_grpo.py 'adv = group_advantages(rewards,
+    group_ids)' 'adv = -group_advantages(rewards, group_ids)': the policy gradient's sign flipped): caught, the GRPO
+    arm falls to 0.00 (0.34 0.28 0.05 0.05 0.00 0.00 0.00 0.00), gap -0.480."""
+    from tests.learning import run_seed
+
+    arms, gap = _ping_gain(run_seed("test_grpo_over_trajectories_beats_the_zero_rate_control"), 1e-3, tmp_path)
+    assert 0.2 <= np.mean(arms["control"][:2]) <= 0.8, arms  # the cold start leaves both behaviours
+    assert gap >= GAP, (gap, arms)
