@@ -76,7 +76,8 @@ def get_config():
     c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
     c.agent.eval_episodes = 64
-    c.agent.init_perturb = 0.0  # > 0: the initial parameters x -> x * (1 + init_perturb * N(0, 1)) (agent_grpo.perturb_params)
+    # > 0: every initial parameter x -> x * (1 + init_perturb * N(0, 1)) (agent_grpo.perturb_params)
+    c.agent.init_perturb = 0.0
     c.checkpoint.every = 10
     c.log_every = 1
     return c
