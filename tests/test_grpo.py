@@ -78,17 +78,33 @@ def test_length_penalty_shortens_responses_while_accuracy_holds(map_run, tmp_pat
     assert np.mean(acc) >= 0.7 and min(acc) >= 0.6  # 10 greedy prompts per eval: 0.1 is one prompt
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_learns_sum_of_two_digits_from_chance(tmp_path):
-    """configs/grpo_sum_tiny.py: 100 prompts that need both digits; about 6 minutes on 2 CPU cores."""
+    """The first 100 of configs/grpo_sum_tiny.py's 300 steps (the same schedule, so the run is a prefix of the
+    demo's), greedy accuracy over all 100 prompts every 10 steps; about 1.5 min alone on 2 CPU cores (a third of the
+    4.6 min the 300 steps took on 2026-11-22), 6.5-7 min on a loaded one. Measured over DSV32_TEST_SEED=0..4
+    (2026-11-27, 2-core CPU, loaded), seeds 0, 1, 2, 3, 4: start 0.02, 0.05, 0.00, 0.07, 0.05; at step 100 0.87,
+    0.57, 0.67, 0.80, 0.58 (min 0.57, median 0.67, max 0.87); at step 50 0.71, 0.36, 0.47, 0.55, 0.35; the lowest of
+    steps 60-100 0.77, 0.42, 0.51, 0.67, 0.41. Bounds: the end >= 0.4 (four times the 0.1 of a constant answer; 0.17
+    below the lowest run) and no eval of steps 60-100 below 0.3 (0.11 below). Mutation: the policy-gradient term
+    zeroed (train/grpo_loss.py `per_token = 0.0 * pg * keep[:, None] + ...`, only the KL to the initial policy
+    left): 0.02 -> 0.01-0.03 at every eval, fails (tests/mutate.sh, 2026-11-27).
+    It replaces the slow 300-step test, whose bound (max >= 0.9, last >= 0.85) came from one run (0.10 -> 0.49 at
+    step 100 -> 0.93, c3ba2df) and failed at 50a4766 (0.04 -> max 0.87, same config and seed). Not a regression in
+    the GRPO code: the same seed's start moved 0.10 -> 0.04, so that was another draw, and all five runs above are
+    past the first run's 0.49 at step 100; where a run levels off (0.87-0.93) varies with the draw, so one run of
+    the demo is not a bound."""
     from tests.test_train import load_config as load
-    config = load("grpo_sum_tiny", log_every=1000, **{"checkpoint.every": 1000, "checkpoint.use_async": False})
+    config = load("grpo_sum_tiny", steps=100, log_every=1000, seed=run_seed("tests/test_grpo.py::test_learns_sum"),
+                  **{"checkpoint.every": 1000, "checkpoint.use_async": False})
     lrn = GRPOLearner(config, str(tmp_path))
+    perturb_params(lrn.state[0])
+    lrn.ref = jax.tree.map(jnp.copy, lrn.state[0])
     start = lrn.evaluate()["eval_accuracy"]
     acc = evals(lrn.fit())
-    print(f"greedy accuracy: start {start}, every 10 steps {acc}")
+    print(f"sum: greedy accuracy start {start}, every 10 steps {acc}")
     assert start <= 0.2  # constant answers score 0.1
-    assert max(acc) >= 0.9 and acc[-1] >= 0.85
+    assert acc[-1] >= 0.4 and min(acc[5:]) >= 0.3
 
 
 def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
