@@ -12,7 +12,7 @@ From random initialization, three phases in step 0 of stage "agent" (train/agent
 2. cold start (`agent.cold_start_steps`): 400 SFT steps on the lookup oracle's demonstrations (the DSML tool-call
    format), a quarter of each batch still span data; the last 100 (`agent.anneal_steps`) at a tenth of the rate
    (`agent.anneal_lr`). At the constant rate greedy success swings between 0.5 and 0.72 from checkpoint to
-   checkpoint; the low-rate tail settles it at 1.0 (BENCHMARKS.md, "Agentic post-training");
+   checkpoint; the low-rate tail settles it (at 1.0 for seed 0; BENCHMARKS.md, "Agentic post-training");
 3. GRPO over multi-turn trajectories for `steps` (10) steps at `agent.rl_lr`, greedy success on 64 held-out tasks
    every `eval_every` (and before any training: `start_eval_success`, the chance level; after the cold start:
    `pre_eval_success`). `python -m dsv32_jax.train.agent_report WORKDIR` prints the three as a table (`make
@@ -22,9 +22,10 @@ The result is a distribution over seeds, not one number (BENCHMARKS.md, "`make a
 perturbation and AVX2", 2026-11-27): the cold start lands either at ~1.0 or at ~0.6-0.7 greedy success, depending on
 the seed and on the last bits of the floats (seed 0 gave 1.00 with AVX-512 and 0.59 on an AVX2-only machine, issue
 #36): the recall stage ends near chance (no induction phase change yet), so the copying is learned, or not, inside
-the cold start. Knobs for measuring it: `--config.seed=N` (initialization, recall data, rollout keys), `--config.agent.
-init_perturb=1e-6` (every initial parameter x -> x * (1 + 1e-6 N(0, 1)): a run as another CPU's rounding would make
-it), and `XLA_FLAGS=--xla_cpu_max_isa=AVX2` in the environment (the code paths of an AVX2-only machine).
+the cold start. Knobs for measuring it: `--config.seed=N` (initialization, recall data, rollout keys),
+`--config.agent.init_perturb=1e-6` (every initial parameter x -> x * (1 + 1e-6 N(0, 1)): a run as another CPU's
+rounding would make it), and `XLA_FLAGS=--xla_cpu_max_isa=AVX2` in the environment (XLA's AVX2 code paths; on an
+AVX-512 machine not bit-identical to an AVX2-only one: seed 0 gave 0.98 that way).
 
 Keys are drawn from the 11 letters no merge of the shipped BPE contains (`KEY_LETTERS`), so a key is one token per
 letter in the task and in the tool call. With all 26 letters a quarter of the keys contain a merged token ("sew" ->
