@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     # includes XLA's compiler and runtime
     tiny_args = ["convert", "hf-to-orbax", f"--hf_dir={tiny_src}", f"--out={tiny_out}", f"--dtype={a.dtype}",
                  "--include_mtp", "--overwrite", "--noprogress"]
-    base = run_child([py, "-c", "from dsv32_jax import convert, fp8_weights; fp8_weights.JAX_MIN_ELEMENTS = 0; "
+    base = run_child([py, "-c", "from dsv32_jax.checkpoint import convert, fp8_weights; fp8_weights.JAX_MIN_ELEMENTS = 0; "
                       f"convert.cli({tiny_args!r})"])
     overhead = base["peak_rss"]
     print(f"fixed overhead (tiny conversion child, jitted kernels): peak RSS {overhead / 2**20:.0f} MiB")
