@@ -61,6 +61,36 @@ def child_xla_flags(extra: str = "") -> str:
     return f"{fast} {extra}".strip()
 
 
+def run_processes(script: str, nproc: int, *args: str, timeout: int = 600) -> list[dict]:
+    """Runs `python -c script PID NPROC PORT *args` for PID in range(nproc) (a jax.distributed job on localhost, the
+    parent's XLA_FLAGS replaced by the fast-compile ones) and returns each process's last `RESULT <json>` line."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = str(s.getsockname()[1])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = child_xla_flags()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(nproc), port, *args], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
+    results = []
+    for pid, proc in enumerate(procs):
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"process {pid}/{nproc} failed:\n{stderr[-4000:]}"
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
+        results.append(json.loads(line[len("RESULT "):]))
+    return results
+
+
 def _fast_cpu_compiles():
     if os.environ.get("DSV32_TEST_FAST_COMPILE", "1") == "0":
         return

@@ -10,15 +10,11 @@ microbatches (config.microbatches), the 1-device run takes each batch whole: the
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import child_xla_flags
+from conftest import run_processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "fsdp:2,tensor:2,expert:2"
 STEPS = 3  # the 2-process run stops at 2 (a checkpoint), the resumed run does step 3
 
@@ -59,32 +55,8 @@ print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.dev
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(nproc: int, root: str, steps: int, meshes=(MESH,), stages=("dense", "sparse")) -> list[dict]:
-    port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = child_xla_flags()
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, root, str(steps),
-                               ";".join(meshes), ",".join(stages)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in range(nproc)]
-    results = []
-    for pid, proc in enumerate(procs):
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"process {pid}/{nproc} failed:\n{stderr[-4000:]}"
-        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    return run_processes(SCRIPT, nproc, root, str(steps), ";".join(meshes), ",".join(stages))
 
 
 @pytest.mark.heavy

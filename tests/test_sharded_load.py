@@ -6,16 +6,11 @@ then 2 processes x 4 devices (jax.distributed on localhost) load it on the same 
 equals the reference bit for bit, and each process reads (/proc/self/io rchar around the load) what its devices
 hold plus the fixed metadata overhead of a 1-process load -- about half of the checkpoint, not all of it."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
-from conftest import child_xla_flags
+from conftest import run_processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import json, os, sys, time
@@ -89,30 +84,8 @@ print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.dev
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run(nproc: int, work: str) -> list[dict]:
-    port = str(_free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = child_xla_flags()
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(pid), str(nproc), port, work], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in range(nproc)]
-    results = []
-    for pid, proc in enumerate(procs):
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        assert proc.returncode == 0, f"process {pid}/{nproc} failed:\n{stderr[-4000:]}"
-        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    return run_processes(SCRIPT, nproc, work)
 
 
 @pytest.mark.heavy
