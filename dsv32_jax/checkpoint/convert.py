@@ -166,6 +166,10 @@ def _source_bytes(ckpt: HFCheckpoint, specs: list[TensorSpec]) -> tuple[int, int
     return n, total
 
 
+# hf-to-orbax writes a group's converted tensors once they hold this many bytes (and at the group's end)
+FLUSH_BYTES = 64 << 20
+
+
 def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: bool = False, mesh=None,
                 rules=None, overwrite: bool = False, progress: bool = True) -> dict:
     """Converts an HF checkpoint directory to a dsv32-jax orbax checkpoint at `out` (see module docstring).
@@ -199,7 +203,10 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
         copy_tokenizer_files(hf_dir, tmp)  # kept beside the weights, so that orbax-to-hf can export them again
         writer = orbax_io.ParamsWriter(tmp)
         for group, gspecs in _groups(specs):
+            # a group is written in parts of at least FLUSH_BYTES (one partial save each), so that converting the
+            # next large tensor (the globals' lm_head after embed_tokens) does not hold the previous one too
             subtree: dict = {}
+            held = 0
             for spec in gspecs:
                 if spec.alias:
                     bar.update(1, check_alias(ckpt, spec.hf_names[0], main_names[spec.path]))
@@ -212,7 +219,12 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
                         leaf_axes = axes.get(spec.path, ()) if path[-1] == str(spec.path[-1]) else ()
                         value = jax.device_put(value, orbax_io.logical_sharding(leaf_axes, value.shape, mesh, rules))
                     orbax_io.set_leaf(subtree, path, value)
-            writer.write(group, subtree)
+                    held += value.nbytes
+                if held >= FLUSH_BYTES:
+                    writer.write(group, subtree)
+                    subtree, held = {}, 0
+            if subtree:
+                writer.write(group, subtree)
             del subtree
         writer.finalize()
         out_cfg = cfg.replace(quantization_config=(cfg.quantization_config or QUANTIZATION_CONFIG) if keep_fp8 else None)

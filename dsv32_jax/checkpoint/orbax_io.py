@@ -325,7 +325,8 @@ class ParamsWriter:
 
         with _save_context():
             ocp.partial.save(self.path, subtree)
-        self.groups.append(group)
+        if group not in self.groups:  # a group may be written in several parts
+            self.groups.append(group)
 
     def finalize(self) -> None:
         from orbax.checkpoint import v1 as ocp
