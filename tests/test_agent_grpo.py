@@ -207,6 +207,27 @@ def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
         AgentLearner(_config(drop_thinking="sometimes"), str(tmp_path / "c"))
 
 
+def test_cosine_anneal_decays_from_the_sft_rate_to_the_anneal_rate_over_the_tail():
+    """agent.anneal_schedule="cosine": the anneal optimizer's rate at the optimizer's update count n (recall
+    updates first, then the cold start) is optimizer.lr until the tail starts at n0 = recall_steps +
+    cold_start_steps - anneal_steps, (lr + anneal_lr) / 2 halfway, anneal_lr at the end; "constant": anneal_lr
+    throughout. Mutations: the tail's start counted without the recall stage -> the rate is already below lr at
+    n0; the final fraction inverted -> not anneal_lr at the end."""
+    from dsv32_jax.train.agent_grpo import anneal_optimizer
+    from dsv32_jax.train.optimizer import group_config, learning_rate_schedule
+
+    c = _config(cold_start_steps=700, anneal_steps=300, anneal_lr=3e-4, anneal_schedule="cosine")
+    c.agent.recall_steps, c.optimizer.lr, c.optimizer.schedule = 800, 3e-3, "constant"
+    for group in ("main", "indexer"):
+        rate = learning_rate_schedule(group_config(anneal_optimizer(c), group))
+        n0 = 800 + 700 - 300
+        np.testing.assert_allclose([float(rate(n)) for n in (n0 - 1, n0, n0 + 150, n0 + 300, n0 + 400)],
+                                   [3e-3, 3e-3, 1.65e-3, 3e-4, 3e-4], rtol=1e-5)
+    c.agent.anneal_schedule = "constant"
+    rate = learning_rate_schedule(group_config(anneal_optimizer(c), "main"))
+    np.testing.assert_allclose([float(rate(n)) for n in (0, 1200, 1500)], [3e-4] * 3, rtol=1e-6)
+
+
 @pytest.mark.heavy
 def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
     """config.agent.anneal_steps / anneal_lr: the last anneal_steps of the cold start take the anneal rate. With
@@ -226,6 +247,8 @@ def test_the_last_cold_start_steps_run_at_the_anneal_rate(tmp_path):
         AgentLearner(_config(cold_start_steps=3, anneal_steps=4), str(tmp_path / "b"))
     with pytest.raises(ValueError, match="agent.anneal_lr"):
         AgentLearner(_config(cold_start_steps=3, anneal_steps=1, anneal_lr=-1.0), str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="agent.anneal_schedule"):
+        AgentLearner(_config(cold_start_steps=3, anneal_steps=1, anneal_schedule="linear"), str(tmp_path / "d"))
 
 
 def _pipeline(config_name: str, seed_name: str, steps: int, tmp_path) -> tuple[dict, dict]:

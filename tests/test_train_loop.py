@@ -66,6 +66,32 @@ def test_schedule_matches_the_closed_form_at_every_step(schedule, lr, warmup, de
     np.testing.assert_allclose(new, old, rtol=1e-7, atol=0)
 
 
+@pytest.mark.parametrize("lr,warmup,hold,decay,final", [(3e-3, 10, 800, 1200, 0.1), (1e-3, 0, 5, 9, 0.0),
+                                                        (2e-4, 3, 3, 50, 0.5)])
+def test_hold_steps_start_the_cosine_later(lr, warmup, hold, decay, final):
+    """hold_steps (warmup-stable-decay): warm-up to lr, lr until hold_steps, then the cosine to lr * final at
+    decay_steps over decay_steps - hold_steps (float64 closed form, 1e-7 relative); hold_steps outside
+    [warmup_steps, decay_steps) is refused naming config.optimizer."""
+    cfg = ml_collections.ConfigDict(dict(lr=lr, schedule="cosine", warmup_steps=warmup, hold_steps=hold,
+                                         decay_steps=decay, final_lr_fraction=final))
+
+    def want(s):
+        if s < warmup:
+            return lr * s / warmup
+        if s < hold:
+            return lr
+        t = min(s - hold, decay - hold) / (decay - hold)
+        return lr * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    steps = np.arange(decay + 20)
+    with jax.enable_x64(True):
+        got = np.asarray(jax.vmap(learning_rate_schedule(cfg))(jnp.asarray(steps)))
+    np.testing.assert_allclose(got, [want(int(s)) for s in steps], rtol=1e-7, atol=0)
+    for bad in (dict(hold_steps=decay), dict(hold_steps=warmup - 1) if warmup else dict(hold_steps=decay + 1)):
+        with pytest.raises(ValueError, match="config.optimizer"):
+            learning_rate_schedule(ml_collections.ConfigDict({**cfg.to_dict(), **bad}))
+
+
 def test_unknown_schedule_names_the_field():
     cfg = default_config().optimizer
     cfg.schedule = "linear"

@@ -127,6 +127,30 @@ def _log_progress(phase: str, i: int, total: int, history: list[float], every: i
                      min(every, len(history)), float(np.mean(history[-every:])))
 
 
+def constant_rate(optimizer, lr: float):
+    """config.optimizer at constant `lr` from its first update (None when lr is 0: the optimizer as configured)."""
+    if not lr:
+        return None
+    opt = ml_collections.ConfigDict(optimizer.to_dict())
+    opt.lr, opt.schedule, opt.warmup_steps = float(lr), "constant", 0
+    return opt
+
+
+def anneal_optimizer(config):
+    """The optimizer settings of the cold start's last `agent.anneal_steps` SFT updates (None: as configured).
+    "constant": at agent.anneal_lr. "cosine": config.optimizer.lr decayed to anneal_lr over the anneal, which starts
+    at update recall_steps + cold_start_steps - anneal_steps of the optimizer's count (it runs through the recall
+    stage and the cold start)."""
+    a = config.agent
+    if a.anneal_schedule == "constant" or not a.anneal_lr:
+        return constant_rate(config.optimizer, a.anneal_lr)
+    start = a.recall_steps + a.cold_start_steps - a.anneal_steps
+    opt = ml_collections.ConfigDict(config.optimizer.to_dict())
+    opt.schedule, opt.warmup_steps, opt.hold_steps = "cosine", 0, start
+    opt.decay_steps, opt.final_lr_fraction = start + a.anneal_steps, float(a.anneal_lr) / opt.lr
+    return opt
+
+
 class AgentLearner:
     def __init__(self, config, workdir: str):
         self.config, self.workdir, self.a = config, workdir, config.agent
@@ -184,14 +208,15 @@ class AgentLearner:
             raise ValueError(f"config.agent.anneal_steps must be in [0, cold_start_steps={a.cold_start_steps}], "
                              f"got {a.anneal_steps}")
 
-        def graphdef_at(lr):
-            if not lr:
+        if a.anneal_schedule not in ("constant", "cosine"):
+            raise ValueError(f"config.agent.anneal_schedule must be 'constant' or 'cosine', got {a.anneal_schedule!r}")
+
+        def graphdef_at(opt):
+            if opt is None:
                 return self.graphdef
-            opt = ml_collections.ConfigDict(config.optimizer.to_dict())
-            opt.lr, opt.schedule, opt.warmup_steps = float(lr), "constant", 0
             return nnx.split((model, nnx.Optimizer(model, make_tx(opt, pdtype), wrt=nnx.Param)))[0]
 
-        self.rl_graphdef = graphdef_at(a.rl_lr)
+        self.rl_graphdef = graphdef_at(constant_rate(config.optimizer, a.rl_lr))
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)
         self.state = jax.device_put(state, self.shardings)
@@ -206,8 +231,8 @@ class AgentLearner:
         self._diagnostics = jax.jit(functools.partial(steps.trajectory_diagnostics, graphdef=self.model_graphdef,
                                                       temperature=t))
         self._sft = jax.jit(functools.partial(sft_step, graphdef=self.graphdef, indexer_weight=w), donate_argnums=0)
-        self._sft_anneal = jax.jit(functools.partial(sft_step, graphdef=graphdef_at(a.anneal_lr), indexer_weight=w),
-                                   donate_argnums=0) if a.anneal_steps else self._sft
+        self._sft_anneal = jax.jit(functools.partial(sft_step, graphdef=graphdef_at(anneal_optimizer(config)),
+                                                     indexer_weight=w), donate_argnums=0) if a.anneal_steps else self._sft
 
     def _model(self):
         return nnx.merge(self.graphdef, self.state)[0]

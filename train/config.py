@@ -65,14 +65,15 @@ def default_config() -> ml_collections.ConfigDict:
     # master_dtype: parameters stored narrower (param_dtype bf16) are updated through master copies in this dtype
     # held in the optimizer state ("" = update in param_dtype).
     c.optimizer = ml_collections.ConfigDict(dict(
-        lr=1e-3, schedule="cosine", warmup_steps=10, decay_steps=100, final_lr_fraction=0.1, b1=0.9, b2=0.95,
-        eps=1e-8, weight_decay=0.0, grad_clip=1.0, master_dtype="float32"))
+        lr=1e-3, schedule="cosine", warmup_steps=10, hold_steps=0, decay_steps=100, final_lr_fraction=0.1, b1=0.9,
+        b2=0.95, eps=1e-8, weight_decay=0.0, grad_clip=1.0, master_dtype="float32"))
     # The lightning indexer's own optimizer (train/optimizer.py): a separate AdamW and global-norm clip over the
     # indexer's parameters; each field left None takes config.optimizer's value.
     c.optimizer.indexer = ml_collections.ConfigDict({
         "lr": ml_collections.config_dict.placeholder(float),
         "schedule": ml_collections.config_dict.placeholder(str),
         "warmup_steps": ml_collections.config_dict.placeholder(int),
+        "hold_steps": ml_collections.config_dict.placeholder(int),
         "decay_steps": ml_collections.config_dict.placeholder(int),
         "final_lr_fraction": ml_collections.config_dict.placeholder(float),
         "b1": ml_collections.config_dict.placeholder(float),
@@ -116,9 +117,10 @@ def default_config() -> ml_collections.ConfigDict:
         # evaluation alike
         drop_thinking="after_user",
         rl_lr=0.0,  # > 0: the GRPO steps' learning rate (config.optimizer.lr stays the recall / cold-start SFT's)
-        # the last `anneal_steps` cold-start steps at `anneal_lr` (constant; 0: config.optimizer.lr): SFT at a
-        # constant high rate ends noisy, a short low-rate tail settles it
-        anneal_steps=0, anneal_lr=0.0,
+        # the last `anneal_steps` cold-start steps anneal to `anneal_lr` (0: config.optimizer.lr): SFT at a constant
+        # high rate ends noisy, a low-rate tail settles it. `anneal_schedule`: "constant" (the tail at anneal_lr) or
+        # "cosine" (from config.optimizer.lr down to anneal_lr over the tail: warmup-stable-decay)
+        anneal_steps=0, anneal_lr=0.0, anneal_schedule="constant",
         # fraction of cold-start demonstrations that first make a near-miss call, get the tool's error and call again
         # (loss masked on the wrong call: the model learns to recover, not to err)
         recovery_fraction=0.0,

@@ -17,8 +17,9 @@ import optax
 from flax import nnx
 
 GROUPS = ("main", "indexer")
-GROUP_FIELDS = ("lr", "schedule", "warmup_steps", "decay_steps", "final_lr_fraction", "b1", "b2", "eps",
-                "weight_decay", "grad_clip")
+GROUP_FIELDS = ("lr", "schedule", "warmup_steps", "hold_steps", "decay_steps", "final_lr_fraction", "b1", "b2",
+                "eps", "weight_decay", "grad_clip")
+_FIELD_DEFAULTS = {"hold_steps": 0}  # fields a config written before they existed may lack
 
 STAGES = ("dense", "warmup", "sparse", "grpo", "agent")
 
@@ -41,11 +42,21 @@ def trainable_filter(stage: str):
 
 def learning_rate_schedule(cfg) -> optax.Schedule:
     """Linear warm-up from 0 to cfg.lr over cfg.warmup_steps, then constant (schedule='constant') or cosine decay
-    to cfg.lr * cfg.final_lr_fraction at step cfg.decay_steps (schedule='cosine'; constant afterwards)."""
+    to cfg.lr * cfg.final_lr_fraction at step cfg.decay_steps (schedule='cosine'; constant afterwards). With
+    cfg.hold_steps > 0 the cosine starts there instead (warm-up, constant until hold_steps, then the decay: the
+    warmup-stable-decay shape)."""
     warmup = max(int(cfg.warmup_steps), 0)
+    hold = int(cfg.get("hold_steps", 0) or 0)
     if cfg.schedule == "constant":
         # linear_schedule holds its end value after the transition: warm-up then constant
         return optax.linear_schedule(0.0, cfg.lr, warmup) if warmup else optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "cosine" and hold > 0:
+        if hold < warmup or cfg.decay_steps <= hold:
+            raise ValueError(f"config.optimizer: need warmup_steps <= hold_steps < decay_steps, got {warmup}, "
+                             f"{hold}, {cfg.decay_steps}")
+        flat = optax.linear_schedule(0.0, cfg.lr, warmup) if warmup else optax.constant_schedule(cfg.lr)
+        decay = optax.cosine_decay_schedule(cfg.lr, int(cfg.decay_steps) - hold, alpha=cfg.final_lr_fraction)
+        return optax.join_schedules([flat, decay], [hold])
     if cfg.schedule == "cosine":
         if warmup == 0:
             return optax.cosine_decay_schedule(cfg.lr, max(int(cfg.decay_steps), 1), alpha=cfg.final_lr_fraction)
@@ -59,7 +70,7 @@ def group_config(cfg, group: str):
     config.optimizer.indexer on top for the indexer."""
     if group not in GROUPS:
         raise ValueError(f"optimizer group must be one of {GROUPS}, got {group!r}")
-    out = {f: cfg[f] for f in GROUP_FIELDS}
+    out = {f: cfg.get(f, _FIELD_DEFAULTS.get(f)) if f in _FIELD_DEFAULTS else cfg[f] for f in GROUP_FIELDS}
     if group == "indexer" and "indexer" in cfg:
         for key, value in cfg.indexer.items():
             if key not in GROUP_FIELDS:
