@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -25,6 +26,8 @@ COLUMNS = (("start", "greedy success before training"), ("cold_start", "greedy s
 
 def load(workdir: str) -> list[dict]:
     path = workdir if workdir.endswith(".jsonl") else os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ValueError(f"{workdir}: not a workdir of stage 'agent' (no {path})")
     rows = {}
     for row in read_jsonl(path):
         rows[row["step"]] = row  # a resumed run re-logs steps: keep the last
@@ -93,7 +96,18 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=5, help="GRPO steps averaged for the rollouts' success")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     args = parser.parse_args(argv)
-    runs = {os.path.relpath(r): summarize(load(r), args.window) for r in args.runs}
+    runs, skipped = {}, []
+    for r in args.runs:
+        try:
+            runs[os.path.relpath(r)] = summarize(load(r), args.window)
+        except ValueError as e:  # a run still in progress, a log file from a glob: named, not a traceback
+            if not r.endswith(".jsonl"):
+                e = ValueError(f"{r}: {e}" if not str(e).startswith(r) else str(e))
+            skipped.append(str(e))
+    for msg in skipped:
+        print(f"skipped {msg}", file=sys.stderr)
+    if not runs:
+        parser.exit(2, "agent_report: no run to report\n")
     if args.json:
         print(json.dumps(runs, indent=1))
     elif len(runs) == 1:

@@ -1,0 +1,59 @@
+"""train/agent_report.py (`make agent-demo`'s closing table and BENCHMARKS.md's seed sweeps): the three greedy
+evaluations, the rollouts' success over the first / last window of GRPO steps, the min / median / max over runs,
+and workdirs that hold no agentic run named instead of a traceback."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from dsv32_jax.train import agent_report
+
+
+def _write_run(path, cold_start: float, end: float, successes, step_s: float = 6.0):
+    """A metrics.jsonl as AgentLearner writes it: step 1 carries the start and post-cold-start evaluations, the last
+    step the final one; step 2 is logged twice (a resume re-logs it: the last row counts)."""
+    os.makedirs(path, exist_ok=True)
+    rows = []
+    for i, s in enumerate(successes, start=1):
+        row = {"step": i, "success": s, "kl": 1e-3 * i, "step_s": step_s}
+        if i == 1:
+            row.update(start_eval_success=0.0, start_eval_reward=0.0, pre_eval_success=cold_start,
+                       pre_eval_reward=cold_start)
+        if i == len(successes):
+            row.update(eval_success=end, eval_reward=end)
+        rows.append(row)
+    rows.insert(1, dict(rows[1], success=-1.0))  # a stale copy of step 2, logged before the resumed one
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_summary_and_sweep_table_from_metrics(tmp_path, capsys):
+    _write_run(tmp_path / "a", 0.5, 0.75, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    _write_run(tmp_path / "b", 0.9, 1.0, [0.8, 0.9, 1.0, 1.0, 1.0, 1.0], step_s=12.0)
+    _write_run(tmp_path / "c", 0.7, 0.5, [0.6, 0.6, 0.6, 0.3, 0.3, 0.3])
+    s = agent_report.summarize(agent_report.load(str(tmp_path / "a")), window=2)
+    assert (s["start"], s["cold_start"], s["end"], s["end_step"]) == (0.0, 0.5, 0.75, 6)
+    np.testing.assert_allclose([s["rollout_first"], s["rollout_last"], s["minutes"], s["kl_end"]],
+                               [0.15, 0.55, 0.6, 6e-3])  # the resumed step 2 (0.2) counts, not its stale copy
+    agent_report.main([str(tmp_path / r) for r in "abc"] + ["--window=3"])
+    lines = capsys.readouterr().out.splitlines()
+    cells = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]] for line in lines[2:]}
+    np.testing.assert_allclose(cells["**min**"], [0.0, 0.5, 0.5, 0.2, 0.3, 0.6])
+    np.testing.assert_allclose(cells["**median**"], [0.0, 0.7, 0.75, 0.6, 0.5, 0.6])
+    np.testing.assert_allclose(cells["**max**"], [0.0, 0.9, 1.0, 0.9, 1.0, 1.2])
+
+
+def test_paths_without_an_agentic_run_are_named(tmp_path, capsys):
+    _write_run(tmp_path / "a", 0.5, 0.75, [0.1, 0.2, 0.3, 0.4])
+    (tmp_path / "a.log").write_text("make agent-demo output\n")
+    os.makedirs(tmp_path / "running")
+    (tmp_path / "running" / "metrics.jsonl").write_text("")
+    agent_report.main([str(tmp_path / "a"), str(tmp_path / "a.log"), str(tmp_path / "running")])
+    out, err = capsys.readouterr()
+    assert "a.log: not a workdir of stage 'agent'" in err and "running/metrics.jsonl: no metrics" in err
+    assert "| after GRPO | 4 | 0.750 | 0.750 |" in out  # the one real run is still reported
+    with pytest.raises(SystemExit) as e:
+        agent_report.main([str(tmp_path / "a.log")])
+    assert e.value.code == 2
