@@ -113,27 +113,6 @@ def test_rl_learning_rate_is_the_grpo_steps_own(tmp_path):
         AgentLearner(_config(rl_lr=-1.0), str(tmp_path / "c"))
 
 
-@pytest.mark.heavy
-def test_agent_resume_is_exact(tmp_path):
-    """Save / restore of the agent learner (params, optimizer, pi_ref), mirroring tests/test_grpo.py's
-    test_grpo_resume_is_exact: 4 GRPO steps (after a 2-step cold start) straight vs 2 steps, a checkpoint, and a new
-    learner resuming from it to step 4: the same losses, rewards and KL to pi_ref, bit for bit. Mutations: pi_ref not
-    restored (`restore_checkpoint` takes the restored policy as pi_ref) -> the loss differs at step 3 (1.4e-4 vs
-    4.2e-4); the optimizer state not restored -> the loss differs at step 4 (9.6e-4 vs 4.9e-4)."""
-    def learner(workdir, steps, **extra):
-        c = _config(cold_start_steps=2, eval_every=100, eval_episodes=1, kl_weight=0.05, **extra)
-        c.steps, c.checkpoint.every, c.checkpoint.use_async = steps, 2, False
-        return AgentLearner(c, str(workdir))
-
-    straight = learner(tmp_path / "a", 4).fit()
-    learner(tmp_path / "b", 2).fit()
-    resumed = learner(tmp_path / "b", 4).fit()
-    assert [h["step"] for h in resumed] == [3, 4]
-    for a, b in zip(straight[2:], resumed):
-        for key in ("loss", "reward_mean", "kl"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-
-
 AGENT_CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/agent_tiny.py", "--config.steps=6",
              "--config.checkpoint.every=2", "--config.log_every=1", "--config.model_overrides.index_topk=16",
              "--config.agent.cold_start_steps=2", "--config.agent.cold_start_batch=2", "--config.agent.eval_every=100",
@@ -143,10 +122,13 @@ AGENT_CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/age
 
 @pytest.mark.heavy
 def test_agent_resume_after_sigkill_matches_uninterrupted(tmp_path):
-    """The CLI mirror of tests/test_train.py's SIGKILL test for the agent stage: a run killed (SIGKILL) once its
-    step-2 checkpoint is on disk, rerun to step 6, logs the same per-step loss and reward as an uninterrupted run.
-    Mutation: pi_ref not restored (`restore_checkpoint` takes the restored policy as pi_ref) -> the loss differs at
-    step 3 (8.1e-5 vs 2.4e-4). 117-164 s on 2 shared cores."""
+    """Save / restore of the agent learner (params, optimizer state, pi_ref) through the CLI, as tests/test_train.py's
+    SIGKILL test does for LM training: a run killed (SIGKILL) once its step-2 checkpoint is on disk, rerun to step 6,
+    logs the same per-step loss, reward and KL to pi_ref as an uninterrupted run, bit for bit (this test also holds
+    the checks of the former in-process `test_agent_resume_is_exact`, merged here for CI time, issue #34).
+    Mutations: pi_ref not restored (`restore_checkpoint` takes the restored policy as pi_ref) -> the loss differs at
+    step 3 (8.1e-5 vs 2.4e-4); the optimizer state not restored -> differs from step 3 on. 117-164 s on 2 shared
+    cores."""
     from tests.test_train import ROOT, losses_by_step, wait_for_checkpoint
 
     from dsv32_jax.train.metrics import read_jsonl
@@ -167,10 +149,11 @@ def test_agent_resume_after_sigkill_matches_uninterrupted(tmp_path):
     assert "resumed from" in res.stdout + res.stderr
     expected, got = losses_by_step(ref), losses_by_step(run)
     assert sorted(got) == list(range(1, 7))
-    rewards = [{r["step"]: r["reward_mean"] for r in read_jsonl(os.path.join(d, "metrics.jsonl"))} for d in (ref, run)]
+    rows = [{r["step"]: r for r in read_jsonl(os.path.join(d, "metrics.jsonl"))} for d in (ref, run)]
     for step in range(1, 7):
         assert got[step] == expected[step], f"step {step}: loss {got[step]} != {expected[step]}"
-        assert rewards[1][step] == rewards[0][step], f"step {step}: reward"
+        for key in ("reward_mean", "kl"):
+            assert rows[1][step][key] == rows[0][step][key], f"step {step}: {key}"
 
 
 def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
