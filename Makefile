@@ -120,7 +120,7 @@ train: $(STAMP)
 AGENT_DEMO_DIR ?= runs/agent/lookup
 AGENT_DEMO_ARGS ?=
 agent-demo: $(STAMP)
-	@echo "agent-demo: about 14 minutes alone on 2 CPU cores (recall ~5, cold start ~4, 10 GRPO steps ~2, evaluations and compiles ~3), 30-60 beside other jobs; BENCHMARKS.md, 'make agent-demo over seeds'"
+	@echo "agent-demo: about 20 minutes on 2 CPU cores (18-20 measured on one core: recall ~9.5, cold start ~8, 10 GRPO steps and evaluations ~2), longer beside other jobs; BENCHMARKS.md, 'make agent-demo over seeds ... the cosine cold start'"
 	$(PY) -m dsv32_jax.train.main --config=configs/agent_lookup.py --workdir=$(AGENT_DEMO_DIR) $(AGENT_DEMO_ARGS)
 	$(PY) -m dsv32_jax.train.plot $(AGENT_DEMO_DIR) --out $(AGENT_DEMO_DIR)/curves.png
 	$(PY) -m dsv32_jax.train.agent_report $(AGENT_DEMO_DIR)

@@ -24,7 +24,8 @@ From random initialization, three phases in step 0 of stage "agent" (train/agent
    agent-demo` does, at its end).
 
 The result is a distribution over seeds, not one number (BENCHMARKS.md, "`make agent-demo` over seeds, a
-perturbation and AVX2", 2026-11-27). Knobs for measuring it: `--config.seed=N` (initialization, recall data, rollout keys),
+perturbation and AVX2: the cosine cold start"): greedy success after the cold start min / median / max 0.969 / 0.984
+/ 1.000 over 5 seeds, a 1e-6 perturbation and XLA's AVX2 code paths; 0.969 / 1.000 / 1.000 after GRPO. Knobs for measuring it: `--config.seed=N` (initialization, recall data, rollout keys),
 `--config.agent.init_perturb=1e-6` (every initial parameter x -> x * (1 + 1e-6 N(0, 1)): a run as another CPU's
 rounding would make it), and `XLA_FLAGS=--xla_cpu_max_isa=AVX2` in the environment (XLA's AVX2 code paths; on an
 AVX-512 machine not bit-identical to an AVX2-only one: seed 0 gave 0.98 that way).
