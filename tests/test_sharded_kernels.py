@@ -174,10 +174,8 @@ for step in range(2):
     errs = {k: abs(float(m8[k]) - float(m1[k])) / max(abs(float(m1[k])), 1e-30)
             for k in ("loss", "lm_loss", "indexer_kl", "grad_norm")}
     print("step", step, {k: float(m1[k]) for k in errs}, errs, flush=True)
-    # the ~1e-4 KL: a sum of O(1) log terms in fp32 (eps 6e-8), so summation order alone (kernel vs gather
-    # reference) moves it by up to ~5e-4 of itself, the bound of the LM test above: measured 6.9e-5 and 1.1e-4
-    # with the suite's fast-compile flags (LLVM -O0), below 1e-4 with XLA's defaults
-    assert max(errs.values()) <= 1e-5 or (errs["indexer_kl"] <= 3e-4 and max(errs[k] for k in errs
+    # the ~1e-4 KL: summation-order noise of 1e-9 absolute (kernel vs gather reference) is ~1e-5 of it
+    assert max(errs.values()) <= 1e-5 or (errs["indexer_kl"] <= 1e-4 and max(errs[k] for k in errs
                                                                              if k != "indexer_kl") <= 1e-5), errs
 flat8 = nnx.traversals.flatten_mapping(nnx.to_pure_dict(ker.ts.state[0]))
 flat1 = nnx.traversals.flatten_mapping(nnx.to_pure_dict(ref.ts.state[0]))
@@ -192,8 +190,11 @@ print("OK")
 """
 
 
-def _run(script: str) -> str:
-    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
+def _run(script: str, fast_compile: bool = True) -> str:
+    """Runs `script` on 8 CPU devices with the Pallas kernels in interpret mode; `fast_compile`: the suite's LLVM -O0
+    flags (conftest.child_xla_flags), else XLA's defaults."""
+    devices = "--xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags(devices) if fast_compile else devices, JAX_PLATFORMS="cpu",
                DSV32_KERNEL_IMPL="interpret")
     res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
@@ -215,7 +216,9 @@ def test_grpo_objective_and_rollout_with_kernels_on_a_mesh_equal_one_device():
 
 @pytest.mark.heavy
 def test_sharded_kernel_train_step_equals_the_reference_step():
-    assert "params after 2 steps" in _run(TRAINER)
+    # XLA's default code generation: at LLVM -O0 the indexer KL's kernel-vs-reference difference is 1.1e-4 of it,
+    # over this test's 1e-4 bound (below it with the defaults)
+    assert "params after 2 steps" in _run(TRAINER, fast_compile=False)
 
 
 def test_impl_follows_the_target_chip_not_the_host(monkeypatch):
