@@ -127,9 +127,8 @@ def test_agent_resume_after_sigkill_matches_uninterrupted(tmp_path):
     logs the same per-step loss, reward and KL to pi_ref as an uninterrupted run, bit for bit (this test also holds
     the checks of the former in-process `test_agent_resume_is_exact`, merged here for CI time, issue #34).
     Mutations: pi_ref not restored (`restore_checkpoint` takes the restored policy as pi_ref) -> the loss differs at
-    step 3 (8.1e-5 vs 2.4e-4); the optimizer state not restored -> the loss differs at
-    step 4 (2.0e-4 vs 2.9e-4). 117-164 s on 2 shared
-    cores."""
+    step 3 (8.1e-5 vs 2.4e-4); the optimizer state not restored -> the loss differs at step 4 (2.0e-4 vs 2.9e-4).
+    98-164 s on 2 shared cores."""
     from tests.test_train import ROOT, losses_by_step, wait_for_checkpoint
 
     from dsv32_jax.train.metrics import read_jsonl

@@ -27,12 +27,12 @@ COLUMNS = (("start", "greedy success before training"), ("cold_start", "greedy s
 def load(workdir: str) -> list[dict]:
     path = workdir if workdir.endswith(".jsonl") else os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
-        raise ValueError(f"{workdir}: not a workdir of stage 'agent' (no {path})")
+        raise ValueError(f"not a workdir of stage 'agent' (no {path})")
     rows = {}
     for row in read_jsonl(path):
         rows[row["step"]] = row  # a resumed run re-logs steps: keep the last
     if not rows:
-        raise ValueError(f"{path}: no metrics")
+        raise ValueError(f"no metrics in {path}")
     return [rows[s] for s in sorted(rows)]
 
 
@@ -101,9 +101,7 @@ def main(argv=None):
         try:
             runs[os.path.relpath(r)] = summarize(load(r), args.window)
         except ValueError as e:  # a run still in progress, a log file from a glob: named, not a traceback
-            if not r.endswith(".jsonl"):
-                e = ValueError(f"{r}: {e}" if not str(e).startswith(r) else str(e))
-            skipped.append(str(e))
+            skipped.append(f"{r}: {e}")
     for msg in skipped:
         print(f"skipped {msg}", file=sys.stderr)
     if not runs:
