@@ -1,10 +1,10 @@
 """Generation speed: decoding with the caches (dsv32_jax.posttrain.generate.generate_stream: MLA latent cache +
 indexer key cache, one jitted step per token) against re-running the whole prefix for every token
 (generate_no_cache), side by side in one run; and prefill / decode tokens/s at long context with DSA vs dense
-attention (the GPU figure: --config=small --prompt_len=32768 --attention=sparse,dense --modes=cache).
+attention (the GPU figure: --config=small --prompt_len=32768 --attention=kernel,sparse,dense --modes=cache).
 
     python bench/generate.py                                  # CPU: tiny preset, 256-token prompt, 32 new tokens
-    python bench/generate.py --config=small --prompt_len=32768 --new_tokens=64 --attention=sparse,dense \
+    python bench/generate.py --config=small --prompt_len=32768 --new_tokens=64 --attention=kernel,sparse,dense \
         --modes=cache --dtype=bfloat16                        # the 32K figure (a GPU)
 
 Random weights (the preset's initialization; speed does not depend on the values), greedy decoding, batch 1, one
@@ -49,7 +49,8 @@ def main(argv=None):
     ap.add_argument("--config", default="tiny", help="preset (dsv32_jax/presets) or config.json")
     ap.add_argument("--prompt_len", type=int, default=256)
     ap.add_argument("--new_tokens", type=int, default=32)
-    ap.add_argument("--attention", default="sparse", help="comma list of sparse (DSA) / dense")
+    ap.add_argument("--attention", default="sparse",
+                    help="comma list of sparse (DSA, plain-JAX gather) / kernel (DSA with the Pallas kernels) / dense")
     ap.add_argument("--modes", default="cache,nocache", help="comma list of cache / nocache")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
@@ -65,12 +66,14 @@ def main(argv=None):
     ids = np.random.default_rng(0).integers(2, cfg.vocab_size, args.prompt_len).tolist()
     scfg = SamplingConfig(max_new_tokens=args.new_tokens, greedy=True, eos_id=-1)
     dtype = jnp.dtype(args.dtype)
-    rows = []
+    rows, cached = [], {}
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); config {args.config} "
           f"({cfg.num_hidden_layers} layers, index_topk {cfg.index_topk}), prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {args.dtype}", flush=True)
     for attention in args.attention.split(","):
-        options = RunOptions(dsa=attention == "sparse")
+        if attention not in ("sparse", "kernel", "dense"):
+            raise SystemExit(f"--attention: unknown attention {attention!r} (sparse, kernel, dense)")
+        options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse")
         model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, options=options)
         tokens = {}
         for mode in args.modes.split(","):
@@ -89,6 +92,8 @@ def main(argv=None):
             else:
                 raise SystemExit(f"--modes: unknown mode {mode!r} (cache, nocache)")
             tokens[mode] = out
+            if mode == "cache":
+                cached[attention] = out
             rows.append(row)
             print(f"{attention:6} {mode:7} " + " ".join(f"{k} {v:.2f}" for k, v in row.items()
                                                        if isinstance(v, float)), flush=True)
@@ -97,6 +102,10 @@ def main(argv=None):
             ratio = next(r["tok_s"] for r in rows[-2:] if r["mode"] == "cache") / rows[-1]["tok_s"]
             print(f"{attention}: cache / re-run-prefix tokens/s ratio {ratio:.1f}x (same tokens: {same})", flush=True)
             rows.append(dict(attention=attention, ratio=ratio, same_tokens=same))
+    if "kernel" in cached and "sparse" in cached:  # same weights (one seed): the kernels must pick the same tokens
+        same = cached["kernel"] == cached["sparse"]
+        print(f"kernel vs sparse (plain JAX) greedy tokens equal: {same}", flush=True)
+        rows.append(dict(attention="kernel", vs="sparse", same_tokens=same))
     summary = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, config=args.config,
                    prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=args.dtype, rows=rows)
     print(json.dumps(summary))

@@ -6,10 +6,12 @@
 #      fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest).
 #   4. step: bench/train_step.py, the small config's sparse-stage training step as users run it (the trainer's
 #      compiled step on a 1-device mesh, MoE blocks scanned), with the kernels beside the plain-JAX reference step
-#      and the dense stage, at STEP_CASES (mode:context).
-# Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, logs). Stage time limits: BENCH_S, TEST_S,
-# STEP_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS the bench's key lengths,
-# TEST_K / TEST_ARGS the tests' -k / flags.
+#      and the dense stage, at STEP_CASES (mode:context); STEP_CASE_S seconds per case, STEP_STEPS timed steps.
+#   5. gen: bench/generate.py, the small config's prefill and decode tokens/s at GEN_LEN (32K) context, bf16, with
+#      GEN_ATTENTION (kernel = DSA with the Pallas kernels, sparse = DSA in plain JAX, dense).
+# Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, gen: generate.json, logs). Stage time
+# limits: BENCH_S, TEST_S, STEP_S, GEN_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS
+# the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
 set -u
 OUT=${OUT:-/tmp/dsv32_gpu_out}
 mkdir -p "$OUT"
@@ -38,10 +40,18 @@ echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|f
 
 step() {
 t0=$(date +%s)
-timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 1 --steps 3 --timeout 200 \
+timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 1 --steps "${STEP_STEPS:-3}" \
+  --timeout "${STEP_CASE_S:-200}" \
   --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
   --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1
 echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E '^\||^longest|^\{"mode' "$OUT/step.log" | cut -c1-400 | tail -24
+}
+
+gen() {
+t0=$(date +%s)
+timeout "${GEN_S:-240}" python3 bench/generate.py --config=small --prompt_len="${GEN_LEN:-32768}" --new_tokens=64 \
+  --attention="${GEN_ATTENTION:-kernel,dense}" --modes=cache --dtype=bfloat16 --json="$OUT/generate.json" >"$OUT/gen.log" 2>&1
+echo "gen rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^{" "$OUT/gen.log" | cut -c1-300 | tail -12
 }
 
 for stage in ${STAGES:-bench tests}; do "$stage"; done

@@ -57,6 +57,7 @@ def run_case(args) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(trainer.train_step(batch))
     compile_s = time.perf_counter() - t0
+    print(f"PROGRESS compile + first step {compile_s:.1f} s", flush=True)  # what a timed-out case still reports
     for _ in range(args.warmup - 1):
         jax.block_until_ready(trainer.train_step(batch))
     times = []
@@ -64,6 +65,7 @@ def run_case(args) -> dict:
         t0 = time.perf_counter()
         metrics = jax.block_until_ready(trainer.train_step(batch))
         times.append(time.perf_counter() - t0)
+        print(f"PROGRESS step {times[-1]:.3f} s", flush=True)
     stats = jax.devices()[0].memory_stats() or {}
     from dsv32_jax.model import sharding as shd
     from dsv32_jax.kernels.inspect import pallas_calls
@@ -123,15 +125,18 @@ def main():
             else:
                 oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
                 row = {"mode": mode, "context": context, "error": "OOM" if oom else res.stderr[-400:]}
-        except subprocess.TimeoutExpired:
-            row = {"mode": mode, "context": context, "error": f"timeout {args.timeout}s"}
+        except subprocess.TimeoutExpired as e:
+            partial = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            done = "; ".join(l[9:] for l in partial.splitlines() if l.startswith("PROGRESS "))
+            error = f"timeout {args.timeout}s" + (f" after {done}" if done else "")
+            row = {"mode": mode, "context": context, "error": error}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| mode | attention | context | step (s) | tokens/s | peak GiB | compile (s) | Pallas kernels in the step |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mode']} | | {r['context']} | {r['error'][:60]!r} | | | | |")
+            print(f"| {r['mode']} | | {r['context']} | {r['error'][:120]!r} | | | | |")
         else:
             print(f"| {r['mode']} | {r['attention']} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | "
                   f"{r['peak_gib']:.2f} | {r['compile_s']:.0f} | {', '.join(r['kernels']) or 'none'} |")
