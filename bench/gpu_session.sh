@@ -9,6 +9,8 @@
 #      and the dense stage, at STEP_CASES (mode:context); STEP_CASE_S seconds per case, STEP_STEPS timed steps.
 #   5. gen: bench/generate.py, the small config's prefill and decode tokens/s at GEN_LEN (32K) context, bf16, with
 #      GEN_ATTENTION (kernel = DSA with the Pallas kernels, sparse = DSA in plain JAX, dense).
+#   6. profile: bench/profile_step.py, one traced train step / prefill per PROFILE_CASES at PROFILE_LAYERS layers,
+#      the GPU kernels' time summed by name.
 # Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, gen: generate.json, logs). Stage time
 # limits: BENCH_S, TEST_S, STEP_S, GEN_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS
 # the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
@@ -52,6 +54,14 @@ t0=$(date +%s)
 timeout "${GEN_S:-240}" python3 bench/generate.py --config=small --prompt_len="${GEN_LEN:-32768}" --new_tokens=64 \
   --attention="${GEN_ATTENTION:-kernel,dense}" --modes=cache --dtype=bfloat16 --json="$OUT/generate.json" >"$OUT/gen.log" 2>&1
 echo "gen rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^{" "$OUT/gen.log" | cut -c1-300 | tail -12
+}
+
+profile() {
+t0=$(date +%s)
+timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --layers "${PROFILE_LAYERS:-2}" \
+  --cases "${PROFILE_CASES:-train:kernel:8192,prefill:kernel:32768,train:sparse:8192}" --out "$OUT/profile.json" \
+  >"$OUT/profile.log" 2>&1
+echo "profile rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "^==|^  " "$OUT/profile.log" | cut -c1-200
 }
 
 for stage in ${STAGES:-bench tests}; do "$stage"; done

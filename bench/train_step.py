@@ -26,8 +26,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_case(args) -> dict:
-    import jax
+def make_trainer(args):
+    """(Trainer, batch): the recipe's compiled step for args.mode at args.context (batch 1, random tokens)."""
     import numpy as np
 
     from dsv32_jax.train.config import default_config
@@ -54,6 +54,14 @@ def run_case(args) -> dict:
     batch = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1),
              "segment_ids": np.ones_like(tokens), "positions": np.arange(args.context, dtype=np.int32)[None],
              "loss_mask": np.ones(tokens.shape, np.float32)}
+    return trainer, batch
+
+
+def run_case(args) -> dict:
+    import jax
+
+    trainer, batch = make_trainer(args)
+    config = trainer.config
     t0 = time.perf_counter()
     jax.block_until_ready(trainer.train_step(batch))
     compile_s = time.perf_counter() - t0
