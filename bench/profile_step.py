@@ -119,6 +119,16 @@ def profile_case(case: str, args) -> dict:
         fn()
     files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
     events, source = device_events(files[0]) if files else ([], "none")
+    if os.environ.get("PROFILE_HOST"):  # what the host did meanwhile (compiles, syncs, transfers)
+        from jax.profiler import ProfileData
+        host = collections.defaultdict(float)
+        for plane in ProfileData.from_file(files[0]).planes:
+            if plane.name == "/host:CPU":
+                for line in plane.lines:
+                    for ev in line.events:
+                        host[ev.name[:120]] += ev.duration_ns / 1e6
+        for name, ms in sorted(host.items(), key=lambda kv: -kv[1])[:30]:
+            print(f"  host {ms:10.1f} ms  {name}", flush=True)
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for name, us in events:
         by_name[name][0] += us

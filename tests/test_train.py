@@ -219,6 +219,39 @@ def test_bench_train_smoke():
     assert "longest context that fits (sparse): 64" in res.stdout
 
 
+COUNT_STEP_COMPILES = r"""
+import logging, sys
+sys.path.insert(0, "bench")
+import jax
+from train_step import make_trainer
+compiles = []
+class Count(logging.Handler):
+    def emit(self, record):
+        if "compilation of jit(lm_train_step)" in record.getMessage():
+            compiles.append(record.getMessage())
+logging.getLogger("jax._src.dispatch").addHandler(Count())
+jax.config.update("jax_log_compiles", True)
+import argparse
+trainer, batch = make_trainer(argparse.Namespace(mode="sparse", model="tiny", dtype="float32", attention="kernel",
+                                                 scan=False, layers=0, chunk=32, context=64))
+for _ in range(3):
+    jax.block_until_ready(trainer.train_step(batch))
+print("COMPILES", len(compiles))
+"""
+
+
+def test_kernel_step_compiles_once():
+    """A fresh process (nothing of Pallas imported yet) runs the sparse stage's step with attention="kernel" three
+    times: it must compile once. Mutation (recorded in BUILD.md): without `RunOptions` importing the kernels up front
+    (`dsv32_jax.model.options.import_kernels`), the lazy import inside the first trace registers new JAX config
+    options, jit's cache key changes, and the second call compiles the whole step again (2 compiles; on an H200 the
+    small config's second kernel step took 10-20 s more)."""
+    res = subprocess.run([sys.executable, "-c", COUNT_STEP_COMPILES], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "COMPILES 1" in res.stdout, res.stdout[-500:]
+
+
 @pytest.mark.parametrize("source", ["hf", "orbax"])
 def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
     """init_from an HF checkpoint directory or its orbax conversion (python -m dsv32_jax.checkpoint.convert hf-to-orbax)."""
