@@ -60,18 +60,18 @@ class RunOptions:
         if self.attention == "kernel":
             import_kernels()
 
+    def replace(self, **changes) -> "RunOptions":
+        return dataclasses.replace(self, **changes)
+
 
 def import_kernels():
     """Import `dsv32_jax.kernels` (and with it Pallas' Triton / Mosaic modules) now, outside any trace. Importing
     them registers JAX config options that are part of jit's cache key (the trace context); imported lazily inside
     the first trace of a jitted step, they changed that key after the first call, so the second call traced and
     compiled the whole step again (the small config's kernel train step on an H200: 10-20 s more for its second
-    step; `tests/test_kernels.py::test_kernel_step_compiles_once`). A checkout without the installed layout has no
+    step; `tests/test_train.py::test_kernel_step_compiles_once`). A checkout without the installed layout has no
     `dsv32_jax.kernels`: the kernel path then fails where it runs, with that import's error."""
     try:
         import dsv32_jax.kernels  # noqa: F401
     except ImportError:
         pass
-
-    def replace(self, **changes) -> "RunOptions":
-        return dataclasses.replace(self, **changes)
