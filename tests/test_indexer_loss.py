@@ -67,6 +67,65 @@ def test_sparse_kl_matches_numpy(rng):
     assert rel_err(kl, kl_ref) < 1e-4
 
 
+@pytest.mark.parametrize("key_block", [4, 4096])
+def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, rng, monkeypatch):
+    """Eq. 4's gradients w.r.t. the indexer's q, k and weights against a float64 numpy chain rule (d KL / d scores =
+    softmax(scores) - p on the valid slots, then through sum_h w_h relu(q_h . k_s), the key gradient accumulated with
+    np.add.at), with empty slots (-1), out-of-range slots (>= S), a row with no valid slot, and key blocks that do not
+    divide S (key_block 4, S = 11). The gradient's program must not scatter-add rows of D values (what autodiff of
+    the gather does; `indexer_loss.selected_scores`). Mutations caught: the key gradient without the ReLU mask (rel
+    err 1.1), the key gradient scaled by 1.01, the plain gathered scores under autodiff (a [2, 11, 8] row
+    scatter-add)."""
+    from dsv32_jax.model import indexer_loss
+
+    monkeypatch.setattr(indexer_loss, "KEY_BLOCK", key_block)
+    _, _, qi, ki, wi = inputs(rng)
+    qi = qi - 1.0  # about half of the q . k products negative: the ReLU mask matters
+    b, t, hi, di = qi.shape
+    idx = np.array([[(rng.permutation(i + 1)[:4].tolist() + [-1] * 4)[:4] for i in range(t)] for _ in range(b)])
+    idx[0, 5, 1] = t + 2  # out of range: empty
+    idx[1, 0] = -1  # no valid slot
+    valid = (idx >= 0) & (idx < t)
+    probs = rng.uniform(0.1, 1, idx.shape) * valid
+    probs = probs / np.maximum(probs.sum(-1, keepdims=True), 1e-30) * 3
+    j = lambda a: jnp.asarray(a, jnp.float32)
+
+    def loss(qi_, ki_, wi_):
+        kl = sparse_indexer_kl(j(probs), jnp.asarray(idx, jnp.int32), qi_, ki_, wi_, q_chunk=5)
+        return jnp.sum(kl)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(j(qi), j(ki), j(wi))
+    # float64 oracle
+    safe = np.where(valid, idx, 0)
+    k_sel = np.take_along_axis(ki[:, None], safe[..., None], 2)  # [B, T, K, D]
+    dots = np.einsum("bthd,btkd->bthk", qi, k_sel)
+    scores = np.einsum("bthk,bth->btk", np.maximum(dots, 0), wi)
+    p = probs / 3
+    with np.errstate(invalid="ignore"):  # the row with no valid slot: NaN softmax, zeroed below
+        g = np.where(valid, np_softmax(scores, valid) - p, 0.0)
+    dw = np.einsum("bthk,btk->bth", np.maximum(dots, 0), g)
+    a = (dots > 0) * wi[..., None] * g[:, :, None, :]
+    dq = np.einsum("bthk,btkd->bthd", a, k_sel)
+    dk = np.zeros_like(ki)
+    contrib = np.einsum("bthk,bthd->btkd", a, qi)
+    for bb in range(b):
+        np.add.at(dk[bb], safe[bb].reshape(-1), contrib[bb].reshape(-1, di))
+    for got, want, name in zip(grads, (dq, dk, dw), ("q", "k", "w")):
+        assert rel_err(got, want) < 1e-5, name
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(j(qi), j(ki), j(wi))
+
+    def scatters(jx):  # every scatter of the program, nested bodies (the chunk map, the key blocks) included
+        for eqn in jx.eqns:
+            if eqn.primitive.name.startswith("scatter"):
+                yield eqn
+            for value in eqn.params.values():
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                        yield from scatters(getattr(v, "jaxpr", v))
+    row_scatters = [e for e in scatters(jaxpr.jaxpr) if e.invars[2].aval.shape[-1:] == (di,)]
+    assert not row_scatters, row_scatters
+
+
 def is_indexer(path) -> bool:
     return "indexer" in [str(p) for p in path]
 

@@ -48,18 +48,77 @@ def dense_indexer_kl(q_lat, kv_lat, scale: float, q_idx, k_idx, w_idx, q_index, 
     return map_query_chunks(chunk_fn, q_chunk, (q_lat, q_idx, w_idx, q_index, q_segment, *extra))
 
 
+# Keys per block of the selected scores' dense key-gradient (bounds its [B, C, H_I, block] intermediate).
+KEY_BLOCK = 4096
+
+
+def _selected_scores_gathered(qi, wi, k_idx, idx, valid):
+    """I_{t,s} = sum_h w_h relu(q_h . k_s) on the selected keys: qi [B, C, H_I, D], wi [B, C, H_I], k_idx [B, S, D],
+    idx [B, C, K] (clamped in range), valid [B, C, K] -> [B, C, K] f32 (an invalid slot scores its clamped key;
+    callers mask it)."""
+    k_sel = gather_rows(k_idx, idx)  # [B, C, K, D]
+    dots = jnp.einsum("bchd,bckd->bchk", qi, k_sel, preferred_element_type=jnp.float32)
+    return jnp.einsum("bchk,bch->bck", jax.nn.relu(dots), wi.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def selected_scores(qi, wi, k_idx, idx, valid):
+    """`_selected_scores_gathered` with a backward that never scatters rows. Autodiff of the gather transposes it
+    into a scatter-add of [B, C, K, D] rows into the keys' gradient: on an H200 that scatter was two thirds of the
+    small config's sparse-stage step (6.6 ms per 256 queries at 8K; BENCHMARKS.md, issue 31). Here the key
+    gradient is dense over key blocks: the slots' cotangents become a [B, C, S] matrix (one scalar per selected
+    pair), dK = sum_{c,h} [q_h . k_s > 0] w_h G[c, s] q_h, two matmuls per block of KEY_BLOCK keys, the same order of
+    work as the indexer's dense scores in the forward. dq and dw come from the gathered keys (no scatter)."""
+    return _selected_scores_gathered(qi, wi, k_idx, idx, valid)
+
+
+def _selected_scores_fwd(qi, wi, k_idx, idx, valid):
+    return _selected_scores_gathered(qi, wi, k_idx, idx, valid), (qi, wi, k_idx, idx, valid)
+
+
+def _selected_scores_bwd(res, g):
+    qi, wi, k_idx, idx, valid = res
+    b, c, _ = idx.shape
+    s, d = k_idx.shape[1:]
+    w32 = wi.astype(jnp.float32)
+    g = jnp.where(valid, g, 0.0)  # [B, C, K] f32
+    k_sel = gather_rows(k_idx, idx)
+    dots = jnp.einsum("bchd,bckd->bchk", qi, k_sel, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("bchk,bck->bch", jax.nn.relu(dots), g)
+    a_sel = jnp.where(dots > 0, w32[..., None] * g[:, :, None, :], 0.0)  # d scores / d dots  [B, C, H, K]
+    dq = jnp.einsum("bchk,bckd->bchd", a_sel.astype(k_sel.dtype), k_sel, preferred_element_type=jnp.float32)
+    # the slots' cotangents as a dense [B, C, S] matrix: one scalar per (query, selected key); invalid slots add 0
+    dense_g = jax.vmap(lambda i, v: jnp.zeros((c, s), jnp.float32).at[jnp.arange(c)[:, None], i].add(v))(idx, g)
+    block = min(KEY_BLOCK, s)
+    nblk = -(-s // block)
+    pad = nblk * block - s
+    k_blocks = jnp.pad(k_idx, ((0, 0), (0, pad), (0, 0))).reshape(b, nblk, block, d).swapaxes(0, 1)
+    g_blocks = jnp.pad(dense_g, ((0, 0), (0, 0), (0, pad))).reshape(b, c, nblk, block).transpose(2, 0, 1, 3)
+
+    def key_block(args):
+        kb, gb = args  # [B, block, D], [B, C, block]
+        dots_b = jnp.einsum("bchd,bsd->bchs", qi, kb, preferred_element_type=jnp.float32)
+        a = jnp.where(dots_b > 0, w32[..., None] * gb[:, :, None, :], 0.0).astype(qi.dtype)
+        return jnp.einsum("bchs,bchd->bsd", a, qi, preferred_element_type=jnp.float32)
+
+    dk = jax.lax.map(key_block, (k_blocks, g_blocks)).swapaxes(0, 1).reshape(b, nblk * block, d)[:, :s]
+    return (dq.astype(qi.dtype), dw.astype(wi.dtype), dk.astype(k_idx.dtype), None, None)
+
+
+selected_scores.defvjp(_selected_scores_fwd, _selected_scores_bwd)
+
+
 def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int | None = 64):
     """Eq. (4). head_probs [B, T, K]: sparse attention probabilities summed over heads on the selected slots
-    (detached here); topk_idx [B, T, K] (-1 = empty). Indexer scores are recomputed on the selected keys only."""
+    (detached here); topk_idx [B, T, K] (-1 = empty). Indexer scores are recomputed on the selected keys only
+    (`selected_scores`: gathered forward, scatter-free backward)."""
     num_heads_sum = jnp.sum(head_probs, axis=-1, keepdims=True)
     p_all = jax.lax.stop_gradient(head_probs / jnp.where(num_heads_sum > 0, num_heads_sum, 1.0))
     num_keys = k_idx.shape[1]
 
     def chunk_fn(p, idx, qi, wi):
         valid = (idx >= 0) & (idx < num_keys)
-        k_sel = gather_rows(k_idx, jnp.where(valid, idx, 0))  # [B, C, K, D]
-        dots = jnp.einsum("bchd,bckd->bchk", qi, k_sel, preferred_element_type=jnp.float32)
-        scores = jnp.einsum("bchk,bch->bck", jax.nn.relu(dots), wi.astype(jnp.float32))
+        scores = selected_scores(qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
         return _kl(p, scores, valid)
 
     return map_query_chunks(chunk_fn, q_chunk, (p_all, topk_idx, q_idx, w_idx))
