@@ -42,7 +42,7 @@ echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|f
 
 step() {
 t0=$(date +%s)
-timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 1 --steps "${STEP_STEPS:-3}" \
+timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 2 --steps "${STEP_STEPS:-3}" \
   --timeout "${STEP_CASE_S:-200}" \
   --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
   --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1
@@ -59,7 +59,7 @@ echo "gen rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^{" "$OUT/gen.log" | cut
 profile() {
 t0=$(date +%s)
 timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --layers "${PROFILE_LAYERS:-2}" \
-  --cases "${PROFILE_CASES:-train:kernel:8192,prefill:kernel:32768,train:sparse:8192}" --out "$OUT/profile.json" \
+  --cases "${PROFILE_CASES:-train:kernel:8192,train:sparse:8192,prefill:kernel:32768}" --out "$OUT/profile.json" \
   >"$OUT/profile.log" 2>&1
 echo "profile rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "^==|^  " "$OUT/profile.log" | cut -c1-200
 }
