@@ -56,6 +56,7 @@ def main(argv=None):
                     help="comma list of sparse (DSA, plain-JAX gather) / kernel (DSA with the Pallas kernels) / dense")
     ap.add_argument("--modes", default="cache,nocache", help="comma list of cache / nocache")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--indexer_fp8", action="store_true", help="the FP8 indexer's selection (production form)")
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -76,7 +77,8 @@ def main(argv=None):
     for attention in args.attention.split(","):
         if attention not in ("sparse", "kernel", "dense"):
             raise SystemExit(f"--attention: unknown attention {attention!r} (sparse, kernel, dense)")
-        options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse")
+        options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse",
+                             indexer_fp8=args.indexer_fp8)
         model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, options=options)
         tokens = {}
         for mode in args.modes.split(","):

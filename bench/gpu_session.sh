@@ -10,7 +10,7 @@
 #   5. gen: bench/generate.py, the small config's prefill and decode tokens/s at GEN_LEN (32K) context, bf16, with
 #      GEN_ATTENTION (kernel = DSA with the Pallas kernels, sparse = DSA in plain JAX, dense).
 #   6. profile: bench/profile_step.py, one traced train step / prefill per PROFILE_CASES at PROFILE_LAYERS layers,
-#      the GPU kernels' time summed by name.
+#      the GPU kernels' time summed by name. STEP_ARGS / PROFILE_ARGS / GEN_ARGS: extra flags (e.g. --indexer_fp8).
 # Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, gen: generate.json, logs). Stage time
 # limits: BENCH_S, TEST_S, STEP_S, GEN_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS
 # the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
@@ -43,7 +43,7 @@ echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|f
 step() {
 t0=$(date +%s)
 timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 2 --steps "${STEP_STEPS:-3}" \
-  --timeout "${STEP_CASE_S:-200}" \
+  --timeout "${STEP_CASE_S:-200}" ${STEP_ARGS:-} \
   --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
   --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1
 echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E '^\||^longest|^\{"mode' "$OUT/step.log" | cut -c1-400 | tail -24
@@ -52,13 +52,14 @@ echo "step rc=$? in $(( $(date +%s) - t0 )) s"; grep -E '^\||^longest|^\{"mode' 
 gen() {
 t0=$(date +%s)
 timeout "${GEN_S:-240}" python3 bench/generate.py --config=small --prompt_len="${GEN_LEN:-32768}" --new_tokens=64 \
-  --attention="${GEN_ATTENTION:-kernel,dense}" --modes=cache --dtype=bfloat16 --json="$OUT/generate.json" >"$OUT/gen.log" 2>&1
+  --attention="${GEN_ATTENTION:-kernel,dense}" --modes=cache --dtype=bfloat16 --json="$OUT/generate.json" ${GEN_ARGS:-} \
+  >"$OUT/gen.log" 2>&1
 echo "gen rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^{" "$OUT/gen.log" | cut -c1-300 | tail -12
 }
 
 profile() {
 t0=$(date +%s)
-timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --layers "${PROFILE_LAYERS:-2}" \
+timeout "${PROFILE_S:-200}" python3 bench/profile_step.py --layers "${PROFILE_LAYERS:-2}" ${PROFILE_ARGS:-} \
   --cases "${PROFILE_CASES:-train:kernel:8192,train:sparse:8192,prefill:kernel:32768}" --out "$OUT/profile.json" \
   >"$OUT/profile.log" 2>&1
 echo "profile rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "^==|^  " "$OUT/profile.log" | cut -c1-200

@@ -54,7 +54,7 @@ def build(what: str, attention: str, context: int, args):
         ns = argparse.Namespace(mode="dense" if attention == "dense" else ("reference" if attention == "sparse"
                                                                           else "sparse"),
                                 model=args.model, dtype=args.dtype, attention="kernel", scan=False,
-                                layers=args.layers, chunk=args.chunk, context=context)
+                                layers=args.layers, chunk=args.chunk, context=context, indexer_fp8=args.indexer_fp8)
         trainer, batch = make_trainer(ns)
         return lambda: jax.block_until_ready(trainer.train_step(batch))
     import jax.numpy as jnp
@@ -69,7 +69,7 @@ def build(what: str, attention: str, context: int, args):
         cfg = cfg.replace(max_position_embeddings=context)
     dtype = jnp.dtype(args.dtype)
     options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse",
-                         attn_chunk=args.chunk, index_chunk=args.chunk)
+                         attn_chunk=args.chunk, index_chunk=args.chunk, indexer_fp8=args.indexer_fp8)
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, options=options)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, context)), jnp.int32)
     graphdef, state = nnx.split(model)
@@ -150,6 +150,7 @@ def main():
     p.add_argument("--model", default="small")
     p.add_argument("--layers", type=int, default=2, help="num_hidden_layers (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--indexer_fp8", action="store_true", help="the FP8 indexer's selection (production form)")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--top", type=int, default=18)

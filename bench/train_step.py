@@ -40,6 +40,7 @@ def make_trainer(args):
     config.param_dtype = "float32"
     config.attention = "sparse" if args.mode == "reference" else args.attention
     config.scan_layers = args.scan
+    config.indexer_fp8 = getattr(args, "indexer_fp8", False)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
     config.attn_chunk = args.chunk
@@ -81,6 +82,7 @@ def run_case(args) -> dict:
         kernels = pallas_calls(jax.make_jaxpr(trainer._step_fn)(trainer.ts.state, trainer.device_batch(batch)))
     step = statistics.median(times)
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
+            "indexer_fp8": bool(config.get("indexer_fp8", False)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s,
@@ -97,6 +99,7 @@ def main():
     p.add_argument("--scan", action="store_true", help="config.scan_layers (MoE blocks as one lax.scan)")
     p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--indexer_fp8", action="store_true", help="config.indexer_fp8: the FP8 indexer's selection")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -124,7 +127,8 @@ def main():
         cmd = [sys.executable, os.path.abspath(__file__), "--case", f"--mode={mode}", f"--context={context}",
                f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
-               f"--layers={args.layers}"] + (["--scan"] if args.scan else [])
+               f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
+            (["--indexer_fp8"] if args.indexer_fp8 else [])
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
             lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]

@@ -57,3 +57,25 @@ def test_sparse_objective_trains_the_indexer_on_the_kl_and_the_rest_on_the_lm_lo
             np.testing.assert_allclose(value, np.asarray(g_lm[path]), rtol=1e-4, atol=1e-9, err_msg=str(path))
     assert n_indexer > 0
     assert max(float(np.abs(np.asarray(v)).max()) for p, v in g_kl.items() if "indexer" in map(str, p)) > 1e-6
+
+
+def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
+    """config.indexer_fp8 reaches the step: the sparse stage's program quantizes the indexer to e4m3 (the production
+    selection; without it, none), and the loss stays finite. Mutation caught: run_options without indexer_fp8 (the
+    flag ignored)."""
+    def traced(fp8):
+        c = tiny_config("sparse", mtp=False)
+        c.indexer_fp8 = fp8
+        trainer = Trainer(c, str(tmp_path / f"w{fp8}"), allocate=False)
+        assert trainer.options.indexer_fp8 is fp8
+        model, _ = trainer._build()
+        batch = {k: jnp.asarray(v) for k, v in random_batch(rng, trainer.cfg.vocab_size).items()}
+        weights = steps.LossWeights.from_config(c.loss)
+        objective = lambda m: steps.lm_objective(m, batch, stage="sparse", weights=weights, model_cfg=trainer.cfg)
+        text = str(jax.make_jaxpr(lambda m: objective(m)[0])(model))
+        return text, float(objective(model)[0])
+
+    text_fp8, loss_fp8 = traced(True)
+    text_exact, loss_exact = traced(False)
+    assert "f8_e4m3fn" in text_fp8 and "f8_e4m3fn" not in text_exact
+    assert np.isfinite(loss_fp8) and np.isfinite(loss_exact)

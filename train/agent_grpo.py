@@ -186,7 +186,8 @@ class AgentLearner:
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk)
+        options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
+                             indexer_fp8=config.get("indexer_fp8", False))
         if config.init_from:
             import dsv32_jax
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)

@@ -46,6 +46,10 @@ def default_config() -> ml_collections.ConfigDict:
     # keeps data.batch_size / microbatches rows split over the batch mesh axes.
     c.microbatches = 1
     c.attention = "sparse"  # "sparse" | "kernel" | "dense" (DSA attention implementation)
+    # The indexer's selection in production form (RunOptions.indexer_fp8): Hadamard-rotated e4m3 queries and keys with
+    # per-token scales, the FP8 indexer kernel with attention="kernel". False: exact float32 scores (in XLA). The
+    # indexer's KL (eq. 3 / eq. 4) always scores exactly; only which keys are selected changes.
+    c.indexer_fp8 = False
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

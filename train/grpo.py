@@ -82,7 +82,8 @@ class GRPOLearner:
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
-                             remat=config.get("remat", "none"), scan_layers=config.get("scan_layers", False))
+                             remat=config.get("remat", "none"), scan_layers=config.get("scan_layers", False),
+                             indexer_fp8=config.get("indexer_fp8", False))
         if config.init_from:
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
         else:
