@@ -22,8 +22,12 @@ from dsv32_jax.model.rope import apply_rope_half, apply_rope_interleaved
 
 def index_scores(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     """Exact eq. (1). q [B, C, H_I, D], k [B, S, D], w [B, C, H_I] (constants folded) -> [B, C, S] float32."""
-    dots = jnp.einsum("bchd,bsd->bchs", q, k, preferred_element_type=jnp.float32)
-    return jnp.einsum("bchs,bch->bcs", jax.nn.relu(dots), w.astype(jnp.float32))
+    # the products as [B, S, C, H_I] (keys-major, heads minor): the head sum is then a reduction over the minor axis
+    # and only the [B, S, C] sums are transposed. Computed as [B, C, H_I, S], XLA:GPU transposed all the products to
+    # put the heads minor before reducing (BENCHMARKS.md, issue 31: 265 ms of a 755 ms two-layer prefill at 32K on
+    # an H200 was that transpose).
+    dots = jnp.einsum("bsd,bchd->bsch", k, q, preferred_element_type=jnp.float32)
+    return jnp.sum(jax.nn.relu(dots) * w.astype(jnp.float32)[:, None], axis=-1).swapaxes(1, 2)
 
 
 def quantize_keys(k: jnp.ndarray):
