@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="", help="override config.attention (sparse | kernel | dense)")
     p.add_argument("--batch", type=int, default=0, help="override config.data.batch_size")
     p.add_argument("--seq_len", type=int, default=0, help="override config.data.seq_len")
+    p.add_argument("--remat", default="", help="override config.remat (none | full | dots | dots_no_batch)")
+    p.add_argument("--token_chunk", type=int, default=-1, help="override config.loss.token_chunk (0: off)")
     p.add_argument("--save_hlo", default="", help="with --compile: write the compiled step's HLO text there")
     p.add_argument("--require_kernels", action="store_true",
                    help="with --compile: exit 1 if the compiled step holds no Pallas kernel")
@@ -147,6 +149,10 @@ def main(argv=None) -> int:
         c.data.batch_size = a.batch
     if a.seq_len:
         c.data.seq_len = a.seq_len
+    if a.remat:
+        c.remat = a.remat
+    if a.token_chunk >= 0:
+        c.loss.token_chunk = a.token_chunk
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)

@@ -41,6 +41,8 @@ def make_trainer(args):
     config.attention = "sparse" if args.mode == "reference" else args.attention
     config.scan_layers = args.scan
     config.indexer_fp8 = getattr(args, "indexer_fp8", False)
+    config.remat = getattr(args, "remat", "none")
+    config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
     config.attn_chunk = args.chunk
@@ -100,6 +102,8 @@ def main():
     p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--indexer_fp8", action="store_true", help="config.indexer_fp8: the FP8 indexer's selection")
+    p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
+    p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -128,7 +132,8 @@ def main():
                f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
-            (["--indexer_fp8"] if args.indexer_fp8 else [])
+            (["--indexer_fp8"] if args.indexer_fp8 else []) + \
+            [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
             lines = [l for l in res.stdout.splitlines() if l.startswith("RESULT ")]

@@ -3,9 +3,14 @@ indexer_weight), every other parameter from the LM loss alone (the KL's inputs a
 (tests/test_train.py) cannot tell a KL left out of the loss: the main model's attention adapts to the selection and
 the KL falls nearly as far (ratio 0.885-0.891 against 0.675-0.856)."""
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from conftest import rel_err
 from flax import nnx
 from test_microbatch import random_batch, tiny_config
 
@@ -79,3 +84,50 @@ def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
     text_exact, loss_exact = traced(False)
     assert "f8_e4m3fn" in text_fp8 and "f8_e4m3fn" not in text_exact
     assert np.isfinite(loss_fp8) and np.isfinite(loss_exact)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_token_chunked_heads_give_the_same_objective_without_vocab_sized_buffers(chunk, tmp_path, rng):
+    """config.loss.token_chunk: the LM and MTP heads' cross-entropy chunk by chunk (losses.chunked_token_nll) gives
+    the unchunked objective's loss, metrics and gradients (float32 rounding; chunk 5 does not divide the sequence,
+    chunk 64 covers it in one), and the traced objective's largest vocabulary-sized array is one chunk's logits.
+    Mutations caught: the chunks' values put back in the wrong order (loss off by 1.1e-2), the MTP heads given the
+    unshifted targets (4.3e-4)."""
+    c = tiny_config("sparse", mtp=True)
+    trainer = Trainer(c, str(tmp_path / "w"), allocate=False)
+    model, _ = trainer._build()
+    batch = {k: jnp.asarray(v) for k, v in random_batch(rng, trainer.cfg.vocab_size).items()}
+    graphdef, params = nnx.split(model)
+    base = steps.LossWeights.from_config(c.loss)
+
+    def run(token_chunk):
+        weights = dataclasses.replace(base, token_chunk=token_chunk)
+
+        def objective(p):
+            return steps.lm_objective(nnx.merge(graphdef, p), batch, stage="sparse", weights=weights,
+                                      model_cfg=trainer.cfg)
+        (loss, (metrics, _, _)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return loss, metrics, grads, jax.make_jaxpr(objective)(params)
+
+    loss, metrics, grads, _ = run(0)
+    loss_c, metrics_c, grads_c, jaxpr_c = run(chunk)
+    assert base.mtp_weight > 0 and "mtp_loss" in metrics_c
+    assert rel_err(loss_c, loss) < 1e-6
+    for key in ("lm_loss", "mtp_loss"):
+        assert rel_err(metrics_c[key], metrics[key]) < 1e-6, key
+    flat = lambda g: jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])  # noqa: E731
+    assert rel_err(flat(grads_c), flat(grads)) < 1e-5
+    b, t = batch["tokens"].shape
+    size = -(-t // -(-t // chunk))  # positions per chunk (chunk 64: all 16 in one)
+    vocab_sized = [math.prod(v.aval.shape) for e in _all_eqns(jaxpr_c.jaxpr) for v in e.outvars
+                   if getattr(v.aval, "shape", ())[-1:] == (trainer.cfg.vocab_size,)]
+    assert max(vocab_sized) == b * size * trainer.cfg.vocab_size  # the largest: one chunk's logits
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                    yield from _all_eqns(getattr(v, "jaxpr", v))

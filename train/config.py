@@ -90,7 +90,10 @@ def default_config() -> ml_collections.ConfigDict:
         indexer_weight=1.0,  # sparse stage: weight of the eq. (4) KL (the indexer's only signal)
         mtp_weight=0.0,  # MTP loss weight (DeepSeek-V3 used 0.3 then 0.1)
         balance_weight=0.0,  # sequence-wise balance loss alpha (DeepSeek-V3: 1e-4)
-        bias_update_speed=0.0))  # auxiliary-loss-free bias update gamma (DeepSeek-V3: 1e-3)
+        bias_update_speed=0.0,  # auxiliary-loss-free bias update gamma (DeepSeek-V3: 1e-3)
+        # positions per chunk of the LM / MTP heads' cross-entropy, 0 = whole sequences: a chunk holds [chunk, V]
+        # float32 logits instead of [T, V] (the small config at 128K: 63 GiB per [T, V] buffer); same loss
+        token_chunk=0))
 
     # GRPO (stage "grpo"): built-in verifiable tasks, group sampling, the four DeepSeek-V3.2 stabilizers
     c.grpo = ml_collections.ConfigDict(dict(

@@ -50,14 +50,39 @@ def mtp_targets(batch, depth: int):
     return targets, mask
 
 
+def chunked_token_nll(hidden: jnp.ndarray, kernel: jnp.ndarray, targets: jnp.ndarray, chunk: int) -> jnp.ndarray:
+    """`token_nll(hidden @ kernel, targets)` [B, T] without the [B, T, V] logits: the head and the log-softmax run
+    on `chunk` positions at a time (lax.map; each chunk's logits recomputed in the backward, jax.checkpoint), so at
+    most [B, chunk, V] float32 is live (the small config at 128K tokens: 63 GiB per [T, V] buffer otherwise). Chunk
+    j holds positions j, j + n, j + 2n, ... (n = the number of chunks): with tokens split over a mesh axis in
+    contiguous blocks every chunk spans every block. Same values as the unchunked loss up to float32 rounding."""
+    b, t, d = hidden.shape
+    n = -(-t // chunk)
+    pad = (-t) % n
+    size = (t + pad) // n
+    hs = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, size, n, d).transpose(2, 0, 1, 3)
+    ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, size, n).transpose(2, 0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        h_c, t_c = args
+        logits = jnp.dot(h_c.astype(jnp.float32), kernel.astype(jnp.float32))
+        return token_nll(logits, t_c)
+
+    nll = jax.lax.map(one, (hs, ts))  # [n, B, size]
+    return nll.transpose(1, 2, 0).reshape(b, size * n)[:, :t]
+
+
 def mtp_loss(mtp_logits: list, batch, totals=None) -> jnp.ndarray:
-    """Mean over depths of the masked token mean; totals: per depth, `batch_totals(...)["mtp"]`."""
+    """Mean over depths of the masked token mean; totals: per depth, `batch_totals(...)["mtp"]`. Each depth's entry:
+    its logits [B, T, V], or a function targets -> per-position NLL (a chunked head, `chunked_token_nll`)."""
     if not mtp_logits:
         return jnp.zeros((), jnp.float32)
     losses = []
     for depth, logits in enumerate(mtp_logits):
         targets, mask = mtp_targets(batch, depth)
-        losses.append(masked_mean(token_nll(logits, targets), mask, None if totals is None else totals[depth]))
+        nll = logits(targets) if callable(logits) else token_nll(logits, targets)  # callable: a chunked head
+        losses.append(masked_mean(nll, mask, None if totals is None else totals[depth]))
     return jnp.mean(jnp.stack(losses))
 
 

@@ -59,10 +59,12 @@ class LossWeights:
     mtp_weight: float = 0.0
     balance_weight: float = 0.0
     bias_update_speed: float = 0.0
+    # positions per chunk of the LM and MTP heads' cross-entropy (losses.chunked_token_nll); 0: the whole sequence
+    token_chunk: int = 0
 
     @classmethod
     def from_config(cls, loss_cfg) -> "LossWeights":
-        return cls(**{f.name: loss_cfg[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: loss_cfg.get(f.name, f.default) for f in dataclasses.fields(cls)})
 
 
 def lm_objective(model, batch, totals=None, *, stage: str, weights: LossWeights, model_cfg):
@@ -72,10 +74,17 @@ def lm_objective(model, batch, totals=None, *, stage: str, weights: LossWeights,
     Returns (loss, (metrics, routing aux, token mask))."""
     if totals is None:
         totals = losses.batch_totals(batch, model_cfg.num_nextn_predict_layers)
-    logits, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                        return_aux=True)
+    chunk = weights.token_chunk
+    out, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                     return_aux=True, head=not chunk)
     token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
-    lm = losses.lm_loss(logits, batch, totals["lm"])
+    if chunk:  # the heads applied chunk by chunk: no [B, T, V] logits at long context
+        kernel = model.lm_head.kernel[...]
+        nll = lambda h: lambda targets: losses.chunked_token_nll(h, kernel, targets, chunk)  # noqa: E731
+        lm = losses.masked_mean(nll(out)(batch["targets"]), batch["loss_mask"], totals["lm"])
+        aux["mtp_logits"] = [nll(h) for h in aux.pop("mtp_hidden")]
+    else:
+        lm = losses.lm_loss(out, batch, totals["lm"])
     kl, metrics = losses.indexer_kl(aux, token_mask, totals["tokens"])
     metrics.update(lm_loss=lm, indexer_kl=kl)
     if stage == "warmup":

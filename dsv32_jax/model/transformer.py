@@ -105,14 +105,23 @@ class Transformer(nnx.Module):
         return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))
 
     def __call__(self, tokens, positions=None, segment_ids=None, routing=None, return_aux: bool = False,
-                 mtp: bool = True):
+                 mtp: bool = True, head: bool = True):
         """tokens int [B, T]; positions [B, T] (RoPE positions, default 0..T-1); segment_ids [B, T] (packed
         documents: attention and the indexer never cross a segment boundary); routing: {layer: ids [B, T, k]}
         to replay recorded expert choices. With return_aux, aux["mtp_logits"] holds the MTP heads' logits unless
-        mtp=False (RL and evaluation do not use them: the MTP layers are then not run at all)."""
+        mtp=False (RL and evaluation do not use them: the MTP layers are then not run at all).
+        head=False (with return_aux) skips the LM head: returns (final normed hidden [B, T, D], aux) with
+        aux["mtp_hidden"] (the MTP heads' normed states) instead of logits, for a loss that applies the head
+        chunk by chunk (`train.losses.chunked_token_nll`: no [B, T, V] buffer at long context)."""
         _check_tokens(tokens, self.config.vocab_size)
         pos = self.positions(tokens, positions, segment_ids)
         h, aux = self.backbone(self.embed_tokens(tokens), pos, routing)
+        if not head:
+            if not return_aux:
+                raise ValueError("Transformer(head=False) needs return_aux=True")
+            aux["hidden"] = h
+            aux["mtp_hidden"] = self.mtp_hidden(tokens, h, pos, routing, aux) if mtp else []
+            return h, aux
         logits = self.logits(h)
         if not return_aux:
             return logits
@@ -163,6 +172,10 @@ class Transformer(nnx.Module):
 
     def mtp_logits(self, tokens, h, pos: Positions, routing, aux) -> list:
         """MTP depth j predicts token t+2+j from h_t and Emb(t_{t+1+j}); positions past the end see token 0."""
+        return [self.logits(x) for x in self.mtp_hidden(tokens, h, pos, routing, aux)]
+
+    def mtp_hidden(self, tokens, h, pos: Positions, routing, aux) -> list:
+        """The MTP heads' normed states (what `mtp_logits` projects with the shared head), one per depth."""
         routing = routing or {}
         out = []
         next_tokens = tokens
@@ -173,7 +186,7 @@ class Transformer(nnx.Module):
             h, layer_aux = _block_call(self.options.remat)(mtp.block, mtp.eh_proj(x), pos, self.options,
                                                            routing.get(key), None)
             _collect(aux, key, layer_aux)
-            out.append(self.logits(mtp.norm(h)))
+            out.append(mtp.norm(h))
         return out
 
 
