@@ -108,17 +108,20 @@ def _selected_scores_bwd(res, g):
 selected_scores.defvjp(_selected_scores_fwd, _selected_scores_bwd)
 
 
-def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int | None = 64):
+def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int | None = 64,
+                      scatter_free: bool = False):
     """Eq. (4). head_probs [B, T, K]: sparse attention probabilities summed over heads on the selected slots
-    (detached here); topk_idx [B, T, K] (-1 = empty). Indexer scores are recomputed on the selected keys only
-    (`selected_scores`: gathered forward, scatter-free backward)."""
+    (detached here); topk_idx [B, T, K] (-1 = empty). Indexer scores are recomputed on the selected keys only;
+    scatter_free (RunOptions.kl_scatter_free): their backward is `selected_scores`' (dense key gradient), else
+    autodiff of the gather (a scatter-add of key rows). Opt-in until its speed is measured on a chip."""
     num_heads_sum = jnp.sum(head_probs, axis=-1, keepdims=True)
     p_all = jax.lax.stop_gradient(head_probs / jnp.where(num_heads_sum > 0, num_heads_sum, 1.0))
     num_keys = k_idx.shape[1]
 
     def chunk_fn(p, idx, qi, wi):
         valid = (idx >= 0) & (idx < num_keys)
-        scores = selected_scores(qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
+        scores = (selected_scores if scatter_free else _selected_scores_gathered)(
+            qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
         return _kl(p, scores, valid)
 
     return map_query_chunks(chunk_fn, q_chunk, (p_all, topk_idx, q_idx, w_idx))

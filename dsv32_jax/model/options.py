@@ -40,6 +40,10 @@ class RunOptions:
     # as one `lax.scan` over their stacked parameters instead of a Python loop: the compiled program holds one block
     # body instead of 58, so XLA compiles the 671B step in bounded host memory and time. Same numbers either way.
     scan_layers: bool = False
+    # Eq. 4's key gradient as dense matmuls per key block instead of autodiff's scatter-add of the gathered key rows
+    # (`indexer_loss.selected_scores`; the scatter was 636 of 950 ms of a 2-layer kernel step at 8K on an H200).
+    # Same gradients up to float32 summation order; opt-in until its time on a chip is measured.
+    kl_scatter_free: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
