@@ -166,9 +166,8 @@ def main():
         for t in row["top"]:
             print(f"  {t['ms']:9.2f} ms  x{t['count']:<5d} {t['name']}")
         if args.out:
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(rows, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
+            from dsv32_jax.train.eval import write_atomic
+            write_atomic(args.out, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
