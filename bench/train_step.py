@@ -42,6 +42,7 @@ def make_trainer(args):
     config.scan_layers = args.scan
     config.indexer_fp8 = getattr(args, "indexer_fp8", False)
     config.remat = getattr(args, "remat", "none")
+    config.kl_scatter_free = getattr(args, "kl_scatter_free", False)
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -102,6 +103,7 @@ def main():
     p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--indexer_fp8", action="store_true", help="config.indexer_fp8: the FP8 indexer's selection")
+    p.add_argument("--kl_scatter_free", action="store_true", help="config.kl_scatter_free (eq. 4 key gradient)")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
     p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
@@ -133,6 +135,7 @@ def main():
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
             (["--indexer_fp8"] if args.indexer_fp8 else []) + \
+            (["--kl_scatter_free"] if args.kl_scatter_free else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
