@@ -6,7 +6,8 @@
 #      fp32 references at full precision (JAX_DEFAULT_MATMUL_PRECISION=highest).
 #   4. step: bench/train_step.py, the small config's sparse-stage training step as users run it (the trainer's
 #      compiled step on a 1-device mesh, MoE blocks scanned), with the kernels beside the plain-JAX reference step
-#      and the dense stage, at STEP_CASES (mode:context); STEP_CASE_S seconds per case, STEP_STEPS timed steps.
+#      and the dense stage, at STEP_CASES (mode:context[:flags]); STEP_CASE_S seconds per case, STEP_WARMUP untimed
+#      (the first compiles) and STEP_STEPS timed steps.
 #   5. gen: bench/generate.py, the small config's prefill and decode tokens/s at GEN_LEN (32K) context, bf16, with
 #      GEN_ATTENTION (kernel = DSA with the Pallas kernels, sparse = DSA in plain JAX, dense).
 #   6. profile: bench/profile_step.py, one traced train step / prefill per PROFILE_CASES at PROFILE_LAYERS layers,
@@ -42,7 +43,7 @@ echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|f
 
 step() {
 t0=$(date +%s)
-timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup 2 --steps "${STEP_STEPS:-3}" \
+timeout "${STEP_S:-300}" python3 bench/train_step.py --scan --attention kernel --warmup "${STEP_WARMUP:-2}" --steps "${STEP_STEPS:-3}" \
   --timeout "${STEP_CASE_S:-200}" ${STEP_ARGS:-} \
   --cases "${STEP_CASES:-reference:8192,sparse:8192,dense:32768,sparse:32768,dense:65536,sparse:65536,sparse:131072}" \
   --out "$OUT/train_step.json" >"$OUT/step.log" 2>&1

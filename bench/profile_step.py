@@ -4,12 +4,13 @@ kernels summed by name, in one process.
     python bench/profile_step.py --cases=train:kernel:8192,prefill:kernel:32768 --layers=2     # a GPU
     python bench/profile_step.py --model=tiny --cases=train:sparse:64 --dtype=float32           # CPU smoke
 
-A case is what:attention:context: "train" is the sparse-stage training step as bench/train_step.py builds it (the
+A case is what:attention:context[:flags]: "train" is the sparse-stage training step as bench/train_step.py builds it (the
 trainer's compiled step, batch 1), "prefill" the model's forward over the prompt (the last position's logits, what
 generation's prefill computes); attention is kernel (the Pallas kernels), sparse (plain-JAX DSA) or dense (the
-dense stage / dense attention). After --warmup untimed runs one run is traced with `jax.profiler.trace` and the
-device plane's kernel events are summed by kernel name (the top --top, then shares by kind). A CPU run has no device
-plane and reports the XLA ops of the host's trace instead. --out PATH writes the rows as JSON.
+dense stage / dense attention); flags, joined by "+", are the per-case flags of bench/train_step.py
+(kl_scatter_free, indexer_fp8), each also a global flag here. After --warmup untimed runs one run is traced with
+`jax.profiler.trace` and the device plane's kernel events are summed by kernel name (the top --top, then shares by
+kind). A CPU run has no device plane and reports the XLA ops of the host's trace instead. --out PATH writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def build(what: str, attention: str, context: int, args):
+def build(what: str, attention: str, context: int, args, flags=()):
     """A zero-argument callable running one step / forward (blocking)."""
     import jax
     import numpy as np
@@ -54,7 +55,9 @@ def build(what: str, attention: str, context: int, args):
         ns = argparse.Namespace(mode="dense" if attention == "dense" else ("reference" if attention == "sparse"
                                                                           else "sparse"),
                                 model=args.model, dtype=args.dtype, attention="kernel", scan=False,
-                                layers=args.layers, chunk=args.chunk, context=context, indexer_fp8=args.indexer_fp8)
+                                layers=args.layers, chunk=args.chunk, context=context,
+                                indexer_fp8=args.indexer_fp8 or "indexer_fp8" in flags,
+                                kl_scatter_free=args.kl_scatter_free or "kl_scatter_free" in flags)
         trainer, batch = make_trainer(ns)
         return lambda: jax.block_until_ready(trainer.train_step(batch))
     import jax.numpy as jnp
@@ -69,7 +72,8 @@ def build(what: str, attention: str, context: int, args):
         cfg = cfg.replace(max_position_embeddings=context)
     dtype = jnp.dtype(args.dtype)
     options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse",
-                         attn_chunk=args.chunk, index_chunk=args.chunk, indexer_fp8=args.indexer_fp8)
+                         attn_chunk=args.chunk, index_chunk=args.chunk,
+                         indexer_fp8=args.indexer_fp8 or "indexer_fp8" in flags)
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, options=options)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, context)), jnp.int32)
     graphdef, state = nnx.split(model)
@@ -103,10 +107,11 @@ def device_events(xplane: str):
 
 def profile_case(case: str, args) -> dict:
     import jax
-    what, attention, context = case.split(":")
-    context = int(context)
+    from train_step import parse_case
+    what, rest = case.split(":", 1)
+    attention, context, flags = parse_case(rest)
     t0 = time.perf_counter()
-    fn = build(what, attention, context, args)
+    fn = build(what, attention, context, args, flags)
     fn()
     compile_s = time.perf_counter() - t0
     for _ in range(args.warmup - 1):
@@ -151,6 +156,7 @@ def main():
     p.add_argument("--layers", type=int, default=2, help="num_hidden_layers (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--indexer_fp8", action="store_true", help="the FP8 indexer's selection (production form)")
+    p.add_argument("--kl_scatter_free", action="store_true", help="the eq. 4 KL's scatter-free key gradient")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--top", type=int, default=18)

@@ -8,7 +8,8 @@ Each (mode, context) runs in its own subprocess (clean peak-memory statistics, O
 dense attention, no indexer); "sparse" = the sparse stage (indexer top-k + sparse MLA + the eq. 4 KL), with
 `--attention` sparse (plain JAX gather) or kernel (Pallas); "reference" = the sparse stage with the plain-JAX
 attention whatever --attention says (the kernels' step beside the reference step in one run). `--cases
-mode:context,...` replaces the modes x contexts grid. The step is the recipe's (a 1-device mesh, the trainer's
+mode:context[:flags],...` replaces the modes x contexts grid; flags, joined by "+", switch on per case what
+the global flags of the same names switch on for all (`sparse:8192:kl_scatter_free`: that case only). The step is the recipe's (a 1-device mesh, the trainer's
 compiled step); `--scan` runs the MoE blocks as one lax.scan (compile time independent of depth), `--layers N`
 overrides the depth. Prints a table and the longest context that fits.
 """
@@ -24,6 +25,21 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+CASE_FLAGS = ("kl_scatter_free", "indexer_fp8")
+
+
+def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
+    """"mode:context[:flag+flag]" -> (mode, context, flags); a bad case names itself and the flags allowed."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[1].isdigit():
+        raise SystemExit(f"--cases: {text!r} is not mode:context[:flags]")
+    flags = tuple(f for f in (parts[2].split("+") if len(parts) == 3 else ()) if f)
+    bad = [f for f in flags if f not in CASE_FLAGS]
+    if bad:
+        raise SystemExit(f"--cases: {text!r} names unknown flag(s) {bad}; per-case flags: {', '.join(CASE_FLAGS)}")
+    return parts[0], int(parts[1]), flags
 
 
 def make_trainer(args):
@@ -86,6 +102,8 @@ def run_case(args) -> dict:
     step = statistics.median(times)
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
+            "kl_scatter_free": bool(config.get("kl_scatter_free", False)),
+            "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s,
@@ -125,17 +143,17 @@ def main():
     args.contexts = args.contexts or ("64,128" if args.smoke else "8192,32768,65536,131072")
     rows = []
     if args.cases:
-        cases = [(m, int(c)) for m, c in (x.split(":") for x in args.cases.split(","))]
+        cases = [parse_case(x) for x in args.cases.split(",")]
     else:
-        cases = [(m, c) for m in args.modes.split(",") for c in map(int, args.contexts.split(","))]
-    modes = list(dict.fromkeys(m for m, _ in cases))
-    for mode, context in cases:
+        cases = [(m, c, ()) for m in args.modes.split(",") for c in map(int, args.contexts.split(","))]
+    modes = list(dict.fromkeys(m for m, _, _ in cases))
+    for mode, context, flags in cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--case", f"--mode={mode}", f"--context={context}",
                f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
-            (["--indexer_fp8"] if args.indexer_fp8 else []) + \
-            (["--kl_scatter_free"] if args.kl_scatter_free else []) + \
+            (["--indexer_fp8"] if args.indexer_fp8 or "indexer_fp8" in flags else []) + \
+            (["--kl_scatter_free"] if args.kl_scatter_free or "kl_scatter_free" in flags else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
@@ -144,21 +162,23 @@ def main():
                 row = json.loads(lines[-1][7:])
             else:
                 oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
-                row = {"mode": mode, "context": context, "error": "OOM" if oom else res.stderr[-400:]}
+                row = {"mode": mode, "context": context, "flags": "+".join(flags),
+                       "error": "OOM" if oom else res.stderr[-400:]}
         except subprocess.TimeoutExpired as e:
             partial = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             done = "; ".join(l[9:] for l in partial.splitlines() if l.startswith("PROGRESS "))
             error = f"timeout {args.timeout}s" + (f" after {done}" if done else "")
-            row = {"mode": mode, "context": context, "error": error}
+            row = {"mode": mode, "context": context, "flags": "+".join(flags), "error": error}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| mode | attention | context | step (s) | tokens/s | peak GiB | compile (s) | Pallas kernels in the step |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("\n| mode | attention | flags | context | step (s) | tokens/s | peak GiB | compile (s) | Pallas kernels in the "
+          "step |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        on = "+".join(f for f in CASE_FLAGS if r.get(f))
         if "error" in r:
-            print(f"| {r['mode']} | | {r['context']} | {r['error'][:120]!r} | | | | |")
+            print(f"| {r['mode']} | | {r.get('flags', '')} | {r['context']} | {r['error'][:120]!r} | | | | |")
         else:
-            print(f"| {r['mode']} | {r['attention']} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | "
+            print(f"| {r['mode']} | {r['attention']} | {on} | {r['context']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | "
                   f"{r['peak_gib']:.2f} | {r['compile_s']:.0f} | {', '.join(r['kernels']) or 'none'} |")
     for mode in modes:
         fits = [r["context"] for r in rows if r["mode"] == mode and "error" not in r]
