@@ -9,9 +9,9 @@ dense attention, no indexer); "sparse" = the sparse stage (indexer top-k + spars
 `--attention` sparse (plain JAX gather) or kernel (Pallas); "reference" = the sparse stage with the plain-JAX
 attention whatever --attention says (the kernels' step beside the reference step in one run). `--cases
 mode:context[:flags],...` replaces the modes x contexts grid; flags, joined by "+", switch on per case what
-the global flags of the same names switch on for all (`sparse:8192:kl_scatter_free`: that case only). The step is the recipe's (a 1-device mesh, the trainer's
-compiled step); `--scan` runs the MoE blocks as one lax.scan (compile time independent of depth), `--layers N`
-overrides the depth. Prints a table and the longest context that fits.
+the global flags of the same names switch on for all (`sparse:8192:kl_scatter_add`: that case only). The step is
+the recipe's (a 1-device mesh, the trainer's compiled step); `--scan` runs the MoE blocks as one lax.scan (compile
+time independent of depth), `--layers N` overrides the depth. Prints a table and the longest context that fits.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CASE_FLAGS = ("kl_scatter_free", "indexer_fp8")
+CASE_FLAGS = ("kl_scatter_add", "indexer_fp8")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -58,7 +58,7 @@ def make_trainer(args):
     config.scan_layers = args.scan
     config.indexer_fp8 = getattr(args, "indexer_fp8", False)
     config.remat = getattr(args, "remat", "none")
-    config.kl_scatter_free = getattr(args, "kl_scatter_free", False)
+    config.kl_scatter_free = not getattr(args, "kl_scatter_add", False)
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -102,7 +102,7 @@ def run_case(args) -> dict:
     step = statistics.median(times)
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
-            "kl_scatter_free": bool(config.get("kl_scatter_free", False)),
+            "kl_scatter_add": not config.get("kl_scatter_free", True),
             "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
@@ -121,7 +121,8 @@ def main():
     p.add_argument("--layers", type=int, default=0, help="num_hidden_layers override (0: the preset's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--indexer_fp8", action="store_true", help="config.indexer_fp8: the FP8 indexer's selection")
-    p.add_argument("--kl_scatter_free", action="store_true", help="config.kl_scatter_free (eq. 4 key gradient)")
+    p.add_argument("--kl_scatter_add", action="store_true",
+                   help="config.kl_scatter_free=False: eq. 4's key gradient as autodiff's scatter-add (the old default)")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
     p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
@@ -153,7 +154,7 @@ def main():
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
             (["--indexer_fp8"] if args.indexer_fp8 or "indexer_fp8" in flags else []) + \
-            (["--kl_scatter_free"] if args.kl_scatter_free or "kl_scatter_free" in flags else []) + \
+            (["--kl_scatter_add"] if args.kl_scatter_add or "kl_scatter_add" in flags else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -41,9 +41,10 @@ class RunOptions:
     # body instead of 58, so XLA compiles the 671B step in bounded host memory and time. Same numbers either way.
     scan_layers: bool = False
     # Eq. 4's key gradient as dense matmuls per key block instead of autodiff's scatter-add of the gathered key rows
-    # (`indexer_loss.selected_scores`; the scatter was 636 of 950 ms of a 2-layer kernel step at 8K on an H200).
-    # Same gradients up to float32 summation order; opt-in until its time on a chip is measured.
-    kl_scatter_free: bool = False
+    # (`indexer_loss.selected_scores`). Same gradients up to float32 summation order. On an H200 the scatter was 636
+    # of 925 ms of a 2-layer kernel step at 8K (316 ms without it), and the 12-layer step took 4.09 s with it, 1.60 s
+    # without (BENCHMARKS.md, issue 31). False: autodiff of the gather (a scatter-add of [chunk, k, D] key rows).
+    kl_scatter_free: bool = True
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
