@@ -7,7 +7,9 @@ import pytest
 from conftest import rel_err
 
 from dsv32_jax.model import attention
-from dsv32_jax.model.indexer import index_scores, index_scores_fp8, indexer_topk, quantize_indexer, select_topk
+from dsv32_jax.model import indexer
+from dsv32_jax.model.indexer import (index_scores, index_scores_fp8, index_scores_in_range, indexer_topk,
+                                     quantize_indexer, select_topk)
 
 
 def numpy_scores(q, k, w):
@@ -26,6 +28,20 @@ def random_inputs(rng, b=2, t=24, h=8, d=128):
 def test_exact_scores_match_numpy(rng):
     q, k, w = random_inputs(rng)
     assert rel_err(index_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w)), numpy_scores(q, k, w)) < 1e-5
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 37), (5, 19), (8, 16), (0, 1), (36, 37), (17, 18), (9, 9), (20, 3)])
+def test_scores_in_range_match_numpy_on_the_range(rng, lo, hi):
+    """`index_scores_in_range` (the selection's exact scores on the key blocks meeting [lo, hi)) with blocks of 8
+    keys, S = 37 (5 blocks, the last ragged), against float64 numpy on [lo, hi): whole range, mid-block ends, block
+    edges, one key at either end, empty ranges (nothing to check but the shape). Mutations caught: the last block
+    rounded down (`(hi + block - 1) // block` -> `hi // block`), the first block one too far (`lo // block + 1`)."""
+    q, k, w = random_inputs(rng, t=37)
+    got = np.asarray(index_scores_in_range(jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), lo, hi, block=8))
+    want = numpy_scores(q, k, w)
+    assert got.shape == want.shape
+    if hi > lo:
+        assert rel_err(got[..., lo:hi], want[..., lo:hi]) < 1e-5
 
 
 def numpy_quantize(x):
@@ -114,3 +130,20 @@ def test_indexer_topk_chunked_causal_and_segmented(rng, fp8):
     assert full.shape == (b, t, 6)
     # topk larger than the sequence: k = min(index_topk, S)
     assert indexer_topk(*args, 1000).shape == (b, t, t)
+
+
+def test_indexer_topk_skips_key_blocks_and_selects_the_same(rng, monkeypatch):
+    """The exact selection with its scores in blocks of 8 keys (`index_scores_in_range`: each chunk of 5 queries
+    scores only the blocks up to its last causal key) selects what the unblocked scores select, chunked or not,
+    with two documents in one row. Mutation caught: the chunk's range ending one key early (`jnp.max(qi_c)` + 0)."""
+    q, k, w = random_inputs(rng, t=37)
+    b, t = q.shape[:2]
+    seg = np.zeros((b, t), np.int32)
+    seg[1, 20:] = 1
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(w),
+            jnp.asarray(np.broadcast_to(np.arange(t), (b, t)).astype(np.int32)), jnp.asarray(seg), jnp.asarray(seg))
+    want = np.asarray(indexer_topk(*args, 6, q_chunk=5))
+    monkeypatch.setattr(indexer, "SCORE_BLOCK", 8)
+    for chunk in (5, None):
+        np.testing.assert_array_equal(np.sort(np.asarray(indexer_topk(*args, 6, q_chunk=chunk)), -1),
+                                      np.sort(want, -1))

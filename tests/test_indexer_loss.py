@@ -67,22 +67,26 @@ def test_sparse_kl_matches_numpy(rng):
     assert rel_err(kl, kl_ref) < 1e-4
 
 
-@pytest.mark.parametrize("key_block", [4, 4096])
-def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, rng, monkeypatch):
+@pytest.mark.parametrize("key_block,recent", [(4, False), (4, True), (4096, False)])
+def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, recent, rng, monkeypatch):
     """Eq. 4's gradients w.r.t. the indexer's q, k and weights against a float64 numpy chain rule (d KL / d scores =
     softmax(scores) - p on the valid slots, then through sum_h w_h relu(q_h . k_s), the key gradient accumulated with
     np.add.at), with empty slots (-1), out-of-range slots (>= S), a row with no valid slot, and key blocks that do not
     divide S (key_block 4, S = 11). The gradient's program must not scatter-add rows of D values (what autodiff of
-    the gather does; `indexer_loss.selected_scores`). Mutations caught: the key gradient without the ReLU mask (rel
-    err 1.1), the key gradient scaled by 1.01, the plain gathered scores under autodiff (a [2, 11, 8] row
-    scatter-add)."""
+    the gather does; `indexer_loss.selected_scores`). Only the key blocks between a chunk's smallest and largest
+    selected key are computed: `recent` selects among each query's last 4 keys, so later chunks skip the first
+    block. Mutations caught: the key gradient without the ReLU mask (rel err 1.1), the key gradient scaled by 1.01,
+    the plain gathered scores under autodiff (a [2, 11, 8] row scatter-add), the last block rounded down
+    (`(hi + block - 1) // block` -> `hi // block`), the first block one too far (`lo // block + 1`)."""
     from dsv32_jax.model import indexer_loss
 
     monkeypatch.setattr(indexer_loss, "KEY_BLOCK", key_block)
     _, _, qi, ki, wi = inputs(rng)
     qi = qi - 1.0  # about half of the q . k products negative: the ReLU mask matters
     b, t, hi, di = qi.shape
-    idx = np.array([[(rng.permutation(i + 1)[:4].tolist() + [-1] * 4)[:4] for i in range(t)] for _ in range(b)])
+    low = (lambda i: max(0, i - 3)) if recent else (lambda i: 0)
+    idx = np.array([[((low(i) + rng.permutation(i + 1 - low(i)))[:4].tolist() + [-1] * 4)[:4] for i in range(t)]
+                    for _ in range(b)])
     idx[0, 5, 1] = t + 2  # out of range: empty
     idx[1, 0] = -1  # no valid slot
     valid = (idx >= 0) & (idx < t)

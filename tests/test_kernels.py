@@ -253,6 +253,31 @@ def test_indexer_topk_non_contiguous_segments(rng, impl, fp8):
     np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
 
 
+@pytest.mark.parametrize("layout", ["documents", "non_contiguous"])
+def test_indexer_topk_exact_scores_skip_key_blocks(rng, monkeypatch, layout):
+    """The kernels' exact selection (fp8=False) with its scores in blocks of 8 keys, each chunk of 8 queries scoring
+    only the blocks meeting its [min start, max end) (`index_scores_in_range`), against the reference's unblocked
+    selection: packed documents (a chunk of the second document skips the first blocks) and segment 0 in two runs
+    (the ranges over-cover). Mutation caught: the chunk's range from its largest start (`jnp.min(st_c)` ->
+    `jnp.max(st_c)`)."""
+    b, t, h, topk = 2, 37, 4, 6
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seg = np.zeros((b, t), np.int32)
+    if layout == "documents":
+        seg[1, 20:] = 1
+    else:
+        seg[0, 4:20] = 1
+        seg[1, 10:] = 1
+    seg = jnp.asarray(seg)
+    ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, q_chunk=8)
+    monkeypatch.setattr(ref_indexer, "SCORE_BLOCK", 8)
+    out = kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, q_chunk=8, impl=IMPL)
+    np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_indexer_topk_decode_cache_layout(rng, fp8):
     """Decode: 3 new queries at slots 9..11 of a 16-slot cache (unwritten slots have segment -1, left padding 0);

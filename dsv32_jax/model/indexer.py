@@ -30,6 +30,36 @@ def index_scores(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
     return jnp.sum(jax.nn.relu(dots) * w.astype(jnp.float32)[:, None], axis=-1).swapaxes(1, 2)
 
 
+# Keys per block of `index_scores_in_range`: the selection's exact scores skip the blocks outside a chunk's key range.
+SCORE_BLOCK = 2048
+
+
+def index_scores_in_range(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray, lo, hi, block: int | None = None):
+    """`index_scores` on the blocks of `block` keys that meet [lo, hi) (int32 scalars, e.g. the smallest segment
+    start and the largest causal end of a query chunk); the other columns are 0, and callers mask them (they are
+    invisible to every query of the chunk). A causal step scores about half the keys: at 32K on an H200 the exact
+    scores over every key were 430 of 2,140 ms of a 2-layer kernel step (BENCHMARKS.md, issue 31). For the
+    selection only: the loop's trip count depends on the data, so its inputs are detached (no reverse mode)."""
+    b, s, _ = k.shape
+    block = block or SCORE_BLOCK
+    if s <= block:
+        return index_scores(q, k, w)
+    q, k, w = jax.lax.stop_gradient((q, k, w))
+    nblk = -(-s // block)
+    k = jnp.pad(k, ((0, 0), (0, nblk * block - s), (0, 0)))
+    lo = jnp.clip(jnp.asarray(lo, jnp.int32), 0, s)
+    hi = jnp.clip(jnp.asarray(hi, jnp.int32), 0, s)
+    first = jnp.where(hi > lo, lo // block, 0)
+    last = jnp.where(hi > lo, (hi + block - 1) // block, 0)
+
+    def key_block(j, out):
+        kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(out, index_scores(q, kb, w), j * block, axis=2)
+
+    out = jax.lax.fori_loop(first, last, key_block, jnp.zeros((b, q.shape[1], nblk * block), jnp.float32))
+    return out[:, :, :s]
+
+
 def quantize_keys(k: jnp.ndarray):
     """Indexer keys as cached in production: Hadamard-rotated e4m3 codes [B, S, D] and one scale per token [B, S]."""
     k_fp8, k_scale = act_quant(hadamard_rotate(k), block=k.shape[-1])
@@ -76,8 +106,9 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
         if k_scale is None:
             k, k_scale = quantize_keys(k)
 
-    def chunk_fn(q_c, w_c, qi_c, qs_c):
-        scores = index_scores_fp8(q_c, k, k_scale, w_c) if fp8 else index_scores(q_c, k, w_c)
+    def chunk_fn(q_c, w_c, qi_c, qs_c):  # exact scores: only the key blocks up to the chunk's last causal key
+        scores = (index_scores_fp8(q_c, k, k_scale, w_c) if fp8 else
+                  index_scores_in_range(q_c, k, w_c, 0, jnp.max(qi_c).astype(jnp.int32) + 1))
         return select_topk(scores, visible(qi_c, qs_c, kv_segment), k_eff)
 
     return map_query_chunks(chunk_fn, q_chunk, (q, w, q_index, q_segment))

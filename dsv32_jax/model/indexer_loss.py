@@ -68,7 +68,9 @@ def selected_scores(qi, wi, k_idx, idx, valid):
     small config's sparse-stage step (6.6 ms per 256 queries at 8K; BENCHMARKS.md, issue 31). Here the key
     gradient is dense over key blocks: the slots' cotangents become a [B, C, S] matrix (one scalar per selected
     pair), dK = sum_{c,h} [q_h . k_s > 0] w_h G[c, s] q_h, two matmuls per block of KEY_BLOCK keys, the same order of
-    work as the indexer's dense scores in the forward. dq and dw come from the gathered keys (no scatter)."""
+    work as the indexer's dense scores in the forward; only the blocks between the chunk's smallest and largest
+    selected key run (a causal step: about half; the others' dK is 0). dq and dw come from the gathered keys (no
+    scatter)."""
     return _selected_scores_gathered(qi, wi, k_idx, idx, valid)
 
 
@@ -92,16 +94,23 @@ def _selected_scores_bwd(res, g):
     block = min(KEY_BLOCK, s)
     nblk = -(-s // block)
     pad = nblk * block - s
-    k_blocks = jnp.pad(k_idx, ((0, 0), (0, pad), (0, 0))).reshape(b, nblk, block, d).swapaxes(0, 1)
-    g_blocks = jnp.pad(dense_g, ((0, 0), (0, 0), (0, pad))).reshape(b, c, nblk, block).transpose(2, 0, 1, 3)
+    k_pad = jnp.pad(k_idx, ((0, 0), (0, pad), (0, 0)))
+    g_pad = jnp.pad(dense_g, ((0, 0), (0, 0), (0, pad)))
+    # the blocks holding a selected key: [first, last) (none when no slot is valid)
+    lo = jnp.min(jnp.where(valid, idx, s)).astype(jnp.int32)
+    hi = jnp.max(jnp.where(valid, idx + 1, 0)).astype(jnp.int32)
+    first = jnp.where(hi > lo, lo // block, 0)
+    last = jnp.where(hi > lo, (hi + block - 1) // block, 0)
 
-    def key_block(args):
-        kb, gb = args  # [B, block, D], [B, C, block]
+    def key_block(j, dk):
+        kb = jax.lax.dynamic_slice_in_dim(k_pad, j * block, block, axis=1)  # [B, block, D]
+        gb = jax.lax.dynamic_slice_in_dim(g_pad, j * block, block, axis=2)  # [B, C, block]
         dots_b = jnp.einsum("bchd,bsd->bchs", qi, kb, preferred_element_type=jnp.float32)
         a = jnp.where(dots_b > 0, w32[..., None] * gb[:, :, None, :], 0.0).astype(qi.dtype)
-        return jnp.einsum("bchs,bchd->bsd", a, qi, preferred_element_type=jnp.float32)
+        dk_b = jnp.einsum("bchs,bchd->bsd", a, qi, preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(dk, dk_b, j * block, axis=1)
 
-    dk = jax.lax.map(key_block, (k_blocks, g_blocks)).swapaxes(0, 1).reshape(b, nblk * block, d)[:, :s]
+    dk = jax.lax.fori_loop(first, last, key_block, jnp.zeros((b, nblk * block, d), jnp.float32))[:, :s]
     return (dq.astype(qi.dtype), dw.astype(wi.dtype), dk.astype(k_idx.dtype), None, None)
 
 
