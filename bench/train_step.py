@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CASE_FLAGS = ("kl_scatter_add", "indexer_fp8")
+CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -58,7 +58,8 @@ def make_trainer(args):
     config.scan_layers = args.scan
     config.indexer_fp8 = getattr(args, "indexer_fp8", False)
     config.remat = getattr(args, "remat", "none")
-    config.kl_scatter_free = not getattr(args, "kl_scatter_add", False)
+    config.kl_key_grad = ("scatter" if getattr(args, "kl_scatter_add", False) else
+                          "segment_sum" if getattr(args, "kl_segment_sum", False) else "dense")
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -102,7 +103,7 @@ def run_case(args) -> dict:
     step = statistics.median(times)
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
-            "kl_scatter_add": not config.get("kl_scatter_free", True),
+            "kl_scatter_add": config.kl_key_grad == "scatter", "kl_segment_sum": config.kl_key_grad == "segment_sum",
             "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
@@ -122,7 +123,9 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--indexer_fp8", action="store_true", help="config.indexer_fp8: the FP8 indexer's selection")
     p.add_argument("--kl_scatter_add", action="store_true",
-                   help="config.kl_scatter_free=False: eq. 4's key gradient as autodiff's scatter-add (the old default)")
+                   help="config.kl_key_grad='scatter': eq. 4's key gradient as autodiff's scatter-add (the old default)")
+    p.add_argument("--kl_segment_sum", action="store_true",
+                   help="config.kl_key_grad='segment_sum': eq. 4's key gradient as float32 rows and one segment sum")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
     p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
@@ -155,6 +158,7 @@ def main():
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
             (["--indexer_fp8"] if args.indexer_fp8 or "indexer_fp8" in flags else []) + \
             (["--kl_scatter_add"] if args.kl_scatter_add or "kl_scatter_add" in flags else []) + \
+            (["--kl_segment_sum"] if args.kl_segment_sum or "kl_segment_sum" in flags else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -67,17 +67,21 @@ def test_sparse_kl_matches_numpy(rng):
     assert rel_err(kl, kl_ref) < 1e-4
 
 
-@pytest.mark.parametrize("key_block,recent", [(4, False), (4, True), (4096, False)])
-def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, recent, rng, monkeypatch):
+@pytest.mark.parametrize("key_grad,key_block,recent", [("dense", 4, False), ("dense", 4, True), ("dense", 4096, False),
+                                                       ("segment_sum", 4096, False)])
+def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_grad, key_block, recent, rng, monkeypatch):
     """Eq. 4's gradients w.r.t. the indexer's q, k and weights against a float64 numpy chain rule (d KL / d scores =
     softmax(scores) - p on the valid slots, then through sum_h w_h relu(q_h . k_s), the key gradient accumulated with
     np.add.at), with empty slots (-1), out-of-range slots (>= S), a row with no valid slot, and key blocks that do not
     divide S (key_block 4, S = 11). The gradient's program must not scatter-add rows of D values (what autodiff of
     the gather does; `indexer_loss.selected_scores`). Only the key blocks between a chunk's smallest and largest
     selected key are computed: `recent` selects among each query's last 4 keys, so later chunks skip the first
-    block. Mutations caught: the key gradient without the ReLU mask (rel err 1.1), the key gradient scaled by 1.01,
-    the plain gathered scores under autodiff (a [2, 11, 8] row scatter-add), the last block rounded down
-    (`(hi + block - 1) // block` -> `hi // block`), the first block one too far (`lo // block + 1`)."""
+    block. key_grad "segment_sum": the key gradient as float32 slot rows and one flat segment sum (its only row
+    scatter: [N, D] updates, 1-D ids, no batch dimensions). Mutations caught: the key gradient without the ReLU mask
+    (rel err 1.1), the key gradient scaled by 1.01, the plain gathered scores under autodiff (a [2, 11, 8] row
+    scatter-add), the last block rounded down (`(hi + block - 1) // block` -> `hi // block`), the first block one
+    too far (`lo // block + 1`); segment_sum: the batch offset dropped (`* (s + 1)` -> `* 0`), the rows read one
+    key late (`[:, :s]` -> `[:, 1:]`)."""
     from dsv32_jax.model import indexer_loss
 
     monkeypatch.setattr(indexer_loss, "KEY_BLOCK", key_block)
@@ -95,7 +99,7 @@ def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, rece
     j = lambda a: jnp.asarray(a, jnp.float32)
 
     def loss(qi_, ki_, wi_):
-        kl = sparse_indexer_kl(j(probs), jnp.asarray(idx, jnp.int32), qi_, ki_, wi_, q_chunk=5, scatter_free=True)
+        kl = sparse_indexer_kl(j(probs), jnp.asarray(idx, jnp.int32), qi_, ki_, wi_, q_chunk=5, key_grad=key_grad)
         return jnp.sum(kl)
 
     grads = jax.grad(loss, argnums=(0, 1, 2))(j(qi), j(ki), j(wi))
@@ -127,7 +131,11 @@ def test_sparse_kl_gradients_match_numpy_without_scattering_rows(key_block, rece
                     if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
                         yield from scatters(getattr(v, "jaxpr", v))
     row_scatters = [e for e in scatters(jaxpr.jaxpr) if e.invars[2].aval.shape[-1:] == (di,)]
-    assert not row_scatters, row_scatters
+    if key_grad == "dense":
+        assert not row_scatters, row_scatters
+    else:  # one flat segment sum per chunk map body: [N, D] float32 updates
+        assert row_scatters and all(e.invars[2].aval.ndim == 2 and e.invars[2].aval.dtype == jnp.float32
+                                    for e in row_scatters), row_scatters
 
 
 def is_indexer(path) -> bool:

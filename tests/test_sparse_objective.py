@@ -84,6 +84,19 @@ def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
     assert np.isfinite(loss_fp8) and np.isfinite(loss_exact)
 
 
+def test_config_kl_key_grad_reaches_the_model_and_is_checked(tmp_path):
+    """config.kl_key_grad becomes RunOptions.kl_key_grad in every stage that trains the indexer on eq. 4 (the default
+    "dense"); an unknown value is refused by name. Mutation caught: the trainer ignoring the field."""
+    from dsv32_jax import RunOptions
+    from dsv32_jax.train.trainer import run_options
+    c = tiny_config("sparse", mtp=False)
+    assert run_options(c).kl_key_grad == "dense"
+    c.kl_key_grad = "segment_sum"
+    assert run_options(c).kl_key_grad == "segment_sum"
+    with pytest.raises(ValueError, match="RunOptions.kl_key_grad must be one of"):
+        RunOptions(kl_key_grad="sorted")
+
+
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_token_chunked_heads_give_the_same_objective_without_vocab_sized_buffers(chunk, tmp_path, rng):
     """config.loss.token_chunk: the LM and MTP heads' cross-entropy chunk by chunk (losses.chunked_token_nll) gives

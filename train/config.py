@@ -50,8 +50,8 @@ def default_config() -> ml_collections.ConfigDict:
     # per-token scales, the FP8 indexer kernel with attention="kernel". False: exact float32 scores (in XLA). The
     # indexer's KL (eq. 3 / eq. 4) always scores exactly; only which keys are selected changes.
     c.indexer_fp8 = False
-    # eq. 4's key gradient without a scatter (RunOptions.kl_scatter_free): 2.6x faster small-config step on an H200
-    c.kl_scatter_free = True
+    # eq. 4's key gradient (RunOptions.kl_key_grad): "dense" | "segment_sum" | "scatter" (autodiff, 2.6x slower step)
+    c.kl_key_grad = "dense"
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

@@ -10,6 +10,8 @@ Computed chunked over queries so memory stays O(chunk * S) (dense) or O(chunk * 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -61,24 +63,29 @@ def _selected_scores_gathered(qi, wi, k_idx, idx, valid):
     return jnp.einsum("bchk,bch->bck", jax.nn.relu(dots), wi.astype(jnp.float32))
 
 
-@jax.custom_vjp
-def selected_scores(qi, wi, k_idx, idx, valid):
-    """`_selected_scores_gathered` with a backward that never scatters rows. Autodiff of the gather transposes it
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def selected_scores(qi, wi, k_idx, idx, valid, key_grad: str = "dense"):
+    """`_selected_scores_gathered` with a backward that never scatters model-dtype rows (key_grad "dense" or
+    "segment_sum"; "scatter" is autodiff of the gather, in `sparse_indexer_kl`). Autodiff of the gather transposes it
     into a scatter-add of [B, C, K, D] rows into the keys' gradient: on an H200 that scatter was two thirds of the
     small config's sparse-stage step (6.6 ms per 256 queries at 8K; BENCHMARKS.md, issue 31). Here the key
     gradient is dense over key blocks: the slots' cotangents become a [B, C, S] matrix (one scalar per selected
     pair), dK = sum_{c,h} [q_h . k_s > 0] w_h G[c, s] q_h, two matmuls per block of KEY_BLOCK keys, the same order of
     work as the indexer's dense scores in the forward; only the blocks between the chunk's smallest and largest
-    selected key run (a causal step: about half; the others' dK is 0). dq and dw come from the gathered keys (no
-    scatter)."""
+    selected key run (a causal step: about half; the others' dK is 0). key_grad "segment_sum": the slots' rows
+    v[c, j] = sum_h [q_h . k_j > 0] w_h g[c, j] q_h in float32 ([B, C, K, D], O(T k) work), summed into the keys by
+    one flat `segment_sum` over b * (S + 1) rows (invalid slots into a dropped row), the form of the sparse MLA
+    backward's dKV reduction, which ran at about HBM speed in the same profile (27.5 ms for 116 GB of float32 rows),
+    while autodiff's batched scatter-add of model-dtype rows ran at about 40 GB/s. dq and dw come from the gathered
+    keys (no scatter)."""
     return _selected_scores_gathered(qi, wi, k_idx, idx, valid)
 
 
-def _selected_scores_fwd(qi, wi, k_idx, idx, valid):
+def _selected_scores_fwd(qi, wi, k_idx, idx, valid, key_grad):
     return _selected_scores_gathered(qi, wi, k_idx, idx, valid), (qi, wi, k_idx, idx, valid)
 
 
-def _selected_scores_bwd(res, g):
+def _selected_scores_bwd(key_grad, res, g):
     qi, wi, k_idx, idx, valid = res
     b, c, _ = idx.shape
     s, d = k_idx.shape[1:]
@@ -89,6 +96,12 @@ def _selected_scores_bwd(res, g):
     dw = jnp.einsum("bchk,bck->bch", jax.nn.relu(dots), g)
     a_sel = jnp.where(dots > 0, w32[..., None] * g[:, :, None, :], 0.0)  # d scores / d dots  [B, C, H, K]
     dq = jnp.einsum("bchk,bckd->bchd", a_sel.astype(k_sel.dtype), k_sel, preferred_element_type=jnp.float32)
+    if key_grad == "segment_sum":
+        rows = jnp.einsum("bchk,bchd->bckd", a_sel.astype(qi.dtype), qi, preferred_element_type=jnp.float32)
+        ids = jnp.where(valid, idx, s) + (jnp.arange(b, dtype=idx.dtype) * (s + 1))[:, None, None]
+        dk = jax.ops.segment_sum(rows.reshape(-1, d), ids.reshape(-1), num_segments=b * (s + 1))
+        dk = dk.reshape(b, s + 1, d)[:, :s]
+        return (dq.astype(qi.dtype), dw.astype(wi.dtype), dk.astype(k_idx.dtype), None, None)
     # the slots' cotangents as a dense [B, C, S] matrix: one scalar per (query, selected key); invalid slots add 0
     dense_g = jax.vmap(lambda i, v: jnp.zeros((c, s), jnp.float32).at[jnp.arange(c)[:, None], i].add(v))(idx, g)
     block = min(KEY_BLOCK, s)
@@ -118,10 +131,10 @@ selected_scores.defvjp(_selected_scores_fwd, _selected_scores_bwd)
 
 
 def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int | None = 64,
-                      scatter_free: bool = True):
+                      key_grad: str = "dense"):
     """Eq. (4). head_probs [B, T, K]: sparse attention probabilities summed over heads on the selected slots
     (detached here); topk_idx [B, T, K] (-1 = empty). Indexer scores are recomputed on the selected keys only;
-    scatter_free (RunOptions.kl_scatter_free): their backward is `selected_scores`' (dense key gradient), else
+    key_grad (RunOptions.kl_key_grad): "dense" / "segment_sum", their backward is `selected_scores`'; "scatter",
     autodiff of the gather (a scatter-add of key rows, 2.6x slower in the small config's step on an H200)."""
     num_heads_sum = jnp.sum(head_probs, axis=-1, keepdims=True)
     p_all = jax.lax.stop_gradient(head_probs / jnp.where(num_heads_sum > 0, num_heads_sum, 1.0))
@@ -129,8 +142,10 @@ def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int
 
     def chunk_fn(p, idx, qi, wi):
         valid = (idx >= 0) & (idx < num_keys)
-        scores = (selected_scores if scatter_free else _selected_scores_gathered)(
-            qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
+        if key_grad == "scatter":
+            scores = _selected_scores_gathered(qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
+        else:
+            scores = selected_scores(qi, wi, k_idx, jnp.where(valid, idx, 0), valid, key_grad)
         return _kl(p, scores, valid)
 
     return map_query_chunks(chunk_fn, q_chunk, (p_all, topk_idx, q_idx, w_idx))

@@ -285,7 +285,7 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
     if opts.indexer_loss == "sparse":
         o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
         kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s,
-                               q_chunk=heads.chunk(opts.attn_chunk), scatter_free=opts.kl_scatter_free)
+                               q_chunk=heads.chunk(opts.attn_chunk), key_grad=opts.kl_key_grad)
         aux["indexer_kl"] = heads.all_tokens(kl)
     else:
         o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)

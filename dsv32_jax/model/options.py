@@ -11,6 +11,7 @@ ATTENTION_IMPLS = ("sparse", "dense", "kernel")
 # "dots": matmul outputs; "dots_no_batch": matmul outputs without batch dimensions (weights-like products).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
+KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +41,13 @@ class RunOptions:
     # as one `lax.scan` over their stacked parameters instead of a Python loop: the compiled program holds one block
     # body instead of 58, so XLA compiles the 671B step in bounded host memory and time. Same numbers either way.
     scan_layers: bool = False
-    # Eq. 4's key gradient as dense matmuls per key block instead of autodiff's scatter-add of the gathered key rows
-    # (`indexer_loss.selected_scores`). Same gradients up to float32 summation order. On an H200 the scatter was 636
-    # of 925 ms of a 2-layer kernel step at 8K (316 ms without it), and the 12-layer step took 4.09 s with it, 1.60 s
-    # without (BENCHMARKS.md, issue 31). False: autodiff of the gather (a scatter-add of [chunk, k, D] key rows).
-    kl_scatter_free: bool = True
+    # How eq. 4's gradient reaches the indexer keys (`indexer_loss.KEY_GRADS`, `indexer_loss.selected_scores`), all
+    # the same gradient up to float32 summation order. "dense": matmuls per key block, no scatter (the default: on
+    # an H200 the 12-layer small step at 8K took 1.60 s with it, 4.09 s with "scatter"); "segment_sum": per-slot
+    # float32 rows summed into the keys by one flat segment sum (O(T k) work instead of O(T^2); its time on a chip
+    # is owed); "scatter": autodiff of the gather (a scatter-add of the [chunk, k, D] model-dtype key rows, 636 of
+    # 925 ms of a 2-layer kernel step at 8K on an H200). BENCHMARKS.md, issue 31.
+    kl_key_grad: str = "dense"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -53,6 +56,8 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
         if self.mla_mode == "mha" and self.attention != "dense":
             raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        if self.kl_key_grad not in KL_KEY_GRADS:
+            raise ValueError(f"RunOptions.kl_key_grad must be one of {KL_KEY_GRADS}, got {self.kl_key_grad!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"RunOptions.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.indexer_loss not in (None, "dense", "sparse"):
