@@ -247,7 +247,7 @@ def _pipeline(config_name: str, seed_name: str, steps: int, tmp_path) -> tuple[d
     perturb_params(lrn.state[0])
     history = lrn.fit()
     first, last = history[0], history[-1]
-    print({k: v for k, v in first.items() if "eval_success" in k or "eval_reward" in k},
+    print({k: v for k, v in first.items() if any(m in k for m in ("eval_success", "eval_reward", "eval_sampled"))},
           {k: v for k, v in last.items() if k.startswith(("eval_success", "eval_reward", "eval_sampled"))})
     return first, last
 
