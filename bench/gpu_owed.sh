@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements owed to the next task with a GPU (issue 31; BENCHMARKS.md, "Kernels in the sharded steps"), one
 # device call each (each fits the 10-minute command limit; in order of value):
+#   bash bench/gpu_owed.sh 0   # the kernel table at 8K / 32K / 128K (the one-pass top-k) + the top-k chip tests
 #   bash bench/gpu_owed.sh 1   # profile at 32K: kernel step (key-block skipping) beside kl_segment_sum, dense, prefill
 #   bash bench/gpu_owed.sh 2   # 4-layer step at 32K: sparse (exact / segment_sum + FP8 selection) vs dense
 #   bash bench/gpu_owed.sh 3   # 4-layer step at 64K and 128K with remat=full + token_chunk: sparse vs dense, fits?
@@ -8,7 +9,7 @@
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
-call=${1:?usage: bash bench/gpu_owed.sh 1|2|3|4}
+call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4}
 run() {
   if [ -n "${DRY:-}" ]; then echo "call $call: $*"; return; fi
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -18,6 +19,7 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
+  0) run STAGES="bench tests" BENCH_S=330 TEST_S=200 TEST_K=topk ;;
   1) run STAGES=profile PROFILE_S=420 \
        PROFILE_CASES=train:kernel:32768,train:kernel:32768:kl_segment_sum,train:dense:32768,prefill:kernel:32768 ;;
   2) run STAGES=step STEP_S=520 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=170 "STEP_ARGS=--layers 4" \
@@ -27,5 +29,5 @@ case $call in
        STEP_CASES=sparse:65536:kl_segment_sum+indexer_fp8,dense:65536,sparse:131072:kl_segment_sum+indexer_fp8 ;;
   4) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
        "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower" ;;
-  *) echo "bench/gpu_owed.sh: no call $call (1-4)" >&2; exit 2 ;;
+  *) echo "bench/gpu_owed.sh: no call $call (0-4)" >&2; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KINDS = [  # (kind, pattern on the kernel name), first match wins
-    ("pallas: top-k", r"_bracket_kernel|_emit_kernel|_refine|_topk"),
+    ("pallas: top-k", r"_filter_kernel|_fallback_kernel|_bracket_kernel|_emit_kernel|_refine|_topk"),
     ("pallas: sparse MLA", r"_fwd_kernel|_dq_kernel|_dkv_kernel|_probs_kernel|sparse_mla"),
     ("pallas: indexer", r"indexer|hadamard|_logits_kernel|mgpu"),
     ("gemm (cuBLAS / cutlass)", r"gemm|xmma|nvjet|cutlass|cublas|sm90_|wgmma"),

@@ -3,9 +3,9 @@
 Same contract as `dsv32_jax.model.indexer.indexer_topk`: k = min(topk, S) keys per query among the visible ones
 (causal and same segment), -1 for empty slots. Kernel path: `hadamard_quant` for q and k (fp8=True; k may come
 already quantized with its scales, e.g. from a decode cache), q scales folded into w, `indexer_logits` with per-row
-key ranges [segment start, q_index + 1) (blocks outside are skipped and read as -inf), then the radix-select
-`topk`; query chunks of `q_chunk` rows keep at most chunk x S logits live (a 128K prefill with chunk 128 holds
-64 MB of fp32 logits). The exact (fp8=False) scores run in plain JAX on the key blocks that meet the chunk's
+key ranges [segment start, q_index + 1) (blocks outside are skipped and read as -inf), then the threshold-select
+`topk` on each row's first q_index + 1 columns (`lengths`); query chunks of `q_chunk` rows keep at most chunk x S
+logits live (a 128K prefill with chunk 128 holds 64 MB of fp32 logits). The exact (fp8=False) scores run in plain JAX on the key blocks that meet the chunk's
 [min start, max end) (`index_scores_in_range`), masked by `attention.visible`.
 
 The key range of a query is exact when every segment is one contiguous run of keys and each query's own slot
@@ -94,7 +94,8 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
             scores = ref_indexer.index_scores_in_range(q_c, k, w_c, jnp.min(st_c), jnp.max(en_c))
             logits = jnp.where(visible(qi_c, qs_c, kv_segment), scores, -jnp.inf)
             logits = logits.astype(logits_dtype)
-        return kernel_topk(logits, k_eff, impl=sub_impl)
+        return kernel_topk(logits, k_eff, lengths=en_c, impl=sub_impl)  # keys >= end are never visible: the
+        # top-k reads each row only up to its query (half of a causal chunk's logits on average)
 
     def run(mask):
         return map_query_chunks(functools.partial(chunk_fn, mask=mask), q_chunk,

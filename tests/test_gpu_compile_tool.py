@@ -112,3 +112,19 @@ def test_cases_cover_every_op_forward_and_backward_at_both_shapes_and_include_ba
                        "sparse_mla_probs", "sparse_mla_bwd"}
     assert sum(c.expect_fail for c in cases) >= 2
     assert all(c.requires for c in cases if c.op == "indexer_logits")
+
+
+def test_kernel_scoped_claims_vector_loads_and_registers():
+    ptx = (".visible .entry _filter_kernel(\n\t@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
+           "\tld.global.b32 %r5, [ %rd2 + 0 ];\n}\n.visible .entry _emit_kernel(\n\tld.global.b32 %r1, [ %rd1 ];\n}\n")
+    assert gc.parse_ptx(ptx, gc.VLOAD) == {"_filter_kernel": {"ld.global.v4.b32": 1}, "_emit_kernel": {}}
+    case = gc.Case("c", "topk", "prod", 131072, **gc.TOPK_CLAIMS["prod"])
+    filt = _kernel(name="_filter_kernel", registers=113, mma={}, vector_loads={"ld.global.v4.b32": 4})
+    emit = _kernel(name="_emit_kernel", registers=200, mma={})  # claims name only the streaming pass
+    assert gc.check(case, {}, [filt, emit]) == []
+    scalar = gc.check(case, {}, [_kernel(name="_filter_kernel", registers=113, mma={}), emit])
+    assert len(scalar) == 1 and "_filter_kernel: no instruction matching" in scalar[0]
+    heavy = gc.check(case, {}, [_kernel(name="_filter_kernel", registers=129, mma={},
+                                        vector_loads={"ld.global.v4.b32": 4})])
+    assert heavy == ["_filter_kernel: 129 registers > 128"]
+    assert gc.check(case, {}, [emit]) == ["no kernel matching '_filter_kernel'"] * 2

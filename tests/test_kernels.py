@@ -22,7 +22,7 @@ from dsv32_jax.model.attention import sparse_mla as ref_sparse_mla
 from dsv32_jax.kernels import _dispatch
 from dsv32_jax.kernels.hadamard_quant import hadamard_quant_reference
 from dsv32_jax.kernels.indexer_logits import indexer_logits_reference
-from dsv32_jax.kernels.topk import topk_reference
+from dsv32_jax.kernels.topk import _topk_pallas, sample_columns, topk_reference
 
 IMPL = "interpret"
 TPU = "interpret_tpu"
@@ -221,14 +221,53 @@ def test_topk_bf16_and_k_larger_than_row(rng, impl):
     assert np.all(np.asarray(out)[:, 5:] == -1)
 
 
+def test_topk_streaming_pass_settles_long_rows_and_the_rest_fall_back_exactly(rng):
+    """The GPU kernel's one-pass path (sampled threshold + one compaction pass) on rows of 20,000 columns, k = 20,
+    a 128-entry buffer (the sample rank predicts 74 keys >= the threshold): it must settle i.i.d. rows itself, and
+    every row it cannot settle -- a sample that overrates (fewer than k keys pass) or underrates the row (more than
+    the buffer), ties, a row of equal values -- must go to the exact bracket and still match the reference.
+
+    Mutants (tests/mutate.sh on pallas_kernels/topk.py), each fails here: settling rows with fewer than k keys
+    (`(count >= k) | every` -> `True`), or more than the buffer (`(count <= buf) &` removed), the fallback run on
+    the settled rows instead (`stats_in[5] == 2` -> `== 0`), and a sample rank of the target itself
+    (`target * s_eff` -> `target * n`: every i.i.d. row overflows and falls back)."""
+    n, k, buf = 20000, 20, 128
+    x = rng.standard_normal((13, n)).astype(np.float32)
+    cols = np.asarray(sample_columns(n))
+    x[8, cols] += 6.0  # the sample overrates the row: about 16 keys >= the threshold, fewer than k
+    x[9, cols] -= 6.0  # underrates it: most of the row >= the threshold, more than the buffer
+    x[10] = 3.0  # equal values: the lowest columns win
+    x[11] = np.round(x[11] / 2)  # ties: ~27 keys of 2.0, ~3,100 of 1.0; the sample (~5 of 2.0) sets 1.0
+    x[12, :] = -np.inf
+    x[12, rng.choice(n, 10, replace=False)] = rng.standard_normal(10)  # 10 candidates < k in a long row
+    lengths = np.full((13,), n, np.int32)
+    lengths[7] = 60  # a short row: every candidate, no sample
+    out, stats = _topk_pallas(jnp.asarray(x), jnp.asarray(lengths), k=k, buf=buf, block=256, backend=IMPL,
+                              num_warps=8, with_stats=True)
+    _assert_same_selection(out, topk_reference(jnp.asarray(x), k, jnp.asarray(lengths)), x)
+    np.testing.assert_array_equal(np.sort(np.asarray(out)[10]), np.arange(k))
+    assert np.sum(np.asarray(out)[12] >= 0) == 10
+    stats = np.asarray(stats)
+    path, count = stats[:, 5], stats[:, 6]
+    assert np.sum(path[:7] == 0) >= 6, (path, count)  # i.i.d. rows: a fallback is a ~3-sigma event
+    np.testing.assert_array_equal(path[7:], [0, 1, 1, 1, 1, 0])
+    settled = path[:7] == 0
+    assert np.all((count[:7][settled] >= k) & (count[:7][settled] <= buf))
+
+
 # ------------------------------------------------------------------------------------------- indexer_topk
-@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, True)])
-def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
-    b, t, h, topk = 2, 37, 4, 8
+def _indexer_inputs(rng, b, t, h):
+    """Random indexer q [b, t, h, 128], k [b, t, 128], w [b, t, h] (float32) and causal query positions."""
     q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return q, k, w, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, True)])
+def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
+    b, t, h, topk = 2, 37, 4, 8
+    q, k, w, q_index = _indexer_inputs(rng, b, t, h)
     seg = jnp.asarray(np.stack([np.zeros(t), np.arange(t) >= 20]), jnp.int32)  # two packed documents in row 1
     out = kernels.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16, impl=impl)
     ref = ref_indexer.indexer_topk(q, k, w, q_index, seg, seg, topk, fp8=fp8, q_chunk=16)
@@ -240,10 +279,7 @@ def test_indexer_topk_non_contiguous_segments(rng, impl, fp8):
     """GRPO layouts reuse segment 0 for left padding and after EOS: the key ranges over-cover, the masked branch
     must still give the reference selection (and the contiguous rows of the batch too)."""
     b, t, h, topk = 2, 29, 4, 6
-    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q, k, w, q_index = _indexer_inputs(rng, b, t, h)
     seg = np.zeros((b, t), np.int32)
     seg[0, 4:20] = 1  # [0]*4 [1]*16 [0]*9: segment 0 is two runs
     seg[1, 10:] = 1
@@ -261,10 +297,7 @@ def test_indexer_topk_exact_scores_skip_key_blocks(rng, monkeypatch, layout):
     (the ranges over-cover). Mutation caught: the chunk's range from its largest start (`jnp.min(st_c)` ->
     `jnp.max(st_c)`)."""
     b, t, h, topk = 2, 37, 4, 6
-    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, t, 128)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
-    q_index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    q, k, w, q_index = _indexer_inputs(rng, b, t, h)
     seg = np.zeros((b, t), np.int32)
     if layout == "documents":
         seg[1, 20:] = 1

@@ -34,6 +34,11 @@ def index_scores(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray) -> jnp.ndarray:
 SCORE_BLOCK = 2048
 
 
+def key_block_range(lo, hi, block: int):
+    """[first, last): the blocks of `block` keys that meet the key range [lo, hi) (none when it is empty)."""
+    return jnp.where(hi > lo, lo // block, 0), jnp.where(hi > lo, (hi + block - 1) // block, 0)
+
+
 def index_scores_in_range(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray, lo, hi, block: int | None = None):
     """`index_scores` on the blocks of `block` keys that meet [lo, hi) (int32 scalars, e.g. the smallest segment
     start and the largest causal end of a query chunk); the other columns are 0, and callers mask them (they are
@@ -49,8 +54,7 @@ def index_scores_in_range(q: jnp.ndarray, k: jnp.ndarray, w: jnp.ndarray, lo, hi
     k = jnp.pad(k, ((0, 0), (0, nblk * block - s), (0, 0)))
     lo = jnp.clip(jnp.asarray(lo, jnp.int32), 0, s)
     hi = jnp.clip(jnp.asarray(hi, jnp.int32), 0, s)
-    first = jnp.where(hi > lo, lo // block, 0)
-    last = jnp.where(hi > lo, (hi + block - 1) // block, 0)
+    first, last = key_block_range(lo, hi, block)
 
     def key_block(j, out):
         kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1)

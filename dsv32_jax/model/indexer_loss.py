@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv32_jax.model.attention import gather_rows, map_query_chunks, masked_softmax, visible
-from dsv32_jax.model.indexer import index_scores, select_topk
+from dsv32_jax.model.indexer import index_scores, key_block_range, select_topk
 
 
 def _kl(p: jnp.ndarray, scores: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
@@ -112,8 +112,7 @@ def _selected_scores_bwd(key_grad, res, g):
     # the blocks holding a selected key: [first, last) (none when no slot is valid)
     lo = jnp.min(jnp.where(valid, idx, s)).astype(jnp.int32)
     hi = jnp.max(jnp.where(valid, idx + 1, 0)).astype(jnp.int32)
-    first = jnp.where(hi > lo, lo // block, 0)
-    last = jnp.where(hi > lo, (hi + block - 1) // block, 0)
+    first, last = key_block_range(lo, hi, block)
 
     def key_block(j, dk):
         kb = jax.lax.dynamic_slice_in_dim(k_pad, j * block, block, axis=1)  # [B, block, D]

@@ -15,7 +15,9 @@ the compute capability from it) and compiled by XLA to sm_90a cubins. Each case 
 
 Checks (--check; exit 1 when one fails): the case lowers and compiles; every kernel of it uses at most
 SMEM_BUDGET bytes of shared memory (90% of the H100's 232,448 B per block) and spills at most SPILL_BUDGET bytes;
-cases that claim an instruction (the FP8 indexer: e4m3 wgmma) show it in the PTX. A case marked expect_fail
+cases that claim an instruction (the FP8 indexer: e4m3 wgmma) show it in the PTX; cases that claim something of
+one kernel show it there: an instruction (top-k's streaming pass: 16-byte vector loads, `ld.global.v4`) or a
+register bound (the same pass: <= 128 registers at 256 threads, so two blocks share an SM). A case marked expect_fail
 (a deliberately oversized tile) must FAIL one of those checks, which proves the checks can fail.
 
 A compile proves the kernels are valid for the chip and fit its limits; it says nothing about speed or results.
@@ -77,10 +79,18 @@ class Case:
     keys: int
     options: tuple = ()  # (key, value) pairs passed to the builder
     requires: tuple = ()  # regexes that must match the PTX of the case
+    kernel_requires: tuple = ()  # (kernel name regex, instruction regex): every matching kernel shows the instruction
+    max_registers: tuple = ()  # (kernel name regex, n): every matching kernel uses at most n registers
     expect_fail: bool = False
 
     def opts(self):
         return dict(self.options)
+
+
+# The top-k streaming pass at production shapes: unmasked full blocks load 16 bytes per instruction, and 113 of 128
+# registers at 256 threads leave room for a second block on each SM (65,536 registers).
+TOPK_CLAIMS = {"prod": dict(kernel_requires=(("_filter_kernel", r"ld\.global\S*\.v4"),),
+                            max_registers=(("_filter_kernel", 128),))}
 
 
 def all_cases() -> list[Case]:
@@ -93,7 +103,7 @@ def all_cases() -> list[Case]:
         cases += [
             Case(f"hadamard_quant[{sh.name},L={big}]", "hadamard_quant", sh.name, big),
             Case(f"indexer_logits_triton[{sh.name},L={sh.keys[0]}]", "indexer_logits_triton", sh.name, sh.keys[0]),
-            Case(f"topk[{sh.name},L={big}]", "topk", sh.name, big),
+            Case(f"topk[{sh.name},L={big}]", "topk", sh.name, big, **TOPK_CLAIMS.get(sh.name, {})),
             Case(f"indexer_topk[{sh.name},L={sh.keys[0]}]", "indexer_topk", sh.name, sh.keys[0],
                  requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)),
             Case(f"sparse_mla_fwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_fwd", sh.name, sh.keys[0]),
@@ -248,6 +258,7 @@ class Kernel:
     registers: int | None = None
     spill_bytes: int | None = None  # stores + loads
     mma: dict = dataclasses.field(default_factory=dict)  # tensor-core instruction -> count in the PTX
+    vector_loads: dict = dataclasses.field(default_factory=dict)  # ld.global.v2/v4 instruction -> count in the PTX
 
 
 THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+"
@@ -255,6 +266,7 @@ THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)
 XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|gemm|cutlass|cublas|triton_softmax|sort|scatter|reduce)_|"
                       r"^(copy|transpose|bitcast|sort|scatter)")
 MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)")
+VLOAD = re.compile(r"\b(ld\.global(?:\.\w+)*?\.v[248]\.\w+)")
 
 
 def parse_thunks(text: str) -> dict[str, dict]:
@@ -282,13 +294,13 @@ def parse_ptxas(text: str) -> dict[str, dict]:
     return out
 
 
-def parse_ptx(text: str) -> dict[str, dict[str, int]]:
-    """PTX -> {entry: {tensor-core instruction: count}}."""
+def parse_ptx(text: str, pattern: re.Pattern = MMA) -> dict[str, dict[str, int]]:
+    """PTX -> {entry: {instruction matching `pattern` (default: tensor-core MMAs; VLOAD: vector loads): count}}."""
     out = {}
     for chunk in re.split(r"(?=\.(?:visible\s+)?\.?entry\s)", text):
         if m := re.match(r"\.(?:visible\s+)?\.?entry\s+(\w+)", chunk):
             counts = {}
-            for ins in MMA.findall(chunk):
+            for ins in pattern.findall(chunk):
                 counts[ins] = counts.get(ins, 0) + 1
             out[m.group(1)] = counts
     return out
@@ -317,15 +329,18 @@ def collect(workdir: str) -> list[Kernel]:
     ptxas = {}
     for path in glob.glob(os.path.join(workdir, "ptxas.log.*")):
         ptxas.update(parse_ptxas(open(path).read()))
-    ptx = {}
+    ptx, vloads = {}, {}
     for path in glob.glob(os.path.join(workdir, "ptx_*.ptx")):
-        ptx.update(parse_ptx(open(path).read()))
+        text = open(path).read()
+        ptx.update(parse_ptx(text))
+        vloads.update(parse_ptx(text, VLOAD))
     for name, facts in thunks.items():
         backend = "xla" if XLA_NAME.search(name) else "triton"
         k = Kernel(name, backend, facts["grid"], facts["threads"], facts["smem"])
         k.registers = ptxas.get(name, {}).get("registers")
         k.spill_bytes = ptxas.get(name, {}).get("spill_bytes")
         k.mma = ptx.get(name, {})
+        k.vector_loads = vloads.get(name, {})
         kernels[name] = k
     mdir = os.path.join(workdir, "mosaic")
     for i, res in enumerate(sorted(glob.glob(os.path.join(mdir, "*.resources.txt")))):
@@ -365,6 +380,21 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
     for pattern in case.requires:
         if not re.search(pattern, ptx_ins):
             bad.append(f"no instruction matching {pattern!r} in the PTX (found: {sorted(set(ptx_ins.split()))})")
+    for name_re, pattern in case.kernel_requires:
+        matched = [k for k in kernels if re.search(name_re, k.name)]
+        if not matched:
+            bad.append(f"no kernel matching {name_re!r}")
+        for k in matched:
+            found = " ".join([*k.mma, *k.vector_loads])
+            if not re.search(pattern, found):
+                bad.append(f"{k.name}: no instruction matching {pattern!r} (found: {sorted(found.split())})")
+    for name_re, limit in case.max_registers:
+        matched = [k for k in kernels if re.search(name_re, k.name)]
+        if not matched:
+            bad.append(f"no kernel matching {name_re!r}")
+        for k in matched:
+            if k.registers is not None and k.registers > limit:
+                bad.append(f"{k.name}: {k.registers} registers > {limit}")
     if not any(k.backend != "xla" for k in kernels):
         bad.append("no Pallas kernel in the compiled program")
     return bad
@@ -419,7 +449,8 @@ def fmt_dims(d) -> str:
 
 def table(records: list[dict]) -> str:
     head = ("| case | kernel | grid | threads | smem (B, % of 232,448) | registers | spills (B) | tensor-core "
-            "instructions (PTX / SASS) | compile (s) | status |\n|---|---|---|---|---|---|---|---|---|---|")
+            "instructions (PTX / SASS); vector loads | compile (s) | status |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     rows = [head]
     for rec in records:
         status = ("expected failure: " + "; ".join(rec["failures"])[:160]) if rec["expect_fail"] else (
@@ -432,6 +463,8 @@ def table(records: list[dict]) -> str:
                 rows.append(f"| {rec['case']} | - | | | | | | | {rec.get('compile_s', 0):.1f} | {status} |")
                 continue
             mma = ", ".join(f"{ins} x{n}" for ins, n in sorted(k["mma"].items())) or "-"
+            if k.get("vector_loads"):
+                mma += "; " + ", ".join(f"{ins} x{n}" for ins, n in sorted(k["vector_loads"].items()))
             smem = f"{k['smem']:,} ({100 * k['smem'] / SMEM_PER_BLOCK:.0f}%)" if k["smem"] is not None else "-"
             rows.append(f"| {rec['case'] if i == 0 else ''} | {k['name']} ({k['backend']}) | {fmt_dims(k['grid'])} "
                         f"| {fmt_dims(k['threads'])} | {smem} | {k['registers']} | {k['spill_bytes']} | {mma} | "
@@ -467,7 +500,8 @@ def main(argv=None) -> int:
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(compile_one(Case(**{k: tuple(map(tuple, v)) if k == "options" else
+        nested = ("options", "kernel_requires", "max_registers")
+        print(json.dumps(compile_one(Case(**{k: tuple(map(tuple, v)) if k in nested else
                                              tuple(v) if isinstance(v, list) else v
                                              for k, v in json.loads(a.one).items()}))))
         return 0
