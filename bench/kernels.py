@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import datetime
 import json
@@ -184,13 +185,13 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     fwd_flops = 2 * sh.heads * sh.topk * (sh.d_qk + sh.d_v) * t
     bwd_flops = 2 * sh.heads * sh.topk * (3 * sh.d_qk + 2 * sh.d_v) * t
 
-    def mla(which):
+    def mla(which, **kw):
         if which == "reference":
             return lambda a, c, i: attention.sparse_mla(a, c, i, scale, sh.d_v)
-        return lambda a, c, i: kernels.sparse_mla(a, c, i, scale, sh.d_v, impl=which)
+        return lambda a, c, i: kernels.sparse_mla(a, c, i, scale, sh.d_v, impl=which, **kw)
 
-    def fwd_bwd(which):
-        f = mla(which)
+    def fwd_bwd(which, **kw):
+        f = mla(which, **kw)
         return jax.jit(jax.grad(lambda a, c, i: f(a, c, i)[0].astype(jnp.float32).sum(), argnums=(0, 1)))
 
     def fwd_row():
@@ -203,23 +204,26 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                  f"(bf16 in; fp32 reference, {c.stop} queries)")
         return Row("sparse_mla fwd", length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", ref_fwd, check=check)
 
-    def bwd_row():
-        both_ms, _ = timed(fwd_bwd(impl), q, kv, sel, warmup=w, iters=it)
-        ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
+    def bwd_row(bwd):
+        both_ms, _ = timed(fwd_bwd(impl, bwd=bwd), q, kv, sel, warmup=w, iters=it)
+        if "ref_bwd" not in state:
+            ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
+            state["ref_bwd"] = ref_both - state["ref_fwd"]
         bwd_ms = max(both_ms - state["fwd"], 1e-6)
         # the bf16 reference accumulates dkv in bf16 (~T*k/L adds per row): check against fp32 autodiff instead, on
         # the first queries (both sides on the same subset)
         c = slice(0, min(t, args.check_rows))
-        dq, dkv = fwd_bwd(impl)(q[:, c], kv, sel[:, c])
+        dq, dkv = fwd_bwd(impl, bwd=bwd)(q[:, c], kv, sel[:, c])
         rdq, rdkv = fwd_bwd("reference")(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
         check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
                  f"fwd+bwd {both_ms:.3f} ms")
-        return Row("sparse_mla bwd", length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", ref_both - state["ref_fwd"],
-                   check=check)
+        name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd})")
+        return Row(name, length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", state["ref_bwd"], check=check)
 
     guarded("sparse_mla fwd", fwd_row)
     if "fwd" in state:
-        guarded("sparse_mla bwd", bwd_row)
+        guarded("sparse_mla bwd", functools.partial(bwd_row, "recompute"))
+        guarded("sparse_mla bwd (stored)", functools.partial(bwd_row, "stored"))
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
     def layer_row():

@@ -22,9 +22,16 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
               by a sort-free segment sum (XLA scatter-add) over the transposed index map.
     The backward tiles (bwd_block_h heads per dq program, bwd_block_i slots per dkv program, default 32) are
     no larger than the forward's 64 x 32 because each holds a [tile, 576] fp32 accumulator.
-    Trade-off: S and dP are recomputed in both kernels (3264 instead of 2752 MMA FLOP per pair-head, +19%) and
-    the partials cost T*K*Dqk*4 bytes; the backward therefore walks the tokens in chunks that keep the partial
-    buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
+    Trade-off: S and dP are recomputed in both kernels (3840 instead of 2752 MMA FLOP per head-slot pair at
+    576 / 512, +40%) and the partials cost T*K*Dqk*4 bytes; the backward therefore walks the tokens in chunks
+    that keep the partial buffer under `bwd_partial_bytes` (default 512 MiB: 113 tokens at K=2048, Dqk=576).
+  * backward without recomputation (bwd="stored", issue 31 item 3): S, P, dP and dS are computed once per
+    (token, head, slot), by a kernel per (token, block_h heads) on 64-row tiles (wgmma at 64 heads) that writes
+    P and scale * dS in the value dtype ([T, H, K], what the recompute path rounds them to before its MMAs too);
+    a second kernel per (token, column slice of `bwd_slice` of the 576) reads them with the token's q and dO
+    slices, all heads at once, and produces both that slice of dq (dS K over the slots, the slice of each
+    selected row gathered once) and that slice of the dkv partials (dS^T q + P^T dO over the heads: M = 64 slots,
+    K = H), reduced by the same segment sum. MMA work: 2752 FLOP per head-slot pair, none repeated.
   * probabilities summed over heads (return_probs): the dkv program structure without the gradients, from the
     final lse; returned with stop_gradient (it is the target of the indexer's KL loss).
 TPU (impl pallas_tpu / interpret_tpu): the Mosaic kernels of `sparse_mla_tpu` (all heads per program, slot
@@ -70,6 +77,8 @@ class _Cfg:
     num_stages: int
     bwd_partial_bytes: int
     num_keys: int  # B * S rows of the flattened cache
+    bwd: str = "recompute"  # "recompute" | "stored" (GPU backward, see the module docstring)
+    bwd_slice: int = 64  # dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)
 
     @property
     def tpu(self) -> bool:
@@ -256,6 +265,88 @@ def _dkv_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, part_ref, *,
     part_ref[:, pl.ds(cfg.dv_p, cfg.dt_p)] = acc_tail.astype(part_ref.dtype)
 
 
+# ------------------------------------------------------------------- backward without recomputation ("stored")
+STORED_SLOTS = 64  # slots per step of the dq / dkv-slice kernel (the M of its dS^T q MMA)
+# The P / dS kernel at 64 heads x 576 (H100, deviceless compile): q and dO stay in shared memory (139 KB), so 16
+# gathered slots per step (two buffers) with one warpgroup: 178 KB, 136 registers, wgmma m64n16k16. 32 slots take
+# 217 KB (over the 90% budget) with two buffers, or 255 registers with one.
+PDS_SLOTS = 16
+PDS_WARPS = 4
+
+
+def _pds_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, p_ref, ds_ref, *, cfg: _Cfg, n_blocks: int,
+                slots: int):
+    """P and scale * dS [BH, K] of one (token, head block), each computed once."""
+    q_main, q_tail = _load_q(q_ref, cfg)
+    do = do_ref[...]
+    lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
+    bi = slots
+
+    def body(j, carry):
+        slots = pl.ds(pl.multiple_of(j * bi, bi), bi)
+        valid, k_main, k_tail = _gather_rows(kv_ref, idx_ref[slots], cfg)
+        p, ds = _ds_block(q_main, q_tail, do, k_main, k_tail, valid, lse2, delta, cfg)
+        p_ref[:, slots] = p.astype(p_ref.dtype)
+        ds_ref[:, slots] = (ds * cfg.scale).astype(ds_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, n_blocks, body, 0)
+
+
+def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, dq_ref, part_ref, *, cfg: _Cfg, n_blocks: int,
+                 slots: int):
+    """One column slice of a token's dq (all heads) and of its dkv partial rows (all slots) from the stored P, dS."""
+    width = cfg.bwd_slice
+    cols = pl.program_id(0) * width + jnp.arange(width, dtype=jnp.int32)
+    q, do = q_ref[...], do_ref[...]  # [H, width]; do is zero on the rope slice
+
+    def body(j, dq):
+        blk = pl.ds(pl.multiple_of(j * slots, slots), slots)
+        ids = idx_ref[blk]
+        valid = (ids >= 0) & (ids < cfg.num_keys)
+        k = pltriton.load(kv_ref.at[jnp.where(valid, ids, 0)[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        ds, p = ds_ref[:, blk], p_ref[:, blk]  # [H, slots]
+        part_ref[blk, :] = (_tn(ds, q) + _tn(p, do)).astype(part_ref.dtype)
+        return dq + _nn(ds, k)
+
+    dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((q.shape[0], width), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype):
+    """(dq, dkv partials) of a token chunk: `_pds_kernel`, then `_dqkv_kernel` over the column slices."""
+    n, hp, dp = q_c.shape
+    kp, bh = idx_c.shape[1], cfg.block_h
+    # Grids put the programs of one token next to each other (grid axis 0 varies fastest in launch order), so
+    # they meet its gathered rows and its P / dS in L2.
+    row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
+    ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
+    p, ds = _call(
+        dataclasses.replace(cfg, num_warps=PDS_WARPS),
+        functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
+        grid=(hp // bh, n),
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
+                  pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
+        out_specs=[pl.BlockSpec((None, bh, kp), lambda h, t: (t, h, 0))] * 2,
+        out_shape=[ps_shape, ps_shape],
+    )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
+    width = cfg.bwd_slice
+    do_p = jnp.pad(do_c, ((0, 0), (0, 0), (0, dp - cfg.dv_p)))  # the rope slice gets no P^T dO term
+    slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
+    whole = pl.BlockSpec((None, hp, kp), lambda c, t: (t, 0, 0))
+    slots = min(STORED_SLOTS, kp)
+    return _call(
+        cfg, functools.partial(_dqkv_kernel, cfg=cfg, n_blocks=kp // slots, slots=slots),
+        grid=(dp // width, n),
+        in_specs=[slices, pl.BlockSpec(kvf.shape, lambda c, t: (0, 0)), pl.BlockSpec((None, kp), lambda c, t: (t, 0)),
+                  slices, whole, whole],
+        out_specs=[slices, pl.BlockSpec((None, kp, width), lambda c, t: (t, 0, c))],
+        out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct((n, kp, dp), part_dtype)],
+    )(q_c, kvf, idx_c, do_p, p, ds)
+
+
 def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
     n, hp, dp = qf.shape
     kp, bh = idxf.shape[1], cfg.block_h
@@ -302,12 +393,19 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
     part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
-    if not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
+    stored = cfg.bwd == "stored" and not cfg.tpu
+    per_token = 0  # bytes per token of the stored P and dS
+    if stored:  # slots padded (-1) to whole steps of the dq / dkv-slice kernel
+        kp = idxf.shape[1]
+        idxf = jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)),
+                       constant_values=-1)
+        per_token = 2 * hp * idxf.shape[1] * jnp.dtype(kvf.dtype).itemsize
+    elif not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
         dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
     # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
     kp = idxf.shape[1]
-    chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4)))
+    chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4 + per_token)))
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
 
@@ -321,12 +419,15 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
             dq_c, dkv_c = sparse_mla_tpu.backward(q_c, kvf, idx_c[:, None, :], do_c, lse_c[..., None],
                                                   delta_c[..., None], cfg, part_dtype)
             return dkv + dkv_c, dq_c
+        if stored:
+            dq_c, parts = _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg, part_dtype)
+            return dkv + _reduce_dkv(parts, idx_c, cfg), dq_c
         parts = _dkv_partials(q_c, kvf, idx_c, do_c, lse_c, delta_c, dkv_cfg, part_dtype)
         return dkv + _reduce_dkv(parts, idx_c, cfg), None
 
     xs = (split(qf), split(idxf, -1), split(do), split(lse, -jnp.inf), split(delta))
     dkv, dq_chunks = jax.lax.scan(step, jnp.zeros((cfg.num_keys, dp), jnp.float32), xs)
-    if cfg.tpu:
+    if cfg.tpu or stored:
         dq = dq_chunks.reshape(n_chunks * chunk, hp, dp)[:n]
     return dq, dkv.astype(kvf.dtype)
 
@@ -383,7 +484,7 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
 
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes):
+            bwd_partial_bytes, bwd="recompute"):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -392,6 +493,10 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
     d_tail = dqk - d_v
+    if bwd not in ("recompute", "stored"):
+        raise ValueError(f"sparse_mla: bwd={bwd!r} must be 'recompute' or 'stored'")
+    if bwd == "stored" and impl in TPU_BACKENDS:
+        raise ValueError(f"sparse_mla: bwd='stored' is a GPU backward; impl={impl!r} has its own fused one")
     common = dict(scale=float(scale), d_v=d_v, d_tail=d_tail, backend=impl, num_warps=num_warps,
                   num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
     if impl in TPU_BACKENDS:  # all heads in one block; slots by 8; the row layout of sparse_mla_tpu (its docstring)
@@ -411,13 +516,14 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
                        ("bwd_block_i", bwd_block_i)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
-    return _Cfg(dv_p=next_pow2(d_v, 16), dt_p=next_pow2(max(d_tail, 1), 16), block_h=block_h, block_i=block_i,
-                bwd_block_h=min(bwd_block_h, block_h), bwd_block_i=min(bwd_block_i, block_i), **common)
+    dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
+    return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
+                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
-               num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29):
+               num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "recompute"):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -429,14 +535,16 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq and dkv programs hold bwd_block_h
     heads per step, dkv programs bwd_block_i slots (smaller defaults: their fp32 accumulators are [tile, 576]); all powers
     of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
-    block_h / bwd_* / num_* are GPU-only.
+    block_h / bwd_* / num_* are GPU-only. bwd (GPU): "recompute" (the dq and dkv kernels above, each recomputing
+    S and dP) or "stored" (P and dS computed once and stored for one token chunk at a time; see the module
+    docstring).
     """
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="sparse_mla",
                         shapes={"q": q, "kv": kv, "topk_idx": topk_idx})
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
-                  num_stages, bwd_partial_bytes)
+                  num_stages, bwd_partial_bytes, bwd)
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

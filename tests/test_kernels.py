@@ -399,10 +399,23 @@ def test_sparse_mla_forward_and_probs(rng, dtype, shape):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape):
-    # backward tiles smaller than the forward's; a small partial budget gives several dkv chunks
+@pytest.mark.parametrize("bwd", ["recompute", "stored"])
+def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape, bwd):
+    """Both GPU backwards; backward tiles smaller than the forward's; a small partial budget gives several dkv
+    chunks. Mutants of the stored backward (tests/mutate.sh on pallas_kernels/sparse_mla.py), each caught by the
+    float32 cases: the P^T dO term dropped (`_tn(ds, q) + _tn(p, do)` -> `_tn(ds, q)`), dS stored without the
+    softmax scale (`(ds * cfg.scale)` -> `(ds)`), every column slice gathering the first slice's columns
+    (`pl.program_id(0) * width +` -> `0 * width +`)."""
     _check_sparse_mla_gradients(rng, dtype, shape, impl=IMPL, bwd_partial_bytes=4096, block_h=32, block_i=32,
-                                bwd_block_h=16, bwd_block_i=16)
+                                bwd_block_h=16, bwd_block_i=16, bwd=bwd)
+
+
+def test_sparse_mla_bwd_option_is_checked(rng):
+    q, kv, idx, d_v = _mla_case(rng, jnp.float32)
+    with pytest.raises(ValueError, match=r"bwd='fused' must be 'recompute' or 'stored'"):
+        kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl=IMPL, bwd="fused")
+    with pytest.raises(ValueError, match=r"bwd='stored' is a GPU backward; impl='interpret_tpu'"):
+        kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl=TPU, bwd="stored")
 
 
 # --------------------------------------------------------------------------------- sparse MLA, TPU kernels
@@ -555,6 +568,39 @@ def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
     want = jax.tree.leaves(grads("sparse"))
     assert calls["indexer_topk"] == layers
     assert rel_err(jnp.concatenate([g.ravel() for g in got]), jnp.concatenate([g.ravel() for g in want])) <= 1e-5
+    model.options = RunOptions()
+
+
+def test_kernel_attention_stored_mla_backward(rng, monkeypatch):
+    """RunOptions(mla_bwd="stored") reaches the sparse MLA kernel (its stored backward runs once per layer) and the
+    model's gradients through it, eq. 2 and eq. 4 together, match the recomputing backward's. Mutation caught: the
+    model not passing the option on (`bwd=opts.mla_bwd` -> `bwd="recompute"` in dsv32_jax/model/mla.py)."""
+    import importlib
+
+    from flax import nnx
+
+    from dsv32_jax import RunOptions
+    smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    calls = []
+    original = smla._stored_backward_chunk
+    monkeypatch.setattr(smla, "_stored_backward_chunk", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    model = _tiny_model(128)
+    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 9)), jnp.int32)
+
+    def grads(mla_bwd):
+        model.options = RunOptions(attention="kernel", indexer_fp8=True, indexer_loss="sparse", mla_bwd=mla_bwd)
+
+        def loss(m):
+            logits, aux = m(toks, return_aux=True)
+            return jnp.mean(logits**2) + sum(jnp.mean(v) for v in aux["indexer_kl"].values())
+        return jnp.concatenate([g.ravel() for g in jax.tree.leaves(nnx.grad(loss)(model))])
+
+    got = grads("stored")
+    assert len(calls) == model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    want = grads("recompute")
+    assert len(calls) == model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    assert rel_err(got, want) <= 1e-5
     model.options = RunOptions()
 
 

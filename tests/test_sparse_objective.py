@@ -97,6 +97,19 @@ def test_config_kl_key_grad_reaches_the_model_and_is_checked(tmp_path):
         RunOptions(kl_key_grad="sorted")
 
 
+def test_config_mla_bwd_reaches_the_model_and_is_checked():
+    """config.mla_bwd becomes RunOptions.mla_bwd (default "recompute"); an unknown value is refused by name. The
+    kernel it selects is checked in tests/test_kernels.py (test_kernel_attention_stored_mla_backward)."""
+    from dsv32_jax import RunOptions
+    from dsv32_jax.train.trainer import run_options
+    c = tiny_config("sparse", mtp=False)
+    assert run_options(c).mla_bwd == "recompute"
+    c.mla_bwd = "stored"
+    assert run_options(c).mla_bwd == "stored"
+    with pytest.raises(ValueError, match="RunOptions.mla_bwd must be one of"):
+        RunOptions(mla_bwd="fused")
+
+
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_token_chunked_heads_give_the_same_objective_without_vocab_sized_buffers(chunk, tmp_path, rng):
     """config.loss.token_chunk: the LM and MTP heads' cross-entropy chunk by chunk (losses.chunked_token_nll) gives

@@ -52,6 +52,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.indexer_fp8 = False
     # eq. 4's key gradient (RunOptions.kl_key_grad): "dense" | "segment_sum" | "scatter" (autodiff, 2.6x slower step)
     c.kl_key_grad = "dense"
+    # The sparse MLA kernel's GPU backward (RunOptions.mla_bwd, attention="kernel"): "recompute" | "stored"
+    c.mla_bwd = "recompute"
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

@@ -12,6 +12,7 @@ ATTENTION_IMPLS = ("sparse", "dense", "kernel")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
 KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
+MLA_BWDS = ("recompute", "stored")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,11 @@ class RunOptions:
     # is owed); "scatter": autodiff of the gather (a scatter-add of the [chunk, k, D] model-dtype key rows, 636 of
     # 925 ms of a 2-layer kernel step at 8K on an H200). BENCHMARKS.md, issue 31.
     kl_key_grad: str = "dense"
+    # The GPU backward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(bwd=...)`): "recompute"
+    # (dq and dkv kernels that each recompute S and dP; 61-69 TFLOP/s on an H200) or "stored" (P and dS computed
+    # once on 64-head wgmma tiles and stored per token chunk, then dq and the dkv rows by column slices; compiled
+    # for an H100 without a GPU, its time on a chip is owed). Same gradients up to float32 summation order.
+    mla_bwd: str = "recompute"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -56,6 +62,8 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_mode must be one of {MLA_MODES}, got {self.mla_mode!r}")
         if self.mla_mode == "mha" and self.attention != "dense":
             raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
+        if self.mla_bwd not in MLA_BWDS:
+            raise ValueError(f"RunOptions.mla_bwd must be one of {MLA_BWDS}, got {self.mla_bwd!r}")
         if self.kl_key_grad not in KL_KEY_GRADS:
             raise ValueError(f"RunOptions.kl_key_grad must be one of {KL_KEY_GRADS}, got {self.kl_key_grad!r}")
         if self.remat not in REMAT_POLICIES:

@@ -81,6 +81,7 @@ class Case:
     requires: tuple = ()  # regexes that must match the PTX of the case
     kernel_requires: tuple = ()  # (kernel name regex, instruction regex): every matching kernel shows the instruction
     max_registers: tuple = ()  # (kernel name regex, n): every matching kernel uses at most n registers
+    kernel_forbids: tuple = ()  # (kernel name regex, instruction regex): no matching kernel shows the instruction
     expect_fail: bool = False
 
     def opts(self):
@@ -91,6 +92,11 @@ class Case:
 # registers at 256 threads leave room for a second block on each SM (65,536 registers).
 TOPK_CLAIMS = {"prod": dict(kernel_requires=(("_filter_kernel", r"ld\.global\S*\.v4"),),
                             max_registers=(("_filter_kernel", 128),))}
+
+
+# The backward without recomputation at production shapes: both kernels on wgmma, none on mma.sync.
+STORED_BWD_CLAIMS = {"prod": dict(kernel_requires=(("_pds_kernel", r"^wgmma|\swgmma"), ("_dqkv_kernel", r"^wgmma|\swgmma")),
+                                  kernel_forbids=(("_pds_kernel|_dqkv_kernel", r"mma\.sync"),))}
 
 
 def all_cases() -> list[Case]:
@@ -109,6 +115,8 @@ def all_cases() -> list[Case]:
             Case(f"sparse_mla_fwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_fwd", sh.name, sh.keys[0]),
             Case(f"sparse_mla_probs[{sh.name},L={sh.keys[0]}]", "sparse_mla_probs", sh.name, sh.keys[0]),
             Case(f"sparse_mla_bwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0]),
+            Case(f"sparse_mla_bwd_stored[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
+                 options=(("bwd", "stored"),), **STORED_BWD_CLAIMS.get(sh.name, {})),
         ]
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
@@ -388,6 +396,10 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
             found = " ".join([*k.mma, *k.vector_loads])
             if not re.search(pattern, found):
                 bad.append(f"{k.name}: no instruction matching {pattern!r} (found: {sorted(found.split())})")
+    for name_re, pattern in case.kernel_forbids:
+        for k in kernels:
+            if re.search(name_re, k.name) and (found := [ins for ins in k.mma if re.search(pattern, ins)]):
+                bad.append(f"{k.name}: {found[0]} matches the forbidden {pattern!r}")
     for name_re, limit in case.max_registers:
         matched = [k for k in kernels if re.search(name_re, k.name)]
         if not matched:
@@ -500,7 +512,7 @@ def main(argv=None) -> int:
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        nested = ("options", "kernel_requires", "max_registers")
+        nested = ("options", "kernel_requires", "max_registers", "kernel_forbids")
         print(json.dumps(compile_one(Case(**{k: tuple(map(tuple, v)) if k in nested else
                                              tuple(v) if isinstance(v, list) else v
                                              for k, v in json.loads(a.one).items()}))))
