@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The measurements owed to the next task with a GPU (issue 31; BENCHMARKS.md, "Kernels in the sharded steps"), one
 # device call each (each fits the 10-minute command limit; in order of value):
-#   bash bench/gpu_owed.sh 0   # the kernel table at 8K / 32K / 128K (the one-pass top-k) + the top-k chip tests
+#   bash bench/gpu_owed.sh 0   # the kernel table at 8K / 32K / 128K (one-pass top-k; sparse MLA backward recompute
+#                                beside stored) + the top-k and sparse MLA gradient chip tests
 #   bash bench/gpu_owed.sh 1   # profile at 32K: kernel step (key-block skipping) beside kl_segment_sum, dense, prefill
 #   bash bench/gpu_owed.sh 2   # 4-layer step at 32K: sparse (exact / segment_sum + FP8 selection) vs dense
 #   bash bench/gpu_owed.sh 3   # 4-layer step at 64K and 128K with remat=full + token_chunk: sparse vs dense, fits?
@@ -19,14 +20,14 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
-  0) run STAGES="bench tests" BENCH_S=330 TEST_S=200 TEST_K=topk ;;
+  0) run STAGES="bench tests" BENCH_S=380 TEST_S=180 "TEST_K=topk or sparse_mla_gradients or stored" ;;
   1) run STAGES=profile PROFILE_S=420 \
-       PROFILE_CASES=train:kernel:32768,train:kernel:32768:kl_segment_sum,train:dense:32768,prefill:kernel:32768 ;;
+       PROFILE_CASES=train:kernel:32768,train:kernel:32768:kl_segment_sum+mla_bwd_stored,train:dense:32768,prefill:kernel:32768 ;;
   2) run STAGES=step STEP_S=520 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=170 "STEP_ARGS=--layers 4" \
-       STEP_CASES=sparse:32768,sparse:32768:kl_segment_sum+indexer_fp8,dense:32768 ;;
+       STEP_CASES=sparse:32768,sparse:32768:kl_segment_sum+indexer_fp8+mla_bwd_stored,dense:32768 ;;
   3) run STAGES=step STEP_S=560 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=185 \
        "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
-       STEP_CASES=sparse:65536:kl_segment_sum+indexer_fp8,dense:65536,sparse:131072:kl_segment_sum+indexer_fp8 ;;
+       STEP_CASES=sparse:65536:kl_segment_sum+indexer_fp8+mla_bwd_stored,dense:65536,sparse:131072:kl_segment_sum+indexer_fp8+mla_bwd_stored ;;
   4) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
        "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower" ;;
   *) echo "bench/gpu_owed.sh: no call $call (0-4)" >&2; exit 2 ;;

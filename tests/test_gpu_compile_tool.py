@@ -128,3 +128,15 @@ def test_kernel_scoped_claims_vector_loads_and_registers():
                                         vector_loads={"ld.global.v4.b32": 4})])
     assert heavy == ["_filter_kernel: 129 registers > 128"]
     assert gc.check(case, {}, [emit]) == ["no kernel matching '_filter_kernel'"] * 2
+
+
+def test_stored_backward_claims_wgmma_and_forbids_mma_sync():
+    case = gc.Case("c", "sparse_mla_bwd", "prod", 8192, options=(("bwd", "stored"),), **gc.STORED_BWD_CLAIMS["prod"])
+    wgmma = {"wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16": 8}
+    pds, dqkv = _kernel(name="_pds_kernel", mma=wgmma), _kernel(name="_dqkv_kernel", mma=wgmma)
+    assert gc.check(case, {}, [pds, dqkv, _kernel(name="_fwd_kernel")]) == []  # the forward is not claimed
+    mixed = _kernel(name="_dqkv_kernel", mma={**wgmma, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": 2})
+    reasons = gc.check(case, {}, [pds, mixed])
+    assert len(reasons) == 1 and reasons[0].startswith("_dqkv_kernel: mma.sync") and "forbidden" in reasons[0]
+    only_sync = gc.check(case, {}, [pds, _kernel(name="_dqkv_kernel")])
+    assert any("no instruction matching" in r for r in only_sync) and any("forbidden" in r for r in only_sync)
