@@ -84,30 +84,20 @@ def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
     assert np.isfinite(loss_fp8) and np.isfinite(loss_exact)
 
 
-def test_config_kl_key_grad_reaches_the_model_and_is_checked(tmp_path):
-    """config.kl_key_grad becomes RunOptions.kl_key_grad in every stage that trains the indexer on eq. 4 (the default
-    "dense"); an unknown value is refused by name. Mutation caught: the trainer ignoring the field."""
+@pytest.mark.parametrize("field,default,other,bad", [("kl_key_grad", "dense", "segment_sum", "sorted"),
+                                                     ("mla_bwd", "recompute", "stored", "fused")])
+def test_config_run_option_reaches_the_model_and_is_checked(field, default, other, bad):
+    """config.kl_key_grad / config.mla_bwd become the RunOptions field of the same name in the sparse stage (with
+    its default when unset); an unknown value is refused by name. Mutation caught: the trainer ignoring the field.
+    What mla_bwd selects is checked in tests/test_kernels.py (test_kernel_attention_stored_mla_backward)."""
     from dsv32_jax import RunOptions
     from dsv32_jax.train.trainer import run_options
     c = tiny_config("sparse", mtp=False)
-    assert run_options(c).kl_key_grad == "dense"
-    c.kl_key_grad = "segment_sum"
-    assert run_options(c).kl_key_grad == "segment_sum"
-    with pytest.raises(ValueError, match="RunOptions.kl_key_grad must be one of"):
-        RunOptions(kl_key_grad="sorted")
-
-
-def test_config_mla_bwd_reaches_the_model_and_is_checked():
-    """config.mla_bwd becomes RunOptions.mla_bwd (default "recompute"); an unknown value is refused by name. The
-    kernel it selects is checked in tests/test_kernels.py (test_kernel_attention_stored_mla_backward)."""
-    from dsv32_jax import RunOptions
-    from dsv32_jax.train.trainer import run_options
-    c = tiny_config("sparse", mtp=False)
-    assert run_options(c).mla_bwd == "recompute"
-    c.mla_bwd = "stored"
-    assert run_options(c).mla_bwd == "stored"
-    with pytest.raises(ValueError, match="RunOptions.mla_bwd must be one of"):
-        RunOptions(mla_bwd="fused")
+    assert getattr(run_options(c), field) == default
+    setattr(c, field, other)
+    assert getattr(run_options(c), field) == other
+    with pytest.raises(ValueError, match=f"RunOptions.{field} must be one of"):
+        RunOptions(**{field: bad})
 
 
 @pytest.mark.parametrize("chunk", [5, 64])

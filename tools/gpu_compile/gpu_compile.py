@@ -388,11 +388,14 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
     for pattern in case.requires:
         if not re.search(pattern, ptx_ins):
             bad.append(f"no instruction matching {pattern!r} in the PTX (found: {sorted(set(ptx_ins.split()))})")
-    for name_re, pattern in case.kernel_requires:
+    def claimed(name_re):  # the kernels a claim names; a claim that names none fails
         matched = [k for k in kernels if re.search(name_re, k.name)]
         if not matched:
             bad.append(f"no kernel matching {name_re!r}")
-        for k in matched:
+        return matched
+
+    for name_re, pattern in case.kernel_requires:
+        for k in claimed(name_re):
             found = " ".join([*k.mma, *k.vector_loads])
             if not re.search(pattern, found):
                 bad.append(f"{k.name}: no instruction matching {pattern!r} (found: {sorted(found.split())})")
@@ -401,10 +404,7 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
             if re.search(name_re, k.name) and (found := [ins for ins in k.mma if re.search(pattern, ins)]):
                 bad.append(f"{k.name}: {found[0]} matches the forbidden {pattern!r}")
     for name_re, limit in case.max_registers:
-        matched = [k for k in kernels if re.search(name_re, k.name)]
-        if not matched:
-            bad.append(f"no kernel matching {name_re!r}")
-        for k in matched:
+        for k in claimed(name_re):
             if k.registers is not None and k.registers > limit:
                 bad.append(f"{k.name}: {k.registers} registers > {limit}")
     if not any(k.backend != "xla" for k in kernels):
