@@ -34,6 +34,10 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
     K = H), reduced by the same segment sum. MMA work: 2752 FLOP per head-slot pair, none repeated.
   * probabilities summed over heads (return_probs): the dkv program structure without the gradients, from the
     final lse; returned with stop_gradient (it is the target of the indexer's KL loss).
+  * launch order: every GPU grid here puts the within-token axis (head block, slot block or column slice) first,
+    which is the fastest-varying in launch order (Pallas Triton maps grid axis 0 to CUDA's x), so the programs
+    of one token run at the same time and meet its gathered rows, q, dO, P and dS in L2 instead of re-reading
+    them from HBM one token-sweep apart (before 2026-11-27 the token axis came first).
 TPU (impl pallas_tpu / interpret_tpu): the Mosaic kernels of `sparse_mla_tpu` (all heads per program, slot
 blocks gathered by one DMA per selected row as 32-bit words: bf16 rows are packed in pairs of columns; see that
 module) behind the same custom VJP; its dq comes from the fused backward kernel and its dkv partials are reduced by
@@ -165,12 +169,12 @@ def _forward(qf, kvf, idxf, cfg: _Cfg):
     bh = cfg.block_h
     return _call(
         cfg, functools.partial(_fwd_kernel, cfg=cfg, n_blocks=kp // cfg.block_i),
-        grid=(n, hp // bh),
-        in_specs=[pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
-                  pl.BlockSpec(kvf.shape, lambda t, h: (0, 0)),
-                  pl.BlockSpec((None, kp), lambda t, h: (t, 0))],
-        out_specs=[pl.BlockSpec((None, bh, cfg.dv_p), lambda t, h: (t, h, 0)),
-                   pl.BlockSpec((None, bh), lambda t, h: (t, h))],
+        grid=(hp // bh, n),  # a token's head blocks adjacent in launch order: they share its gathered rows in L2
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda h, t: (t, 0))],
+        out_specs=[pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)),
+                   pl.BlockSpec((None, bh), lambda h, t: (t, h))],
         out_shape=[jax.ShapeDtypeStruct((n, hp, cfg.dv_p), qf.dtype), jax.ShapeDtypeStruct((n, hp), jnp.float32)],
     )(qf, kvf, idxf)
 
@@ -199,9 +203,9 @@ def _probs_kernel(q_ref, kv_ref, idx_ref, lse_ref, p_ref, *, cfg: _Cfg, n_head_b
 def _per_slot_specs(qf, kvf, cfg: _Cfg):
     """in_specs of a (token, slot block) program: all heads of the token's q, the whole cache, its slot block."""
     _, hp, dp = qf.shape
-    return [pl.BlockSpec((None, hp, dp), lambda t, j: (t, 0, 0)),
-            pl.BlockSpec(kvf.shape, lambda t, j: (0, 0)),
-            pl.BlockSpec((None, cfg.block_i), lambda t, j: (t, j))]
+    return [pl.BlockSpec((None, hp, dp), lambda j, t: (t, 0, 0)),
+            pl.BlockSpec(kvf.shape, lambda j, t: (0, 0)),
+            pl.BlockSpec((None, cfg.block_i), lambda j, t: (t, j))]
 
 
 def _head_summed_probs(qf, kvf, idxf, lse, cfg: _Cfg):
@@ -211,9 +215,9 @@ def _head_summed_probs(qf, kvf, idxf, lse, cfg: _Cfg):
     kp, bi = idxf.shape[1], cfg.block_i
     return _call(
         cfg, functools.partial(_probs_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
-        grid=(n, kp // bi),
-        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp), lambda t, j: (t, 0))],
-        out_specs=pl.BlockSpec((None, bi), lambda t, j: (t, j)),
+        grid=(kp // bi, n),  # a token's slot blocks adjacent in launch order: they share its q in L2
+        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp), lambda j, t: (t, 0))],
+        out_specs=pl.BlockSpec((None, bi), lambda j, t: (t, j)),
         out_shape=jax.ShapeDtypeStruct((n, kp), jnp.float32),
     )(qf, kvf, idxf, lse)
 
@@ -350,15 +354,15 @@ def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, par
 def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
     n, hp, dp = qf.shape
     kp, bh = idxf.shape[1], cfg.block_h
-    row = pl.BlockSpec((None, bh), lambda t, h: (t, h))
+    row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
     return _call(
         cfg, functools.partial(_dq_kernel, cfg=cfg, n_blocks=kp // cfg.block_i),
-        grid=(n, hp // bh),
-        in_specs=[pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
-                  pl.BlockSpec(kvf.shape, lambda t, h: (0, 0)),
-                  pl.BlockSpec((None, kp), lambda t, h: (t, 0)),
-                  pl.BlockSpec((None, bh, cfg.dv_p), lambda t, h: (t, h, 0)), row, row],
-        out_specs=pl.BlockSpec((None, bh, dp), lambda t, h: (t, h, 0)),
+        grid=(hp // bh, n),  # a token's head blocks adjacent in launch order (its gathered rows in L2)
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
+                  pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
+        out_specs=pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
         out_shape=jax.ShapeDtypeStruct(qf.shape, qf.dtype),
     )(qf, kvf, idxf, do, lse, delta)
 
@@ -366,13 +370,13 @@ def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
 def _dkv_partials(qf, kvf, idxf, do, lse, delta, cfg: _Cfg, part_dtype):
     n, hp, dp = qf.shape
     kp, bi = idxf.shape[1], cfg.block_i
-    heads = pl.BlockSpec((None, hp), lambda t, j: (t, 0))
+    heads = pl.BlockSpec((None, hp), lambda j, t: (t, 0))
     return _call(
         cfg, functools.partial(_dkv_kernel, cfg=cfg, n_head_blocks=hp // cfg.block_h),
-        grid=(n, kp // bi),
-        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp, cfg.dv_p), lambda t, j: (t, 0, 0)),
+        grid=(kp // bi, n),  # a token's slot blocks adjacent in launch order (its q and dO in L2)
+        in_specs=[*_per_slot_specs(qf, kvf, cfg), pl.BlockSpec((None, hp, cfg.dv_p), lambda j, t: (t, 0, 0)),
                   heads, heads],
-        out_specs=pl.BlockSpec((None, bi, dp), lambda t, j: (t, j, 0)),
+        out_specs=pl.BlockSpec((None, bi, dp), lambda j, t: (t, j, 0)),
         out_shape=jax.ShapeDtypeStruct((n, kp, dp), part_dtype),
     )(qf, kvf, idxf, do, lse, delta)
 
