@@ -6,7 +6,8 @@
 #   bash bench/gpu_owed.sh 1   # profile at 32K: kernel step (key-block skipping) beside kl_segment_sum, dense, prefill
 #   bash bench/gpu_owed.sh 2   # 4-layer step at 32K: sparse (exact / segment_sum + FP8 selection) vs dense
 #   bash bench/gpu_owed.sh 3   # 4-layer step at 64K and 128K with remat=full + token_chunk: sparse vs dense, fits?
-#   bash bench/gpu_owed.sh 4   # the chip tests not reached yet, then the kernels' 32K prefill
+#   bash bench/gpu_owed.sh 4   # the chip tests not reached yet + the FP8 indexer's under the accumulator model, then
+#                                the kernels' 32K prefill
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
@@ -29,6 +30,6 @@ case $call in
        "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
        STEP_CASES=sparse:65536:kl_segment_sum+indexer_fp8+mla_bwd_stored,dense:65536,sparse:131072:kl_segment_sum+indexer_fp8+mla_bwd_stored ;;
   4) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
-       "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower" ;;
+       "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower or indexer_logits" ;;
   *) echo "bench/gpu_owed.sh: no call $call (0-4)" >&2; exit 2 ;;
 esac
