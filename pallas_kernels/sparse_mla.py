@@ -272,7 +272,7 @@ def _dkv_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, part_ref, *,
 # ------------------------------------------------------------------- backward without recomputation ("stored")
 STORED_SLOTS = 64  # slots per step of the dq / dkv-slice kernel (the M of its dS^T q MMA)
 # The P / dS kernel at 64 heads x 576 (H100, deviceless compile): q and dO stay in shared memory (139 KB), so 16
-# gathered slots per step (two buffers) with one warpgroup: 178 KB, 136 registers, wgmma m64n16k16. 32 slots take
+# gathered slots per step (two buffers) with one warpgroup: 178 KB, 138 registers, wgmma m64n16k16. 32 slots take
 # 217 KB (over the 90% budget) with two buffers, or 255 registers with one.
 PDS_SLOTS = 16
 PDS_WARPS = 4
