@@ -5,8 +5,9 @@ Same contract as `dsv32_jax.model.indexer.indexer_topk`: k = min(topk, S) keys p
 already quantized with its scales, e.g. from a decode cache), q scales folded into w, `indexer_logits` with per-row
 key ranges [segment start, q_index + 1) (blocks outside are skipped and read as -inf), then the threshold-select
 `topk` on each row's first q_index + 1 columns (`lengths`); query chunks of `q_chunk` rows keep at most chunk x S
-logits live (a 128K prefill with chunk 128 holds 64 MB of fp32 logits). The exact (fp8=False) scores run in plain JAX on the key blocks that meet the chunk's
-[min start, max end) (`index_scores_in_range`), masked by `attention.visible`.
+logits live (a 128K prefill with chunk 128 holds 64 MB of fp32 logits). The exact (fp8=False) scores run in plain
+JAX on the key blocks that meet the chunk's [min start, max end) (`index_scores_in_range`), masked by
+`attention.visible`.
 
 The key range of a query is exact when every segment is one contiguous run of keys and each query's own slot
 belongs to its segment (packed documents, the sampler's left padding, a decode cache). Otherwise (e.g. GRPO

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
+from dsv32_jax.model.options import MLA_BWDS
 from dsv32_jax.kernels import sparse_mla_tpu
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
@@ -100,14 +101,17 @@ def _call(cfg: _Cfg, kernel, **kwargs):
     return pl.pallas_call(kernel, interpret=cfg.backend == "interpret", **extra, **kwargs)
 
 
+def _gather(kv_ref, ids, cols, cfg: _Cfg):
+    """(valid [BI], kv[ids][:, cols] [BI, len(cols)]): the selected rows' columns; invalid slots load zeros."""
+    valid = (ids >= 0) & (ids < cfg.num_keys)
+    rows = pltriton.load(kv_ref.at[jnp.where(valid, ids, 0)[:, None], cols[None, :]], mask=valid[:, None], other=0)
+    return valid, rows
+
+
 def _gather_rows(kv_ref, ids, cfg: _Cfg):
     """Rows kv[ids] split into main [BI, dv_p] and tail [BI, dt_p]; invalid slots load zeros."""
-    valid = (ids >= 0) & (ids < cfg.num_keys)
-    safe = jnp.where(valid, ids, 0)[:, None]
-    cols_m = jnp.arange(cfg.dv_p, dtype=jnp.int32)[None, :]
-    cols_t = cfg.dv_p + jnp.arange(cfg.dt_p, dtype=jnp.int32)[None, :]
-    k_main = pltriton.load(kv_ref.at[safe, cols_m], mask=valid[:, None], other=0)
-    k_tail = pltriton.load(kv_ref.at[safe, cols_t], mask=valid[:, None], other=0)
+    valid, k_main = _gather(kv_ref, ids, jnp.arange(cfg.dv_p, dtype=jnp.int32), cfg)
+    _, k_tail = _gather(kv_ref, ids, cfg.dv_p + jnp.arange(cfg.dt_p, dtype=jnp.int32), cfg)
     return valid, k_main, k_tail
 
 
@@ -306,9 +310,7 @@ def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, dq_ref, part_ref
 
     def body(j, dq):
         blk = pl.ds(pl.multiple_of(j * slots, slots), slots)
-        ids = idx_ref[blk]
-        valid = (ids >= 0) & (ids < cfg.num_keys)
-        k = pltriton.load(kv_ref.at[jnp.where(valid, ids, 0)[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        _, k = _gather(kv_ref, idx_ref[blk], cols, cfg)  # [slots, width]
         ds, p = ds_ref[:, blk], p_ref[:, blk]  # [H, slots]
         part_ref[blk, :] = (_tn(ds, q) + _tn(p, do)).astype(part_ref.dtype)
         return dq + _nn(ds, k)
@@ -401,9 +403,9 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     per_token = 0  # bytes per token of the stored P and dS
     if stored:  # slots padded (-1) to whole steps of the dq / dkv-slice kernel
         kp = idxf.shape[1]
-        idxf = jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)),
-                       constant_values=-1)
-        per_token = 2 * hp * idxf.shape[1] * jnp.dtype(kvf.dtype).itemsize
+        kp_s = round_up(kp, min(STORED_SLOTS, next_pow2(kp)))
+        idxf = jnp.pad(idxf, ((0, 0), (0, kp_s - kp)), constant_values=-1)
+        per_token = 2 * hp * kp_s * jnp.dtype(kvf.dtype).itemsize
     elif not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
         dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
@@ -497,8 +499,8 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
     d_tail = dqk - d_v
-    if bwd not in ("recompute", "stored"):
-        raise ValueError(f"sparse_mla: bwd={bwd!r} must be 'recompute' or 'stored'")
+    if bwd not in MLA_BWDS:
+        raise ValueError(f"sparse_mla: bwd={bwd!r} must be one of {MLA_BWDS}")
     if bwd == "stored" and impl in TPU_BACKENDS:
         raise ValueError(f"sparse_mla: bwd='stored' is a GPU backward; impl={impl!r} has its own fused one")
     common = dict(scale=float(scale), d_v=d_v, d_tail=d_tail, backend=impl, num_warps=num_warps,

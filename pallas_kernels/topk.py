@@ -26,8 +26,8 @@ three programs per row, the second one idle for almost every row. C is the per-r
      the keys > hi and, in column order, the keys in [lo, hi] (capped at C, which only drops surplus ties) to the
      buffer.
   2. select + emit: a bisection between the smallest and largest buffered keys (at most 32 steps) finds the
-     exact k-th key; keys above it and the first
-     ties (lowest columns) are written out with prefix sums, the rest of the row's k slots get -1.
+     exact k-th key; keys above it and the first ties (lowest columns) are written out with prefix sums, the rest
+     of the row's k slots get -1.
 Typical cost: a 3% sample + 1 streaming read of the row + O(C) work per row (the read floor is one pass); a row
 that falls back pays step 1's 2+ reads as well. The previous design (step 1 for every row, 256 columns per loop
 step, 164 registers: one block per SM) ran at 91 GB/s on an H200 at 4096 x 128K.
@@ -421,9 +421,8 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
 
     lengths [...] (optional): only columns < lengths are candidates; -inf values never are. `buffer` (power of
     two > k) is the per-row candidate buffer of the GPU kernel (default max(4 k, 1024), rounded up). Backends:
-    pallas_gpu,
-    interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs the
-    reference (`jax.lax.top_k`, a full sort).
+    pallas_gpu, interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs
+    the reference (`jax.lax.top_k`, a full sort).
     """
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="topk",
                         shapes={"scores": scores, "k": k})

@@ -95,7 +95,8 @@ TOPK_CLAIMS = {"prod": dict(kernel_requires=(("_filter_kernel", r"ld\.global\S*\
 
 
 # The backward without recomputation at production shapes: both kernels on wgmma, none on mma.sync.
-STORED_BWD_CLAIMS = {"prod": dict(kernel_requires=(("_pds_kernel", r"^wgmma|\swgmma"), ("_dqkv_kernel", r"^wgmma|\swgmma")),
+STORED_BWD_CLAIMS = {"prod": dict(kernel_requires=(("_pds_kernel", r"wgmma\.mma_async"),
+                                                   ("_dqkv_kernel", r"wgmma\.mma_async")),
                                   kernel_forbids=(("_pds_kernel|_dqkv_kernel", r"mma\.sync"),))}
 
 
