@@ -380,15 +380,16 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_the_policy(tmp_path
     minibatches; one-leg trips), on 32 held-out tasks: the greedy mean verifier reward (the fraction of the plan's
     checks that hold) is <= 0.05 before training and >= 0.25 after the cold start; 40 GRPO steps keep the reward of
     the sampled policy they optimize (8 samples a task at temperature 1.0, the same keys before and after) within
-    0.05 of the cold start's and the greedy reward within 0.1. 60-90 minutes on one core (BUILD.md, slow tests).
+    0.05 of the cold start's and the greedy reward within 0.05. 60-90 minutes on one core (BUILD.md, slow tests).
 
     It asserts no GRPO gain because the measured distribution holds none at every seed (BUILD.md, BENCHMARKS.md "Trip
     planning over seven seeds"): at the current rollouts the sampled reward's change over the 40 steps was -0.007
     (this test's seed, 4405), +0.076 (DSV32_TEST_SEED=6), +0.082 (=5), +0.151 (=4) and >= +0.05 at =1, 2, 3; the
     greedy reward's -0.049 to +0.068. At 4405 the sampled reward is flat (0.296, 0.256, 0.299, 0.275, 0.289 after
     0-40 steps) while the KL to the cold start reaches 0.53, and by step 50 (0.253, KL 0.91) the rollouts drop calls;
-    at seed offset 6 it rises to 0.46 by step 50. The bounds sit below the smallest measured change by about 1.5
-    standard deviations of its noise (256 sampled episodes a side: ~0.03 on the difference; 32 greedy tasks: ~0.05).
+    at seed offset 6 it rises to 0.46 by step 50. The sampled bound sits below the smallest measured change by about
+    1.5 standard deviations of its noise (256 sampled episodes a side: ~0.03 on the difference); the greedy bound is
+    the test's earlier one, which every seed held (the smallest margin 0.001, at DSV32_TEST_SEED=1).
     The gain that GRPO over trajectories must show is asserted in CI by
     `test_grpo_over_trajectories_beats_the_zero_rate_control_from_one_cold_start` (paired against a learning-rate-0
     control); an inert GRPO passes this test and fails that one. Mutation (tests/mutate.sh train/agent_grpo.py
@@ -400,7 +401,7 @@ def test_trip_planning_cold_start_from_chance_and_grpo_keeps_the_policy(tmp_path
     assert first["start_eval_reward"] <= 0.05
     assert first["pre_eval_reward"] >= 0.25
     assert last["eval_sampled_reward"] >= first["pre_eval_sampled_reward"] - 0.05
-    assert last["eval_reward"] >= first["pre_eval_reward"] - 0.1
+    assert last["eval_reward"] >= first["pre_eval_reward"] - 0.05
 
 
 GAP = 0.15  # the GRPO arm's lead over the control (test_grpo_over_trajectories_beats_the_zero_rate_control_...)
