@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored")
+CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -60,7 +60,8 @@ def make_trainer(args):
     config.remat = getattr(args, "remat", "none")
     config.kl_key_grad = ("scatter" if getattr(args, "kl_scatter_add", False) else
                           "segment_sum" if getattr(args, "kl_segment_sum", False) else "dense")
-    config.mla_bwd = "stored" if getattr(args, "mla_bwd_stored", False) else "recompute"
+    # mla_bwd_stored: the default since 2026-11-28 (kept so recorded command lines still run)
+    config.mla_bwd = "recompute" if getattr(args, "mla_bwd_recompute", False) else "stored"
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -129,7 +130,9 @@ def main():
     p.add_argument("--kl_segment_sum", action="store_true",
                    help="config.kl_key_grad='segment_sum': eq. 4's key gradient as float32 rows and one segment sum")
     p.add_argument("--mla_bwd_stored", action="store_true",
-                   help="config.mla_bwd='stored': the sparse MLA kernel's backward without recomputation")
+                   help="config.mla_bwd='stored' (the default): the sparse MLA kernel's backward without recomputation")
+    p.add_argument("--mla_bwd_recompute", action="store_true",
+                   help="config.mla_bwd='recompute': the sparse MLA kernel's recomputing backward")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
     p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
@@ -164,6 +167,7 @@ def main():
             (["--kl_scatter_add"] if args.kl_scatter_add or "kl_scatter_add" in flags else []) + \
             (["--kl_segment_sum"] if args.kl_segment_sum or "kl_segment_sum" in flags else []) + \
             (["--mla_bwd_stored"] if args.mla_bwd_stored or "mla_bwd_stored" in flags else []) + \
+            (["--mla_bwd_recompute"] if args.mla_bwd_recompute or "mla_bwd_recompute" in flags else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -10,6 +10,10 @@ def get_config():
     c.init_from = "runs/warmup_small"
     c.dtype = "bfloat16"
     c.attention = "kernel"
+    # The step measured on an H200 (BENCHMARKS.md, 2026-11-28: 4 layers, 2.37x the dense stage's step at 64K): the
+    # production FP8 selection, eq. 4's key gradient by segment sum, the stored sparse MLA backward (the default).
+    c.indexer_fp8 = True
+    c.kl_key_grad = "segment_sum"
     c.steps = 5000
     c.optimizer.lr = 7.3e-6 * 10  # small model, shorter run: a 10x higher constant rate than the 671B recipe
     c.optimizer.schedule = "constant"

@@ -85,7 +85,7 @@ def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
 
 
 @pytest.mark.parametrize("field,default,other,bad", [("kl_key_grad", "dense", "segment_sum", "sorted"),
-                                                     ("mla_bwd", "recompute", "stored", "fused")])
+                                                     ("mla_bwd", "stored", "recompute", "fused")])
 def test_config_run_option_reaches_the_model_and_is_checked(field, default, other, bad):
     """config.kl_key_grad / config.mla_bwd become the RunOptions field of the same name in the sparse stage (with
     its default when unset); an unknown value is refused by name. Mutation caught: the trainer ignoring the field.

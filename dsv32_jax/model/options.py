@@ -45,15 +45,17 @@ class RunOptions:
     # How eq. 4's gradient reaches the indexer keys (`indexer_loss.KEY_GRADS`, `indexer_loss.selected_scores`), all
     # the same gradient up to float32 summation order. "dense": matmuls per key block, no scatter (the default: on
     # an H200 the 12-layer small step at 8K took 1.60 s with it, 4.09 s with "scatter"); "segment_sum": per-slot
-    # float32 rows summed into the keys by one flat segment sum (O(T k) work instead of O(T^2); its time on a chip
-    # is owed); "scatter": autodiff of the gather (a scatter-add of the [chunk, k, D] model-dtype key rows, 636 of
+    # float32 rows summed into the keys by one flat segment sum (O(T k) work instead of O(T^2); on an H200 the
+    # 4-layer step with it, the FP8 selection and the stored backward ran 2.37x the dense stage's at 64K; its own
+    # share is not yet separated); "scatter": autodiff of the gather (a scatter-add of the [chunk, k, D] model-dtype key rows, 636 of
     # 925 ms of a 2-layer kernel step at 8K on an H200). BENCHMARKS.md, issue 31.
     kl_key_grad: str = "dense"
-    # The GPU backward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(bwd=...)`): "recompute"
-    # (dq and dkv kernels that each recompute S and dP; 61-69 TFLOP/s on an H200) or "stored" (P and dS computed
-    # once on 64-head wgmma tiles and stored per token chunk, then dq and the dkv rows by column slices; compiled
-    # for an H100 without a GPU, its time on a chip is owed). Same gradients up to float32 summation order.
-    mla_bwd: str = "recompute"
+    # The GPU backward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(bwd=...)`; the TPU kernels
+    # have one fused backward and ignore it): "stored" (the default: P and dS computed once on 64-head wgmma tiles
+    # and stored per token chunk, then dq and the dkv rows by column slices; H200, k 2048, 128 heads: 84-88
+    # TFLOP/s, 1.14-1.21x XLA's autodiff) or "recompute" (dq and dkv kernels that each recompute S and dP; 62-64
+    # TFLOP/s in the same run). Same gradients up to float32 summation order. BENCHMARKS.md, issue 31.
+    mla_bwd: str = "stored"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:

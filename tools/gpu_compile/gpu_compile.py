@@ -115,7 +115,8 @@ def all_cases() -> list[Case]:
                  requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)),
             Case(f"sparse_mla_fwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_fwd", sh.name, sh.keys[0]),
             Case(f"sparse_mla_probs[{sh.name},L={sh.keys[0]}]", "sparse_mla_probs", sh.name, sh.keys[0]),
-            Case(f"sparse_mla_bwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0]),
+            Case(f"sparse_mla_bwd[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
+                 options=(("bwd", "recompute"),)),
             Case(f"sparse_mla_bwd_stored[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
                  options=(("bwd", "stored"),), **STORED_BWD_CLAIMS.get(sh.name, {})),
         ]
@@ -130,7 +131,7 @@ def all_cases() -> list[Case]:
         Case("sparse_mla_fwd[prod,L=8192,block 64x64: over budget]", "sparse_mla_fwd", "prod", 8192,
              options=(("block_h", 64), ("block_i", 64)), expect_fail=True),
         Case("sparse_mla_bwd[prod,L=8192,num_warps 4: spills]", "sparse_mla_bwd", "prod", 8192,
-             options=(("num_warps", 4),), expect_fail=True),
+             options=(("num_warps", 4), ("bwd", "recompute")), expect_fail=True),
     ]
     return cases
 
