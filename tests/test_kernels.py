@@ -792,3 +792,64 @@ def test_benchmark_smoke_runs():
     assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd", "DSA layer fwd"}
     assert all(r.kernel_ms > 0 for r in rows)  # an op that raised has a NaN time and a "FAILED ..." check
     assert not [r.check for r in rows if "FAILED" in r.check or "DIFFER" in r.check]
+
+
+# ------------------------------------------------------------------------------------------------ gathering producer
+def test_gather_producer_chunk_positions_are_the_tiled_swizzled_layout():
+    """Issue 31 item 2's producer copies row r, 16-byte chunk j of the selected keys to `chunk_position(r, j)`.
+    Checked against the layout as Mosaic GPU and the hardware define it, derived here independently: the (8, 64)
+    tiling's shape from Mosaic GPU itself ([R/8, D/64, 8, 64], row-major), then the 128-byte swizzle of NVIDIA's
+    TMA / wgmma (byte address bits [4, 7) XOR bits [7, 10)); and every chunk of the buffer is written exactly once.
+    Mutations caught: the XOR dropped (`^ (r & 7)` -> `^ 0`), the tiles in column-major order."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dsv32_jax.kernels.gather_mgpu import TILE, chunk_position
+    rows, d = 64, 576
+    tiled = plgpu.TilingTransform(TILE).transform_type(jax.core.ShapedArray((rows, d), jnp.bfloat16))
+    assert tiled.shape == (rows // 8, d // 64, 8, 64)
+    r, j = np.meshgrid(np.arange(rows), np.arange(d // 8), indexing="ij")
+    col = 8 * j
+    addr = np.ravel_multi_index((r // 8, col // 64, r % 8, col % 64), tiled.shape) * 2  # bytes, bf16
+    swizzled = addr ^ (((addr >> 7) & 7) << 4)
+    got = np.vectorize(lambda a, b: chunk_position(int(a), int(b), d // 64))(r, j)
+    np.testing.assert_array_equal(got, swizzled // 16)
+    assert sorted(got.ravel().tolist()) == list(range(rows * d // 8))
+
+
+def test_gather_producer_argument_checks(rng):
+    from dsv32_jax.kernels import gather_mgpu as gm
+    q = jnp.asarray(rng.standard_normal((64, 576)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((100, 576)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"gather_qk: q \[64, D\].*idx \(32,\)"):
+        gm.gather_qk(q, kv, jnp.zeros((32,), jnp.int32))
+    with pytest.raises(ValueError, match=r"gather_qk: bf16 q / kv and int32 idx; got float32"):
+        gm.gather_qk(q.astype(jnp.float32), kv, jnp.zeros((64,), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv \(100, 512\)"):
+        gm.gather_qk_ws(q, kv[:, :512], jnp.zeros((64,), jnp.int32))
+
+
+def test_gather_producer_on_chip(rng):
+    """The producer kernels (one warpgroup; producer + consumer warpgroups) against `gather_qk_reference` on a
+    Hopper GPU: random indices with invalid slots (-1: zero rows) and repeats, the contiguous block kv[:64] (a pure
+    layout check), every slot the same row, all invalid. bf16 inputs, float32 accumulation: bound 1e-5 against the
+    float32 product of the same bf16 values. `inline_mgpu` has no interpret mode, so this is skipped on CPU (the
+    layout is checked above, the compile for sm_90a by tools/gpu_compile); owed to a chip (bench/gpu_owed.sh 0)."""
+    from dsv32_jax.kernels import gather_mgpu as gm
+    if IMPL != "pallas_gpu":
+        pytest.skip("the producer kernels run only on a Hopper GPU (DSV32_TEST_KERNELS_ON_GPU=1)")
+    n, d = 1000, 576
+    q = jnp.asarray(rng.standard_normal((64, d)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    rand = rng.integers(0, n, 64).astype(np.int32)
+    rand[rng.choice(64, 6, replace=False)] = -1
+    rand[10:14] = rand[3]
+    rand[20], rand[21] = n - 1, 0
+    cases = {"random": rand, "contiguous": np.arange(64, dtype=np.int32), "one_row": np.full(64, n // 2, np.int32),
+             "all_invalid": np.full(64, -1, np.int32)}
+    want = {name: gm.gather_qk_reference(q, kv, jnp.asarray(idx)) for name, idx in cases.items()}
+    assert float(jnp.abs(want["all_invalid"]).max()) == 0.0 and float(jnp.abs(want["random"]).max()) > 1.0
+    for fn in (gm.gather_qk, gm.gather_qk_ws):
+        for name, idx in cases.items():
+            got = jax.jit(fn)(q, kv, jnp.asarray(idx))
+            assert rel_err(got, want[name]) <= 1e-5 if name != "all_invalid" else not np.any(np.asarray(got)), \
+                (fn.__name__, name)

@@ -120,6 +120,14 @@ def all_cases() -> list[Case]:
             Case(f"sparse_mla_bwd_stored[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
                  options=(("bwd", "stored"),), **STORED_BWD_CLAIMS.get(sh.name, {})),
         ]
+    # Issue 31 item 2's producer: selected rows gathered by 16-byte cp.async into the swizzled layout wgmma reads,
+    # then QK^T for 64 keys at once (N = 64), in one warpgroup and warp-specialized (producer + consumer).
+    for form in ("", "_ws"):
+        cases.append(Case(f"gather_producer{form}[prod,L=8192]", "gather_producer", "prod", 8192,
+                          options=(("ws", form == "_ws"),),
+                          requires=(r"cp\.async\.cg\.shared\.global", r"fence\.proxy\.async\.shared::cta",
+                                    r"wgmma\.mma_async\S*m64n64k16\S*bf16", r"sass:LDGSTS\.\S*128",
+                                    r"sass:HGMMA\.64x64x16")))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -175,6 +183,10 @@ def build(case: Case):
         return fn, [spec((1, t, sh.index_heads, sh.index_dim), jnp.bfloat16),
                     spec((1, l, sh.index_dim), jnp.bfloat16), spec((1, t, sh.index_heads), jnp.float32),
                     spec((1, t), jnp.int32), spec((1, l), jnp.int32)]
+    if case.op == "gather_producer":  # one 64-head x 64-key block of the production shapes
+        gm = importlib.import_module("dsv32_jax.kernels.gather_mgpu")
+        return (gm.gather_qk_ws if o.get("ws") else gm.gather_qk), [
+            spec((64, sh.d_qk), jnp.bfloat16), spec((l, sh.d_qk), jnp.bfloat16), spec((64,), jnp.int32)]
     args = [spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
             spec((1, t, sh.topk), jnp.int32)]
     scale = sh.d_qk ** -0.5
@@ -276,7 +288,9 @@ THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)
 XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|gemm|cutlass|cublas|triton_softmax|sort|scatter|reduce)_|"
                       r"^(copy|transpose|bitcast|sort|scatter)")
 MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)")
-VLOAD = re.compile(r"\b(ld\.global(?:\.\w+)*?\.v[248]\.\w+)")
+# vector loads, and the async-copy path of a gathering producer (per-thread cp.async + the proxy fence before wgmma)
+VLOAD = re.compile(r"\b(ld\.global(?:\.\w+)*?\.v[248]\.\w+|cp\.async\.c[ag]\.shared\.global|"
+                   r"fence\.proxy\.async[\w:.]*)")
 
 
 def parse_thunks(text: str) -> dict[str, dict]:
@@ -363,11 +377,15 @@ def collect(workdir: str) -> list[Kernel]:
             k.registers, k.spill_bytes = facts.get("registers"), facts.get("spill_bytes")
         if os.path.exists(base + ".ptx"):
             k.mma = {}
-            for counts in parse_ptx(open(base + ".ptx").read()).values():
+            text = open(base + ".ptx").read()
+            for counts in parse_ptx(text).values():
                 for ins, n in counts.items():
                     k.mma[ins] = k.mma.get(ins, 0) + n
+            for counts in parse_ptx(text, VLOAD).values():
+                for ins, n in counts.items():
+                    k.vector_loads[ins] = k.vector_loads.get(ins, 0) + n
         for sass in glob.glob(base + ".sass*"):
-            for ins in set(re.findall(r"\b([QH]GMMA\.[\w.]+)", open(sass).read())):
+            for ins in set(re.findall(r"\b([QH]GMMA\.[\w.]+|LDGSTS\.[\w.]+)", open(sass).read())):
                 k.mma["sass:" + ins] = len(re.findall(re.escape(ins), open(sass).read()))
         kernels[k.name] = k
     return list(kernels.values())
@@ -386,7 +404,7 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
                 bad.append(f"{k.name}: spills {k.spill_bytes} B > budget {SPILL_BUDGET} B")
         if k.backend != "xla" and k.registers is None:
             bad.append(f"{k.name}: no ptxas report (is tools/gpu_compile/ptxas_wrapper.sh installed?)")
-    ptx_ins = " ".join(ins for k in kernels for ins in k.mma)
+    ptx_ins = " ".join(ins for k in kernels for ins in [*k.mma, *k.vector_loads])
     for pattern in case.requires:
         if not re.search(pattern, ptx_ins):
             bad.append(f"no instruction matching {pattern!r} in the PTX (found: {sorted(set(ptx_ins.split()))})")
