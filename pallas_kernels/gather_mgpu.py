@@ -131,6 +131,21 @@ def _scratch(h, d, bk, plgpu):
                    plgpu.SMEM((h, bk), jnp.float32), plgpu.SMEM((bk,), jnp.int32), plgpu.Barrier(num_barriers=2)]
 
 
+def _qk_and_store(q_smem, kv_smem, o_smem, o_gmem):
+    """o = q kv^T on wgmma ([64, 64] f32 accumulator, N = 64 keys), through shared memory to o_gmem by TMA."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def compute(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
+        return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(compute, plgpu.ACC(o_smem.shape, jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def gather_qk(q, kv, idx):
     """q [64, D] bf16, kv [N, D] bf16, idx [64] int32 -> [64, 64] float32 = q @ kv[idx]^T (slots < 0: zero), one
     warpgroup: indices by TMA into shared memory, the gather, then the wgmma."""
@@ -149,15 +164,7 @@ def gather_qk(q, kv, idx):
         plgpu.barrier_wait(bars.at[1])
         gather(kv_gmem, idx_smem, kv_smem)
         plgpu.barrier_wait(bars.at[0])
-
-        def compute(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
-            return acc_ref[...]
-
-        o_smem[...] = pl.run_scoped(compute, plgpu.ACC((h, bk), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-        plgpu.wait_smem_to_gmem(0)
+        _qk_and_store(q_smem, kv_smem, o_smem, o_gmem)
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((h, bk), jnp.float32), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams())(q, kv, idx)
@@ -190,15 +197,7 @@ def gather_qk_ws(q, kv, idx):
             plgpu.copy_gmem_to_smem(q_gmem, q_smem, bars.at[0])
             plgpu.barrier_wait(bars.at[0])
             plgpu.barrier_wait(kv_ready)
-
-            def compute(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
-                return acc_ref[...]
-
-            o_smem[...] = pl.run_scoped(compute, plgpu.ACC((h, bk), jnp.float32))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem)
-            plgpu.wait_smem_to_gmem(0)
+            _qk_and_store(q_smem, kv_smem, o_smem, o_gmem)
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((h, bk), jnp.float32),
                         scratch_types=scratch + [plgpu.Barrier()], num_threads=2, thread_name="wg",
