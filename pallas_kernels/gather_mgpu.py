@@ -40,11 +40,16 @@ CHUNK = 8  # bf16 per 16-byte copy
 WARPGROUP = 128
 
 
-def chunk_position(r, j, col_tiles):
-    """The 16-byte chunk (from the buffer's base) holding logical row r, columns [8 j, 8 j + 8) of a [R, 64 *
-    col_tiles] bf16 buffer tiled (8, 64) and swizzled by 128 bytes. Works on Python ints and on `_I` (MLIR i32)."""
-    line = ((r >> 3) * col_tiles + (j >> 3)) * 8 + (r & 7)
-    return line * 8 + ((j & 7) ^ (r & 7))
+def chunk_position(r, j, col_tiles, swizzle=SWIZZLE):
+    """The 16-byte chunk (from the buffer's base) holding logical row r, columns [8 j, 8 j + 8) of a [R, W *
+    col_tiles] bf16 buffer tiled (8, W) and swizzled by `swizzle` bytes, W = swizzle / 2 (one swizzle line per tile
+    row: 128 -> (8, 64) tiles, 64 -> (8, 32)). The swizzle XORs the chunk index within a line with the line's index
+    bits above the chunk bits (128: line & 7; 64: (line >> 1) & 3; the TMA's swizzle on an aligned base). Works on
+    Python ints and on `_I` (MLIR i32)."""
+    per_line = swizzle // 16  # chunks per line: 8 or 4
+    shift = {8: 0, 4: 1}[per_line]
+    line = ((r >> 3) * col_tiles + (j >> (3 - shift))) * 8 + (r & 7)
+    return line * per_line + ((j & (per_line - 1)) ^ ((r & 7) >> shift))
 
 
 def gather_qk_reference(q, kv, idx):
