@@ -2,9 +2,10 @@
 # The measurements owed to the next task with a GPU (issue 31; BENCHMARKS.md, "On a GPU, 2026-11-28"), one device
 # call each (each fits the 10-minute command limit; in order of value). 2026-11-28 measured the kernel table at 32K
 # and 128K (one-pass top-k, both backwards) and the 4-layer step at 32K / 64K / 128K with every fast flag on.
-#   bash bench/gpu_owed.sh 0   # the chip tests not reached (top-k / stored backward, the gathering producer, the
-#                                FP8 indexer under the accumulator model, the sparse MLA gradients), then the
-#                                kernel table at 8K
+#   bash bench/gpu_owed.sh 0   # the chip tests not reached (the Mosaic GPU sparse MLA forward first, then top-k /
+#                                stored backward, the gathering producer, the FP8 indexer under the accumulator
+#                                model, the sparse MLA gradients), then the kernel table at 8K (with the Mosaic GPU
+#                                forward's row beside the Triton forward and XLA)
 #   bash bench/gpu_owed.sh 1   # profile at 32K: the default kernel step beside the fast flags', dense, prefill
 #   bash bench/gpu_owed.sh 2   # 4-layer step at 32K, the parts separated: defaults, + FP8 selection, + segment sum,
 #                                the recomputing backward, dense
@@ -23,7 +24,8 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
-  0) run STAGES="tests bench" TEST_S=330 LENGTHS=8192 BENCH_S=160 \
+  0) run STAGES=tests TEST_S=100 TEST_LOG=test_sparse_mla_mgpu_gpu.log "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu"
+     run STAGES="tests bench" TEST_S=230 LENGTHS=8192 BENCH_S=160 \
        "TEST_K=topk or stored or sparse_mla_gradients or indexer_logits or gather_producer" ;;
   1) run STAGES=profile PROFILE_S=420 \
        PROFILE_CASES=train:kernel:32768,train:kernel:32768:kl_segment_sum+indexer_fp8,train:dense:32768,prefill:kernel:32768 ;;

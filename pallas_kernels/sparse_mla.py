@@ -57,10 +57,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
 from dsv32_jax.model.options import MLA_BWDS
-from dsv32_jax.kernels import sparse_mla_tpu
+from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_tpu
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
+MGPU_BACKENDS = {"mosaic_gpu": "pallas_gpu", "interpret_mosaic_gpu": "interpret"}  # forward impl -> backward's
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -84,6 +85,7 @@ class _Cfg:
     num_keys: int  # B * S rows of the flattened cache
     bwd: str = "recompute"  # "recompute" | "stored" (GPU backward, see the module docstring)
     bwd_slice: int = 64  # dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)
+    fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
 
     @property
     def tpu(self) -> bool:
@@ -168,6 +170,14 @@ def _forward(qf, kvf, idxf, cfg: _Cfg):
     if cfg.tpu:
         out, lse = sparse_mla_tpu.forward(qf, kvf, idxf[:, None, :], cfg)
         return out, lse[..., 0]
+    if cfg.fwd == "mosaic_gpu":  # heads padded to the kernel's 64, slots (-1) to its 64-key blocks
+        n, hp, _ = qf.shape
+        hm, km = round_up(hp, sparse_mla_mgpu.H_BLK), round_up(idxf.shape[1], sparse_mla_mgpu.BK)
+        out, lse = sparse_mla_mgpu.sparse_mla_fwd(
+            jnp.pad(qf, ((0, 0), (0, hm - hp), (0, 0))), kvf,
+            jnp.pad(idxf, ((0, 0), (0, km - idxf.shape[1])), constant_values=-1),
+            scale=cfg.scale, interpret=cfg.backend == "interpret")
+        return out[:, :hp], lse[:, :hp]
     n, hp, dp = qf.shape
     kp = idxf.shape[1]
     bh = cfg.block_h
@@ -501,6 +511,9 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
     d_tail = dqk - d_v
     if bwd not in MLA_BWDS:
         raise ValueError(f"sparse_mla: bwd={bwd!r} must be one of {MLA_BWDS}")
+    fwd = "triton"
+    if impl in MGPU_BACKENDS:  # the Mosaic GPU forward; the Triton kernels (or their interpret runs) for the rest
+        impl, fwd = MGPU_BACKENDS[impl], "mosaic_gpu"
     common = dict(scale=float(scale), d_v=d_v, d_tail=d_tail, backend=impl, num_warps=num_warps,
                   num_stages=num_stages, bwd_partial_bytes=bwd_partial_bytes, num_keys=kv.shape[0] * kv.shape[1])
     if impl in TPU_BACKENDS:  # all heads in one block; slots by 8; the row layout of sparse_mla_tpu (its docstring)
@@ -522,7 +535,7 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
     dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
     return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
-                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), **common)
+                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), fwd=fwd, **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
@@ -533,7 +546,10 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
 
     Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
     too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
-    pallas_tpu and interpret_tpu (Mosaic TPU kernels, `sparse_mla_tpu`); CPU runs the reference
+    mosaic_gpu and interpret_mosaic_gpu (the Hopper forward of `sparse_mla_mgpu`, issue 31 item 2: Dqk 576, d_v 512,
+    bf16 cache; backward and probabilities by the Triton kernels; opt-in: pallas_gpu keeps the Triton forward until
+    the Mosaic GPU one is verified and timed on a chip), pallas_tpu and interpret_tpu (Mosaic TPU kernels,
+    `sparse_mla_tpu`); CPU runs the reference
     `dsv32_jax.model.attention.sparse_mla`. A flattened-token batch is B = 1 with global indices.
     Tiles (GPU): forward BH x BI = block_h x block_i (default 64 x 32: 64 x 64 needs 221,440 B of shared memory
     (95%) and spills at 255 registers on an H100, see BENCHMARKS.md); backward dq and dkv programs hold bwd_block_h
@@ -544,8 +560,16 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     TFLOP/s on an H200 at k 2048, 128 heads) or "recompute" (the dq and dkv kernels above, each recomputing S and
     dP; 62-64 TFLOP/s in the same run).
     """
-    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="sparse_mla",
-                        shapes={"q": q, "kv": kv, "topk_idx": topk_idx})
+    def unsupported(backend):
+        if backend not in MGPU_BACKENDS:
+            return None
+        if (q.shape[-1], d_v) != (sparse_mla_mgpu.DQK, sparse_mla_mgpu.DV) or kv.dtype != jnp.bfloat16:
+            return (f"its Mosaic GPU forward needs Dqk {sparse_mla_mgpu.DQK}, d_v {sparse_mla_mgpu.DV} and a bf16 "
+                    f"cache (got Dqk {q.shape[-1]}, d_v {d_v}, kv {kv.dtype})")
+        return None
+
+    impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
+                        op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,

@@ -8,23 +8,36 @@ idx [N, K] int32 (rows of kv; -1 = invalid slot, the wrapper maps every out-of-r
 out [N, H, 512] bf16 = softmax(scale q kv[idx]^T) kv[idx][:, :512], lse [N, H] f32 (natural log; a row with no valid
 slot gives out 0 and lse -inf). H a multiple of 64, K a multiple of 64.
 
-Structure (FlashMLA's SM90 sparse prefill, without its register rebalancing; see BENCHMARKS.md "Issue 31 item 2"):
-  * grid (H / 64, N), the head-group axis first so the two head groups of a token run together and meet its gathered
-    rows in L2; q's [64, 576] tile arrives by TMA and stays in shared memory.
-  * two warpgroups. Warpgroup w gathers rows [32 w, 32 w + 32) of each 64-key block (`cp.async` into the
-    (8, 64)-tiled, 128-byte-swizzled layout wgmma reads, `gather_mgpu.chunk_position`; invalid slots copy 0 bytes,
-    which zero-fills) and computes S_w = q kv_w^T for those 32 keys on `wgmma m64n32k16`. The two exchange row
-    maxima through shared memory (one mbarrier), so both hold the same running max m and rescale alpha; each writes
-    its bf16 P_w into its half of a [64, 64] P tile, and after a second mbarrier each computes its 256 output
-    columns O_w += P kv[:, 256 w : 256 w + 256] on `wgmma m64n256k16` (a [64, 256] f32 accumulator, 128 registers a
-    thread). Row sums are kept per warpgroup and added at the end.
-  * key blocks are double-buffered (2 x 72 KiB, beside q's 72 KiB and the 8 KiB P tile): the gather of block b + 1
-    is issued before block b's S, so its copies are in flight during block b's softmax and PV; a third mbarrier
-    (both warpgroups done with block b - 1's PV) frees the buffer it overwrites.
+Structure (FlashMLA's SM90 sparse prefill without its register rebalancing, which this compile path drops; see
+BENCHMARKS.md "Issue 31 item 2"):
+  * grid (N, H / 64): Mosaic GPU launches the last grid axis as CUDA's x, the fastest (the compile table shows
+    2 x 4096), so the two head groups of a token run together and meet its gathered rows in L2. q's [64, 576] tile
+    arrives by TMA and stays in shared memory.
+  * two warpgroups. Warpgroup w gathers rows [32 w, 32 w + 32) of each 64-key block (`cp.async`, 16 bytes per
+    copy, into the (8, 32)-tiled, 64-byte-swizzled layout wgmma reads: `copy_plan` / `gather_mgpu.chunk_position`;
+    invalid slots copy 0 bytes, which zero-fills, and write -inf into the block's additive softmax mask) and
+    computes S_w = q kv_w^T for its 32 keys on `wgmma m64n32k16` (K = 576). The two exchange row maxima through
+    shared memory (mbarrier m_full), so both hold the same running max and rescale; each writes its bf16 P_w
+    [64, 32] to shared memory, and after mbarrier p_full each computes its 256 output columns
+    O_w += P_0 kv[0:32, cols_w] + P_1 kv[32:64, cols_w] on `wgmma m64n256k16` (a [64, 256] f32 accumulator, 128
+    registers a thread, accumulated in place). Row sums are kept per warpgroup and added at the end.
+  * why 64-byte swizzle and N = 32: Mosaic GPU's wgmma takes one swizzle for both operands and K in multiples of
+    swizzle / 2 bytes, and a store into a 32-column half of a 128-byte tile is refused, so the two P halves are
+    separate [64, 32] operands and PV runs as two K = 32 steps. Per m64n32k16 the tensor core reads 3 KiB of shared
+    memory for 65,536 FLOP (24 of its 32 cycles at 128 B per cycle), where the Triton forward's m64n16k16 reads
+    2.5 KiB for half the FLOP (more cycles of reads than of math).
+  * key blocks are double-buffered (2 x 72 KiB beside q's 72 KiB and P's 8 KiB: 231,464 B of the 232,448): the
+    gather of block b + 1 is issued before block b's S, so its copies are in flight during block b's softmax and
+    PV; mbarrier kv_free (both warpgroups past block b - 1's PV) guards the buffer it overwrites and the P tile.
+  * registers: 213, no spills (sm_90a, ptxas of CUDA 13). q's wgmma descriptors are formed inside the key loop
+    (q is addressed through an index that is always 0 but loop-variant, `slot (slot - 1)`): hoisted, the 36 64-bit
+    descriptors stay live across the loop and spill (255 registers, 344 B).
   * the output tile reuses q's shared memory (`RefUnion`; q is dead after the last S) and leaves by TMA.
 Interpret mode (`interpret=True`, what CPU tests run): the same kernel with the gather written as a Pallas row loop
 (Mosaic GPU's interpreter cannot run `inline_mgpu`) and PV accumulated into a fresh accumulator (it has no rule for
-`pl.run_state` over a wgmma accumulator); on the chip the gather is `cp.async` and PV accumulates in place.
+`pl.run_state` over a wgmma accumulator); on the chip the gather is `cp.async` and PV accumulates in place. The
+chip path is compiled for sm_90a in `make test-gpu-compile`; it has not run on a chip yet
+(`tests/test_kernels.py::test_sparse_mla_mgpu_on_chip`, owed by `bench/gpu_owed.sh 0`).
 """
 
 from __future__ import annotations
@@ -75,11 +88,33 @@ def _plgpu():
 
 # ---- the gather: chip (inline_mgpu cp.async) and interpret (Pallas row loop) forms, one interface ----------------
 
+PER_ROW = WARPGROUP // KW  # threads per gathered row: 4, one per 16-byte chunk of a 64-byte swizzle line
+COPIES = DQK // 8 // PER_ROW  # cp.async per thread and block: 18
+COPY_STRIDE = TILE[0] * SWIZZLE // 16  # chunks between a thread's consecutive copies: one (8, 32) tile (32)
+
+
+def copy_plan(tid, row0):
+    """Thread tid (0..127) of the warpgroup gathering rows [row0, row0 + 32): (its row r, its first chunk j0, the
+    destination chunk of its first copy). Copy `it` (< COPIES) of the thread is chunk j0 + PER_ROW it of row r, at
+    destination chunk + COPY_STRIDE it: the same column of the next (8, 32) tile, where `chunk_position` puts it
+    (the CPU test checks that and that every chunk is copied once). One index load per thread, and both addresses
+    affine in `it` with constant steps (immediate offsets in the SASS, nothing held live across the key loop).
+    Works on Python ints and on `gather_mgpu._I`."""
+    r = row0 + tid // PER_ROW if isinstance(tid, int) else row0 + gather_mgpu._I(_divui(tid, PER_ROW))
+    j0 = tid % PER_ROW if isinstance(tid, int) else tid & (PER_ROW - 1)
+    return r, j0, gather_mgpu.chunk_position(r, j0, DQK // TILE[1], SWIZZLE)
+
+
+def _divui(x, n):
+    from jax._src.lib.mlir.dialects import arith
+    return arith.divui(x.v, gather_mgpu._I._c(n))
+
+
 def _issue_rows(ctx, kv_gmem, idx_gmem, dst_smem, mask_smem):
     """inline_mgpu body (lane semantics): this warpgroup's 32 rows of a [64, 576] key block, dst row r <- kv[idx[r]]
     (16-byte cp.async per thread and chunk, 0 bytes for idx < 0: zero-fill), and mask_smem[r] <- 0 or -inf (the
-    softmax's additive mask: idx[r] >= 0 or not); one
-    cp.async group committed. idx_gmem: the block's 64 indices (a global-memory view)."""
+    softmax's additive mask: idx[r] >= 0 or not), by `copy_plan`; committed as one cp.async group by the caller.
+    idx_gmem: the block's 64 indices (a global-memory view)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
     from jax.experimental.mosaic.gpu import utils as mu
@@ -88,35 +123,30 @@ def _issue_rows(ctx, kv_gmem, idx_gmem, dst_smem, mask_smem):
     I = gather_mgpu._I
     i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
     idx_t = ir.IndexType.get()
-    cpr, col_tiles = DQK // gather_mgpu.CHUNK, DQK // TILE[1]
     thread = mu.thread_idx()
     w = arith.divui(thread, arith.constant(i32, WARPGROUP))
     tid = I(arith.remui(thread, arith.constant(i32, WARPGROUP)))
     row0 = I(arith.muli(w, arith.constant(i32, KW)))
     zero = arith.constant(i32, 0)
-    # the block's indices of this warpgroup's rows into shared memory (4 threads per row write the same value)
-    own = row0 + (tid & (KW - 1))
-    own_ix = arith.index_cast(idx_t, own.v)
-    f32 = ir.F32Type.get()
-    own_valid = arith.cmpi(arith.CmpIPredicate.sge, memref.load(idx_gmem, [own_ix]), arith.constant(i32, 0))
-    memref.store(arith.select(own_valid, arith.constant(f32, 0.0), arith.constant(f32, float("-inf"))), mask_smem,
-                 [own_ix])
     dst_base = mu.memref_ptr(dst_smem)
     src_base = llvm.addrspacecast(llvm.PointerType.get(1), mu.memref_ptr(kv_gmem))
-    for it in range(KW * cpr // WARPGROUP):
-        flat = tid + it * WARPGROUP
-        r = row0 + I(arith.divui(flat.v, I._c(cpr)))
-        j = I(arith.remui(flat.v, I._c(cpr)))
-        dst = llvm.getelementptr(dst_base.type, dst_base, [(gather_mgpu.chunk_position(r, j, col_tiles, SWIZZLE) * 16).v],
-                                 [-2147483648], i8, llvm.GEPNoWrapFlags.none)
-        row = memref.load(idx_gmem, [arith.index_cast(idx_t, r.v)])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, row, zero)
-        elem = arith.addi(arith.muli(arith.extui(i64, arith.select(valid, row, zero)), arith.constant(i64, DQK)),
-                          arith.extui(i64, (j * gather_mgpu.CHUNK).v))
-        src = llvm.getelementptr(src_base.type, src_base, [arith.muli(elem, arith.constant(i64, 2))],
-                                 [-2147483648], i8, llvm.GEPNoWrapFlags.none)
-        nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG,
-                                    cp_size=arith.select(valid, arith.constant(i32, 16), zero))
+    r, j0, dst_chunk = copy_plan(tid, row0)
+    r_ix = arith.index_cast(idx_t, r.v)
+    row = memref.load(idx_gmem, [r_ix])
+    valid = arith.cmpi(arith.CmpIPredicate.sge, row, zero)
+    f32 = ir.F32Type.get()  # the row's mask entry (its PER_ROW threads write the same value)
+    memref.store(arith.select(valid, arith.constant(f32, 0.0), arith.constant(f32, float("-inf"))), mask_smem, [r_ix])
+    size = arith.select(valid, arith.constant(i32, 16), zero)
+    src_row = llvm.getelementptr(src_base.type, src_base, [arith.muli(arith.addi(arith.muli(
+        arith.extui(i64, arith.select(valid, row, zero)), arith.constant(i64, DQK)),
+        arith.extui(i64, (j0 * gather_mgpu.CHUNK).v)), arith.constant(i64, 2))], [-2147483648], i8,
+        llvm.GEPNoWrapFlags.none)
+    dst0 = llvm.getelementptr(dst_base.type, dst_base, [(dst_chunk * 16).v], [-2147483648], i8,
+                              llvm.GEPNoWrapFlags.none)
+    for it in range(COPIES):
+        dst = llvm.getelementptr(dst_base.type, dst0, [], [it * COPY_STRIDE * 16], i8, llvm.GEPNoWrapFlags.none)
+        src = llvm.getelementptr(src_base.type, src_row, [], [it * PER_ROW * 16], i8, llvm.GEPNoWrapFlags.none)
+        nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
 
 
 def _commit(ctx):
@@ -181,7 +211,8 @@ def _kernel(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, 
             m_full, p_full, kv_free, *, scale, nblk, gather, in_place):
     import jax.experimental.pallas as pl
     plgpu = _plgpu()
-    q_smem, o_smem = qo
+    q3, o_smem = qo
+    q_smem = q3.at[0]
     g = jax.lax.axis_index("g")
     t = jax.lax.axis_index("t")
     wg = jax.lax.axis_index("wg")
@@ -219,8 +250,12 @@ def _kernel(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, 
             kv = kv_smem.at[slot]
             kv_w = kv.at[pl.ds(w * KW, KW)]
 
+            # q's tile through an index that is always 0 but loop-variant to LLVM (slot (slot - 1), slot in {0, 1}):
+            # its 36 wgmma descriptors are then formed in the loop, not hoisted and held live (spilled) across it
+            q_b = q3.at[slot * (slot - 1)]
+
             def qk(acc):
-                plgpu.wgmma(acc, q_smem, plgpu.transpose_ref(kv_w, (1, 0)))
+                plgpu.wgmma(acc, q_b, kv_w.transpose((1, 0)))
                 return acc[...]
             s = pl.run_scoped(qk, plgpu.ACC((H_BLK, KW), jnp.float32))
             mask = plgpu.load(stat_smem.at[4 + slot, pl.ds(w * KW, KW)], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -298,7 +333,7 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     o_tiles = (plgpu.TilingTransform(gather_mgpu.TILE), plgpu.SwizzleTransform(gather_mgpu.SWIZZLE))
     SM = plgpu.SMEM
     scratch = [
-        plgpu.RefUnion(SM((H_BLK, DQK), jnp.bfloat16, transforms=tiles),
+        plgpu.RefUnion(SM((1, H_BLK, DQK), jnp.bfloat16, transforms=tiles),
                        SM((2, H_BLK, HALF), jnp.bfloat16, transforms=o_tiles)),  # q, then the output tile
         SM((2, BK, DQK), jnp.bfloat16, transforms=tiles),  # key blocks, double-buffered
         SM((2, H_BLK, KW), jnp.bfloat16, transforms=tiles),  # P, one [64, 32] half per warpgroup
@@ -311,7 +346,7 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     gather = _InterpretGather() if interpret else _ChipGather(tiles)
     body = functools.partial(_kernel, scale=float(scale), nblk=nblk, gather=gather, in_place=not interpret)
     out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(h // H_BLK, n), grid_names=("g", "t"),
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
                         num_threads=2, thread_name="wg",
                         interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
                         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)

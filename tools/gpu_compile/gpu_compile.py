@@ -82,6 +82,7 @@ class Case:
     kernel_requires: tuple = ()  # (kernel name regex, instruction regex): every matching kernel shows the instruction
     max_registers: tuple = ()  # (kernel name regex, n): every matching kernel uses at most n registers
     kernel_forbids: tuple = ()  # (kernel name regex, instruction regex): no matching kernel shows the instruction
+    smem_budget: int | None = None  # bytes of shared memory per kernel (None: SMEM_BUDGET)
     expect_fail: bool = False
 
     def opts(self):
@@ -128,6 +129,15 @@ def all_cases() -> list[Case]:
                           requires=(r"cp\.async\.cg\.shared\.global", r"fence\.proxy\.async\.shared::cta",
                                     r"wgmma\.mma_async\S*m64n64k16\S*bf16", r"sass:LDGSTS\.\S*128",
                                     r"sass:HGMMA\.64x64x16")))
+    # Issue 31 item 2's forward (impl="mosaic_gpu"): two warpgroups gathering by cp.async, S on wgmma N = 32 per
+    # warpgroup (64 keys per CTA), PV on N = 256, no mma.sync, no spills. It uses the whole 227 KiB by design (q +
+    # two 64 x 576 key blocks + P: FlashMLA's budget), so its budget is the H100's per-block maximum, not 90%.
+    cases.append(Case("sparse_mla_fwd_mgpu[prod,L=8192]", "sparse_mla_fwd", "prod", 8192,
+                      options=(("impl", "mosaic_gpu"),), smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
+                                r"wgmma\.mma_async\S*m64n256k16\S*bf16", r"sass:LDGSTS\.\S*128",
+                                r"sass:HGMMA\.64x256x16", r"sass:HGMMA\.64x32x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),), max_registers=(("mosaic", 232),)))  # 213 measured
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -191,7 +201,8 @@ def build(case: Case):
             spec((1, t, sh.topk), jnp.int32)]
     scale = sh.d_qk ** -0.5
     if case.op == "sparse_mla_fwd":
-        return (lambda q, kv, i: pk.sparse_mla(q, kv, i, scale, sh.d_v, impl="pallas_gpu", **o)), args
+        impl = o.pop("impl", "pallas_gpu")
+        return (lambda q, kv, i: pk.sparse_mla(q, kv, i, scale, sh.d_v, impl=impl, **o)), args
     if case.op == "sparse_mla_probs":
         return (lambda q, kv, i: pk.sparse_mla(q, kv, i, scale, sh.d_v, return_probs=True, impl="pallas_gpu",
                                                **o)), args
@@ -397,8 +408,10 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
         return [rec["error"].splitlines()[0][:300]]
     bad = []
     for k in kernels:
-        if k.smem is not None and k.smem > SMEM_BUDGET:
-            bad.append(f"{k.name}: {k.smem} B shared memory > budget {SMEM_BUDGET} B (90% of {SMEM_PER_BLOCK})")
+        budget = SMEM_BUDGET if case.smem_budget is None else case.smem_budget
+        if k.smem is not None and k.smem > budget:
+            bad.append(f"{k.name}: {k.smem} B shared memory > budget {budget} B ({100 * budget // SMEM_PER_BLOCK}% "
+                       f"of {SMEM_PER_BLOCK})")
         if k.spill_bytes:
             if k.spill_bytes > SPILL_BUDGET:
                 bad.append(f"{k.name}: spills {k.spill_bytes} B > budget {SPILL_BUDGET} B")
