@@ -27,7 +27,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute")
+CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute", "mla_fwd_mgpu")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -62,6 +62,7 @@ def make_trainer(args):
                           "segment_sum" if getattr(args, "kl_segment_sum", False) else "dense")
     # mla_bwd_stored: the default since 2026-11-28 (kept so recorded command lines still run)
     config.mla_bwd = "recompute" if getattr(args, "mla_bwd_recompute", False) else "stored"
+    config.mla_fwd = "mosaic_gpu" if getattr(args, "mla_fwd_mgpu", False) else "triton"
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -106,7 +107,7 @@ def run_case(args) -> dict:
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
             "kl_scatter_add": config.kl_key_grad == "scatter", "kl_segment_sum": config.kl_key_grad == "segment_sum",
-            "mla_bwd_stored": config.mla_bwd == "stored",
+            "mla_bwd_stored": config.mla_bwd == "stored", "mla_fwd_mgpu": config.mla_fwd == "mosaic_gpu",
             "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
@@ -133,6 +134,8 @@ def main():
                    help="config.mla_bwd='stored' (the default): the sparse MLA kernel's backward without recomputation")
     p.add_argument("--mla_bwd_recompute", action="store_true",
                    help="config.mla_bwd='recompute': the sparse MLA kernel's recomputing backward")
+    p.add_argument("--mla_fwd_mgpu", action="store_true",
+                   help="config.mla_fwd='mosaic_gpu': the sparse MLA kernel's Mosaic GPU forward (issue 31 item 2)")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
     p.add_argument("--token_chunk", type=int, default=0, help="config.loss.token_chunk (0: unchunked LM head loss)")
     p.add_argument("--chunk", type=int, default=256)
@@ -168,6 +171,7 @@ def main():
             (["--kl_segment_sum"] if args.kl_segment_sum or "kl_segment_sum" in flags else []) + \
             (["--mla_bwd_stored"] if args.mla_bwd_stored or "mla_bwd_stored" in flags else []) + \
             (["--mla_bwd_recompute"] if args.mla_bwd_recompute or "mla_bwd_recompute" in flags else []) + \
+            (["--mla_fwd_mgpu"] if args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags else []) + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
-from dsv32_jax.model.options import MLA_BWDS
+from dsv32_jax.model.options import MLA_BWDS, MLA_FWDS
 from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_tpu
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
@@ -540,7 +540,8 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
-               num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored"):
+               num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored",
+               fwd: str = "triton"):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -558,7 +559,9 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     block_h / bwd_* / num_* and bwd are GPU-only (the TPU kernels have one fused backward). bwd: "stored" (the
     default: P and dS computed once and stored for one token chunk at a time, see the module docstring; 84-88
     TFLOP/s on an H200 at k 2048, 128 heads) or "recompute" (the dq and dkv kernels above, each recomputing S and
-    dP; 62-64 TFLOP/s in the same run).
+    dP; 62-64 TFLOP/s in the same run). fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu /
+    interpret: the same as impl mosaic_gpu / interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU
+    and reference impls; raises on inputs the Mosaic GPU forward cannot serve).
     """
     def unsupported(backend):
         if backend not in MGPU_BACKENDS:
@@ -568,8 +571,15 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
                     f"cache (got Dqk {q.shape[-1]}, d_v {d_v}, kv {kv.dtype})")
         return None
 
+    if fwd not in MLA_FWDS:
+        raise ValueError(f"sparse_mla: fwd={fwd!r} must be one of {MLA_FWDS}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
                         op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
+    if fwd == "mosaic_gpu" and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU forward
+        impl = {"pallas_gpu": "mosaic_gpu", "interpret": "interpret_mosaic_gpu"}[impl]
+        if (why := unsupported(impl)) is not None:
+            raise ValueError(f"sparse_mla: fwd='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
+                             f"{why}")
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,

@@ -130,6 +130,18 @@ def test_kernel_scoped_claims_vector_loads_and_registers():
     assert gc.check(case, {}, [emit]) == ["no kernel matching '_filter_kernel'"] * 2
 
 
+def test_a_case_may_set_its_own_shared_memory_budget():
+    """The Mosaic GPU sparse MLA forward uses 231,464 B by design: over the default 90% budget, within its case's."""
+    mgpu = [c for c in gc.all_cases() if c.name.startswith("sparse_mla_fwd_mgpu")]
+    assert len(mgpu) == 1 and mgpu[0].smem_budget == gc.SMEM_PER_BLOCK
+    big = _kernel(name="mosaic:anonymous_0", smem=231_464, registers=213, spill_bytes=0, mma={})
+    assert gc.check(gc.Case("c", "sparse_mla_fwd", "prod", 8192), {}, [big])[0].startswith(
+        "mosaic:anonymous_0: 231464 B shared memory > budget 209203 B (90% of 232448)")
+    assert gc.check(gc.Case("c", "sparse_mla_fwd", "prod", 8192, smem_budget=gc.SMEM_PER_BLOCK), {}, [big]) == []
+    over = _kernel(name="mosaic:anonymous_0", smem=gc.SMEM_PER_BLOCK + 8, registers=213, spill_bytes=0, mma={})
+    assert gc.check(gc.Case("c", "sparse_mla_fwd", "prod", 8192, smem_budget=gc.SMEM_PER_BLOCK), {}, [over])
+
+
 def test_stored_backward_claims_wgmma_and_forbids_mma_sync():
     case = gc.Case("c", "sparse_mla_bwd", "prod", 8192, options=(("bwd", "stored"),), **gc.STORED_BWD_CLAIMS["prod"])
     wgmma = {"wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16": 8}

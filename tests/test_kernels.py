@@ -996,6 +996,14 @@ def test_sparse_mla_mgpu_argument_checks(rng):
         sm.sparse_mla_fwd(q[:, :48], kv, jnp.zeros((2, 64), jnp.int32), scale=1.0)
     with pytest.raises(ValueError, match="needs bf16 q and kv"):
         sm.sparse_mla_fwd(q.astype(jnp.float32), kv, jnp.zeros((2, 64), jnp.int32), scale=1.0)
+    small = (jnp.zeros((1, 2, 64, 192), jnp.bfloat16), jnp.zeros((1, 10, 192), jnp.bfloat16),
+             jnp.zeros((1, 2, 64), jnp.int32), 1.0, 128)
     with pytest.raises(ValueError, match=r"sparse_mla: impl='interpret_mosaic_gpu' cannot run.*Dqk 576, d_v 512"):
-        kernels.sparse_mla(jnp.zeros((1, 2, 64, 192), jnp.bfloat16), jnp.zeros((1, 10, 192), jnp.bfloat16),
-                           jnp.zeros((1, 2, 64), jnp.int32), 1.0, 128, impl="interpret_mosaic_gpu")
+        kernels.sparse_mla(*small, impl="interpret_mosaic_gpu")
+    # fwd="mosaic_gpu" (RunOptions.mla_fwd) turns the Triton impls into the Mosaic GPU forward: the same refusal
+    with pytest.raises(ValueError, match=r"sparse_mla: fwd='mosaic_gpu' cannot run.*Dqk 576, d_v 512"):
+        kernels.sparse_mla(*small, impl="interpret", fwd="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"sparse_mla: fwd='cutlass' must be one of"):
+        kernels.sparse_mla(*small, impl="interpret", fwd="cutlass")
+    out, _ = kernels.sparse_mla(*small, impl="reference", fwd="mosaic_gpu")  # ignored off the GPU kernels
+    assert out.shape == (1, 2, 64, 128)

@@ -55,6 +55,8 @@ def default_config() -> ml_collections.ConfigDict:
     # The sparse MLA kernel's GPU backward (RunOptions.mla_bwd, attention="kernel"): "stored" (1.36-1.38x faster on
     # an H200) | "recompute"
     c.mla_bwd = "stored"
+    # Its GPU forward (RunOptions.mla_fwd): "triton" | "mosaic_gpu" (issue 31's Hopper kernel; not yet timed on a chip)
+    c.mla_fwd = "triton"
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

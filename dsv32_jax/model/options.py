@@ -13,6 +13,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
 KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
 MLA_BWDS = ("recompute", "stored")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
+MLA_FWDS = ("triton", "mosaic_gpu")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class RunOptions:
     # TFLOP/s, 1.14-1.21x XLA's autodiff) or "recompute" (dq and dkv kernels that each recompute S and dP; 62-64
     # TFLOP/s in the same run). Same gradients up to float32 summation order. BENCHMARKS.md, issue 31.
     mla_bwd: str = "stored"
+    # The GPU forward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(fwd=...)`): "triton" (the
+    # default, measured: 158-165 TFLOP/s on an H200) or "mosaic_gpu" (issue 31 item 2's FlashMLA-shaped Hopper kernel,
+    # `sparse_mla_mgpu`: compiled for sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512
+    # only). TPU and reference runs ignore it.
+    mla_fwd: str = "triton"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -66,6 +72,8 @@ class RunOptions:
             raise ValueError("RunOptions.mla_mode='mha' runs only with attention='dense' (sparse paths are MQA mode)")
         if self.mla_bwd not in MLA_BWDS:
             raise ValueError(f"RunOptions.mla_bwd must be one of {MLA_BWDS}, got {self.mla_bwd!r}")
+        if self.mla_fwd not in MLA_FWDS:
+            raise ValueError(f"RunOptions.mla_fwd must be one of {MLA_FWDS}, got {self.mla_fwd!r}")
         if self.kl_key_grad not in KL_KEY_GRADS:
             raise ValueError(f"RunOptions.kl_key_grad must be one of {KL_KEY_GRADS}, got {self.kl_key_grad!r}")
         if self.remat not in REMAT_POLICIES:

@@ -410,8 +410,8 @@ def check(case: Case, rec: dict, kernels: list[Kernel]) -> list[str]:
     for k in kernels:
         budget = SMEM_BUDGET if case.smem_budget is None else case.smem_budget
         if k.smem is not None and k.smem > budget:
-            bad.append(f"{k.name}: {k.smem} B shared memory > budget {budget} B ({100 * budget // SMEM_PER_BLOCK}% "
-                       f"of {SMEM_PER_BLOCK})")
+            share = round(100 * budget / SMEM_PER_BLOCK)
+            bad.append(f"{k.name}: {k.smem} B shared memory > budget {budget} B ({share}% of {SMEM_PER_BLOCK})")
         if k.spill_bytes:
             if k.spill_bytes > SPILL_BUDGET:
                 bad.append(f"{k.name}: spills {k.spill_bytes} B > budget {SPILL_BUDGET} B")
