@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--token_chunk", type=int, default=-1, help="override config.loss.token_chunk (0: off)")
     p.add_argument("--kl_key_grad", default="", help="override config.kl_key_grad (dense | segment_sum | scatter)")
     p.add_argument("--mla_bwd", default="", help="override config.mla_bwd (recompute | stored)")
+    p.add_argument("--mla_fwd", default="", help="override config.mla_fwd (triton | mosaic_gpu)")
     p.add_argument("--save_hlo", default="", help="with --compile: write the compiled step's HLO text there")
     p.add_argument("--require_kernels", action="store_true",
                    help="with --compile: exit 1 if the compiled step holds no Pallas kernel")
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
         c.kl_key_grad = a.kl_key_grad
     if a.mla_bwd:
         c.mla_bwd = a.mla_bwd
+    if a.mla_fwd:
+        c.mla_fwd = a.mla_fwd
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)

@@ -1,12 +1,13 @@
 """Where the kernels are in a traced or compiled program: what the sharded-step checks and benches count.
 
-  pallas_calls(jaxpr)     every `pallas_call` of a (closed) jaxpr, nested ones included, with the mesh axes that
-                          are manual around it (the enclosing shard_maps' axes, accumulated)
+  pallas_calls(jaxpr)     every Pallas kernel (`pallas_call`, or `mpmd_map`: a Mosaic GPU `plgpu.kernel`) of a
+                          (closed) jaxpr, nested ones included, with the mesh axes that are manual around it (the
+                          enclosing shard_maps' axes, accumulated)
   unsharded_kernels(...)  the pallas_calls that GSPMD would have to partition: not inside a shard_map whose
                           manual axes cover every mesh axis of size > 1 (Mosaic refuses them, a Triton call would
                           be replicated)
   compiled_kernels(text)  Pallas kernels in a compiled HLO module's text (custom calls whose metadata names a
-                          pallas_call), by backend: "tpu" (Mosaic TPU `tpu_custom_call`), "triton"
+                          pallas_call or an mpmd_map), by backend: "tpu" (Mosaic TPU `tpu_custom_call`), "triton"
                           (`__gpu$xla.gpu.triton`), "mosaic_gpu" (Mosaic GPU custom calls). Interpret-mode kernels
                           lower to plain HLO and count as none.
 """
@@ -20,6 +21,11 @@ import jax
 
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+# The primitives a Pallas kernel is in a jaxpr: `pallas_call` (Triton, Mosaic TPU, and Mosaic GPU via pallas_call) and
+# `mpmd_map` (what `plgpu.kernel`, the Mosaic GPU kernels' entry point, binds in jax 0.12).
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 
 
 def _subjaxprs(eqn):
@@ -55,7 +61,7 @@ def pallas_calls(jaxpr, manual: frozenset = frozenset()) -> list[tuple[str, froz
     found = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "pallas_call":
+        if name in KERNEL_PRIMITIVES:
             found.append((_kernel_name(eqn), manual))
             continue
         inner = manual | _manual_axes(eqn) if name == "shard_map" else manual
@@ -74,11 +80,13 @@ def unsharded_kernels(jaxpr, mesh) -> list[str]:
 def compiled_kernels(hlo_text: str) -> collections.Counter:
     """Counter of Pallas kernels in a compiled module's text (`compiled.as_text()`) by backend: custom calls whose
     metadata names a `pallas_call` (XLA emits Mosaic TPU custom calls of its own, e.g. for `lax.ragged_dot`, which
-    do not count), "tpu" (`tpu_custom_call`), "triton" (`__gpu$xla.gpu.triton`), "mosaic_gpu"."""
+    do not count), "tpu" (`tpu_custom_call`), "triton" (`__gpu$xla.gpu.triton`), "mosaic_gpu" (`mosaic_gpu_v2`,
+    whose metadata names `mpmd_map` when `plgpu.kernel` built it: before 2026-11-28 those were not counted)."""
     counts = collections.Counter()
     for line in hlo_text.splitlines():
         target = _TARGET.search(line)
-        if target is None or "pallas_call" not in (_OP_NAME.search(line) or [""])[0]:
+        op_name = (_OP_NAME.search(line) or [""])[0]
+        if target is None or not any(p in op_name for p in KERNEL_PRIMITIVES):
             continue
         target = target.group(1)
         if target == "tpu_custom_call":

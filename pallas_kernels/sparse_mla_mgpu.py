@@ -347,7 +347,7 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     body = functools.partial(_kernel, scale=float(scale), nblk=nblk, gather=gather, in_place=not interpret)
     out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
-                        num_threads=2, thread_name="wg",
+                        num_threads=2, thread_name="wg", kernel_name="sparse_mla_fwd_mgpu",
                         interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
                         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)
 

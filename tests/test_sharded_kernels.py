@@ -252,7 +252,8 @@ def test_impl_follows_the_target_chip_not_the_host(monkeypatch):
 def test_compiled_kernel_count_tells_pallas_from_xla_custom_calls():
     """`compiled_kernels` counts custom calls that a pallas_call emitted (its metadata names it), not XLA's own
     Mosaic custom calls (on TPU `lax.ragged_dot` lowers to `tpu_custom_call` too: a reference step compiled for a v5p
-    slice holds 22 of them and no Pallas kernel). Lines shaped like the compiled steps' HLO."""
+    slice holds 22 of them and no Pallas kernel), and the Mosaic GPU kernels built by `plgpu.kernel` (metadata
+    `mpmd_map`). Lines shaped like the compiled steps' HLO."""
     from dsv32_jax.kernels.inspect import compiled_kernels
 
     def call(target, op_name):
@@ -265,7 +266,8 @@ def test_compiled_kernel_count_tells_pallas_from_xla_custom_calls():
         call("tpu_custom_call", "ragged-dot-metadata"),
         call("__gpu$xla.gpu.triton", "jit(lm_train_step)/shard_map/jit(_forward)/pallas_call"),
         call("mosaic_gpu_v2", "jit(step)/pallas_call"),
+        call("mosaic_gpu_v2", "jit(lm_train_step)/jvp()/checkpoint/jit(_indexer_logits_mosaic)/anonymous/mpmd_map"),
         "  %add = f32[8]{0} add(f32[8]{0} %x, f32[8]{0} %x), metadata={op_name=\"pallas_call\"}",
     ])
-    assert compiled_kernels(hlo) == {"tpu": 1, "triton": 1, "mosaic_gpu": 1}
+    assert compiled_kernels(hlo) == {"tpu": 1, "triton": 1, "mosaic_gpu": 2}
     assert not compiled_kernels("\n".join(hlo.splitlines()[1:3]))
