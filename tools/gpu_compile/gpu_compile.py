@@ -26,6 +26,7 @@ A compile proves the kernels are valid for the chip and fit its limits; it says 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import datetime
@@ -291,7 +292,9 @@ class Kernel:
     registers: int | None = None
     spill_bytes: int | None = None  # stores + loads
     mma: dict = dataclasses.field(default_factory=dict)  # tensor-core instruction -> count in the PTX
-    vector_loads: dict = dataclasses.field(default_factory=dict)  # ld.global.v2/v4 instruction -> count in the PTX
+    # VLOAD matches in the PTX -> count: vector loads (ld.global.v2/v4/v8) and a gathering producer's cp.async /
+    # proxy fences
+    vector_loads: dict = dataclasses.field(default_factory=dict)
 
 
 THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+"
@@ -395,9 +398,11 @@ def collect(workdir: str) -> list[Kernel]:
             for counts in parse_ptx(text, VLOAD).values():
                 for ins, n in counts.items():
                     k.vector_loads[ins] = k.vector_loads.get(ins, 0) + n
-        for sass in glob.glob(base + ".sass*"):
-            for ins in set(re.findall(r"\b([QH]GMMA\.[\w.]+|LDGSTS\.[\w.]+)", open(sass).read())):
-                k.mma["sass:" + ins] = len(re.findall(re.escape(ins), open(sass).read()))
+        for sass in glob.glob(base + ".sass*"):  # whole instruction tokens, counted once each (read once)
+            with open(sass) as f:
+                found = collections.Counter(re.findall(r"\b([QH]GMMA\.[\w.]+|LDGSTS\.[\w.]+)", f.read()))
+            for ins, n in found.items():
+                k.mma["sass:" + ins] = k.mma.get("sass:" + ins, 0) + n
         kernels[k.name] = k
     return list(kernels.values())
 
