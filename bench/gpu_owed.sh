@@ -11,10 +11,12 @@
 #                                the recomputing backward, dense
 #   bash bench/gpu_owed.sh 3   # 4-layer step with remat=full + token_chunk: 64K with the defaults, dense at 128K
 #   bash bench/gpu_owed.sh 4   # the model-level chip tests not reached yet, then the kernels' 32K prefill
+#   bash bench/gpu_owed.sh 5   # the Mosaic GPU sparse MLA forward (mla_fwd_mgpu) in the 4-layer step at 32K and
+#                                64K, beside the same step with the Triton forward, then a 32K profile of it
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
-call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4}
+call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5}
 run() {
   if [ -n "${DRY:-}" ]; then echo "call $call: $*"; return; fi
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -35,5 +37,9 @@ case $call in
        "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" STEP_CASES=sparse:65536,dense:131072 ;;
   4) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
        "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower" ;;
-  *) echo "bench/gpu_owed.sh: no call $call (0-4)" >&2; exit 2 ;;
+  5) run STAGES="step profile" STEP_S=385 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=95 \
+       "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
+       STEP_CASES=sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_fwd_mgpu,sparse:65536:indexer_fp8+kl_segment_sum,sparse:65536:indexer_fp8+kl_segment_sum+mla_fwd_mgpu \
+       PROFILE_S=150 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_fwd_mgpu ;;
+  *) echo "bench/gpu_owed.sh: no call $call (0-5)" >&2; exit 2 ;;
 esac
