@@ -80,6 +80,8 @@ class _I:
     def __mul__(self, o): return self._op(o, "muli")
     def __rmul__(self, o): return self._op(o, "muli", True)
     def __rshift__(self, o): return self._op(o, "shrui")
+    def __floordiv__(self, o): return self._op(o, "divui")
+    def __mod__(self, o): return self._op(o, "remui")
     def __and__(self, o): return self._op(o, "andi")
     def __xor__(self, o): return self._op(o, "xori")
 

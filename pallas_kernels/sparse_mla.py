@@ -576,7 +576,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
                         op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
     if fwd == "mosaic_gpu" and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU forward
-        impl = {"pallas_gpu": "mosaic_gpu", "interpret": "interpret_mosaic_gpu"}[impl]
+        impl = {triton: mgpu for mgpu, triton in MGPU_BACKENDS.items()}[impl]
         if (why := unsupported(impl)) is not None:
             raise ValueError(f"sparse_mla: fwd='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
                              f"{why}")

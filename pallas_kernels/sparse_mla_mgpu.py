@@ -100,14 +100,8 @@ def copy_plan(tid, row0):
     (the CPU test checks that and that every chunk is copied once). One index load per thread, and both addresses
     affine in `it` with constant steps (immediate offsets in the SASS, nothing held live across the key loop).
     Works on Python ints and on `gather_mgpu._I`."""
-    r = row0 + tid // PER_ROW if isinstance(tid, int) else row0 + gather_mgpu._I(_divui(tid, PER_ROW))
-    j0 = tid % PER_ROW if isinstance(tid, int) else tid & (PER_ROW - 1)
+    r, j0 = row0 + tid // PER_ROW, tid % PER_ROW
     return r, j0, gather_mgpu.chunk_position(r, j0, DQK // TILE[1], SWIZZLE)
-
-
-def _divui(x, n):
-    from jax._src.lib.mlir.dialects import arith
-    return arith.divui(x.v, gather_mgpu._I._c(n))
 
 
 def _issue_rows(ctx, kv_gmem, idx_gmem, dst_smem, mask_smem):

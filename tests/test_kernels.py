@@ -930,11 +930,17 @@ def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch):
     assert rel_err(out, want) <= 6e-3
 
 
-def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng):
+def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng, monkeypatch):
     """`kernels.sparse_mla(impl="interpret_mosaic_gpu")`: the Mosaic GPU forward behind the op's custom VJP, the
     Triton stored backward (interpret) on its residuals. Heads (40) and slots (72) that are not multiples of 64 (the
     wrapper pads them), a batch of 2 with per-batch indices (some >= S: invalid). Against the float32 reference:
-    out 1e-2, gradients 2e-2 (the bf16 bounds of this file), lse 1e-5 absolute where finite."""
+    out 1e-2, gradients 2e-2 (the bf16 bounds of this file), lse 1e-5 absolute where finite; and the Mosaic GPU
+    forward is what ran (the Triton one would pass the value checks too). Mutation caught: `_forward` ignoring
+    cfg.fwd."""
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    calls = []
+    original = sm.sparse_mla_fwd
+    monkeypatch.setattr(sm, "sparse_mla_fwd", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     b, t, h, s, k = 2, 2, 40, 90, 72
     q = jnp.asarray(rng.standard_normal((b, t, h, 576)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((b, s, 576)), jnp.bfloat16)
@@ -957,6 +963,7 @@ def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng):
     # runs each warpgroup as a thread that executes a compiled program whose barrier waits block inside host
     # callbacks; our reading is that inside a larger XLA:CPU program the sibling finds no free worker thread.
     (_, (out, lse)), (dq, dkv) = jax.value_and_grad(lambda q, kv: loss(got_fn, q, kv), (0, 1), has_aux=True)(q, kv)
+    assert calls == [1]
     q32, kv32 = q.astype(jnp.float32), kv.astype(jnp.float32)
     (_, (rout, rlse)), (rdq, rdkv) = jax.value_and_grad(lambda q, kv: loss(ref_fn, q, kv), (0, 1),
                                                        has_aux=True)(q32, kv32)
@@ -972,7 +979,7 @@ def test_sparse_mla_mgpu_copy_plan_covers_each_chunk_once():
     copy `it` of thread tid to `copy_plan`'s destination + COPY_STRIDE it and reads chunk j0 + PER_ROW it of row r.
     For both warpgroups: every destination is where `chunk_position` (checked above against the hardware layout)
     puts that (row, chunk), and the 128 threads x COPIES copies cover the warpgroup's 32 rows x 72 chunks exactly
-    once. Mutations caught: COPY_STRIDE 16, PER_ROW-major rows (`tid % 32`)."""
+    once. Mutations caught: COPY_STRIDE 16, rows taken as `tid % 32` with the chunk unchanged."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     from dsv32_jax.kernels.gather_mgpu import chunk_position
     for w in range(2):
@@ -1007,3 +1014,17 @@ def test_sparse_mla_mgpu_argument_checks(rng):
         kernels.sparse_mla(*small, impl="interpret", fwd="cutlass")
     out, _ = kernels.sparse_mla(*small, impl="reference", fwd="mosaic_gpu")  # ignored off the GPU kernels
     assert out.shape == (1, 2, 64, 128)
+
+
+def test_run_option_mla_fwd_reaches_the_kernel(rng, monkeypatch):
+    """RunOptions(mla_fwd="mosaic_gpu") reaches `kernels.sparse_mla(fwd=...)` from the model: the tiny model's
+    Dqk 40 is refused by name (the Mosaic GPU forward serves 576 / 512 only). Mutation caught: the model not passing
+    the option on (`fwd=opts.mla_fwd` dropped in dsv32_jax/model/mla.py: the tiny model then runs)."""
+    from dsv32_jax import RunOptions
+    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
+    model = _tiny_model()
+    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, 9)), jnp.int32)
+    model.options = RunOptions(attention="kernel", mla_fwd="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"sparse_mla: fwd='mosaic_gpu' cannot run.*Dqk 576, d_v 512"):
+        model(toks)
+    model.options = RunOptions()
