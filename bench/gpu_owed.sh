@@ -13,10 +13,13 @@
 #   bash bench/gpu_owed.sh 4   # the model-level chip tests not reached yet, then the kernels' 32K prefill
 #   bash bench/gpu_owed.sh 5   # the Mosaic GPU sparse MLA forward (mla_fwd_mgpu) in the 4-layer step at 32K and
 #                                64K, beside the same step with the Triton forward, then a 32K profile of it
+#   bash bench/gpu_owed.sh 6   # the atomic backward (mla_bwd_atomic: dkv added in place, no partials) in the 4-layer
+#                                step at 32K and 64K beside the stored one, the kernel table's backward rows at 32K,
+#                                then a 32K profile of it
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
-call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5}
+call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5|6}
 run() {
   if [ -n "${DRY:-}" ]; then echo "call $call: $*"; return; fi
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -41,5 +44,9 @@ case $call in
        "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
        STEP_CASES=sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_fwd_mgpu,sparse:65536:indexer_fp8+kl_segment_sum,sparse:65536:indexer_fp8+kl_segment_sum+mla_fwd_mgpu \
        PROFILE_S=150 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_fwd_mgpu ;;
-  *) echo "bench/gpu_owed.sh: no call $call (0-5)" >&2; exit 2 ;;
+  6) run STAGES="step bench profile" STEP_S=300 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=95 \
+       "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
+       STEP_CASES=sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_bwd_atomic,sparse:65536:indexer_fp8+kl_segment_sum+mla_bwd_atomic \
+       LENGTHS=32768 BENCH_S=120 PROFILE_S=120 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_bwd_atomic ;;
+  *) echo "bench/gpu_owed.sh: no call $call (0-6)" >&2; exit 2 ;;
 esac

@@ -229,6 +229,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     if "fwd" in state:
         guarded("sparse_mla bwd", functools.partial(bwd_row, "recompute"))
         guarded("sparse_mla bwd (stored)", functools.partial(bwd_row, "stored"))
+        guarded("sparse_mla bwd (atomic)", functools.partial(bwd_row, "atomic"))
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
     def layer_row():

@@ -8,7 +8,8 @@ A case is what:attention:context[:flags]: "train" is the sparse-stage training s
 trainer's compiled step, batch 1), "prefill" the model's forward over the prompt (the last position's logits, what
 generation's prefill computes); attention is kernel (the Pallas kernels), sparse (plain-JAX DSA) or dense (the
 dense stage / dense attention); flags, joined by "+", are the per-case flags of bench/train_step.py
-(kl_scatter_add, kl_segment_sum, indexer_fp8, mla_bwd_stored, mla_bwd_recompute, mla_fwd_mgpu), each also a global flag here. After --warmup untimed runs one run is traced with
+(kl_scatter_add, kl_segment_sum, indexer_fp8, mla_bwd_stored, mla_bwd_recompute, mla_bwd_atomic,
+mla_fwd_mgpu), each also a global flag here. After --warmup untimed runs one run is traced with
 `jax.profiler.trace` and the device plane's kernel events are summed by kernel name (the top --top, then shares by
 kind). A CPU run has no device plane and reports the XLA ops of the host's trace instead. --out PATH writes the rows as JSON.
 """
@@ -61,6 +62,7 @@ def build(what: str, attention: str, context: int, args, flags=()):
                                 kl_segment_sum=args.kl_segment_sum or "kl_segment_sum" in flags,
                                 mla_bwd_stored=args.mla_bwd_stored or "mla_bwd_stored" in flags,
                                 mla_bwd_recompute=args.mla_bwd_recompute or "mla_bwd_recompute" in flags,
+                                mla_bwd_atomic=args.mla_bwd_atomic or "mla_bwd_atomic" in flags,
                                 mla_fwd_mgpu=args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags)
         trainer, batch = make_trainer(ns)
         return lambda: jax.block_until_ready(trainer.train_step(batch))
@@ -165,6 +167,8 @@ def main():
     p.add_argument("--kl_segment_sum", action="store_true", help="eq. 4's key gradient as rows + one segment sum")
     p.add_argument("--mla_bwd_stored", action="store_true", help="the sparse MLA kernel's stored backward (default)")
     p.add_argument("--mla_bwd_recompute", action="store_true", help="the sparse MLA kernel's recomputing backward")
+    p.add_argument("--mla_bwd_atomic", action="store_true",
+                   help="the sparse MLA kernel's stored backward with dkv added in place (fp32 atomics)")
     p.add_argument("--mla_fwd_mgpu", action="store_true", help="the sparse MLA kernel's Mosaic GPU forward")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)

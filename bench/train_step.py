@@ -27,7 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute", "mla_fwd_mgpu")
+CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute", "mla_bwd_atomic",
+              "mla_fwd_mgpu")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -61,7 +62,8 @@ def make_trainer(args):
     config.kl_key_grad = ("scatter" if getattr(args, "kl_scatter_add", False) else
                           "segment_sum" if getattr(args, "kl_segment_sum", False) else "dense")
     # mla_bwd_stored: the default since 2026-11-28 (kept so recorded command lines still run)
-    config.mla_bwd = "recompute" if getattr(args, "mla_bwd_recompute", False) else "stored"
+    config.mla_bwd = ("recompute" if getattr(args, "mla_bwd_recompute", False) else
+                      "atomic" if getattr(args, "mla_bwd_atomic", False) else "stored")
     config.mla_fwd = "mosaic_gpu" if getattr(args, "mla_fwd_mgpu", False) else "triton"
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
@@ -107,7 +109,8 @@ def run_case(args) -> dict:
     return {"mode": args.mode, "attention": config.attention if args.mode != "dense" else "dense",
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
             "kl_scatter_add": config.kl_key_grad == "scatter", "kl_segment_sum": config.kl_key_grad == "segment_sum",
-            "mla_bwd_stored": config.mla_bwd == "stored", "mla_fwd_mgpu": config.mla_fwd == "mosaic_gpu",
+            "mla_bwd_stored": config.mla_bwd == "stored", "mla_bwd_atomic": config.mla_bwd == "atomic",
+            "mla_fwd_mgpu": config.mla_fwd == "mosaic_gpu",
             "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
@@ -134,6 +137,8 @@ def main():
                    help="config.mla_bwd='stored' (the default): the sparse MLA kernel's backward without recomputation")
     p.add_argument("--mla_bwd_recompute", action="store_true",
                    help="config.mla_bwd='recompute': the sparse MLA kernel's recomputing backward")
+    p.add_argument("--mla_bwd_atomic", action="store_true",
+                   help="config.mla_bwd='atomic': the stored backward adding dkv rows in place (fp32 atomics)")
     p.add_argument("--mla_fwd_mgpu", action="store_true",
                    help="config.mla_fwd='mosaic_gpu': the sparse MLA kernel's Mosaic GPU forward (issue 31 item 2)")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")

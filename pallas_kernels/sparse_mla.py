@@ -32,6 +32,12 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
     slices, all heads at once, and produces both that slice of dq (dS K over the slots, the slice of each
     selected row gathered once) and that slice of the dkv partials (dS^T q + P^T dO over the heads: M = 64 slots,
     K = H), reduced by the same segment sum. MMA work: 2752 FLOP per head-slot pair, none repeated.
+  * bwd="atomic": the stored backward whose second kernel adds its dkv rows ([64 slots, 64 columns] per step) into
+    the fp32 [B*S, Dqk] accumulator with relaxed fp32 vector atomics (`red.global.relaxed.add.v4.f32`,
+    `triton_atomics`) instead of writing them: no [T, K, Dqk] partials, no segment sum, and token chunks bounded
+    by the stored P / dS alone (512 tokens at H 128, K 2048 under the default `bwd_partial_bytes`). Invalid slots
+    are masked off (no atomic at all); repeated keys add twice, as everywhere here. The fp32 sum's order depends
+    on the schedule, so dkv is not bitwise reproducible run to run (within fp32 rounding of the stored path).
   * probabilities summed over heads (return_probs): the dkv program structure without the gradients, from the
     final lse; returned with stop_gradient (it is the target of the indexer's KL loss).
   * launch order: every GPU grid here puts the within-token axis (head block, slot block or column slice) first,
@@ -57,7 +63,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
 from dsv32_jax.model.options import MLA_BWDS, MLA_FWDS
-from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_tpu
+from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_tpu, triton_atomics
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
@@ -311,26 +317,56 @@ def _pds_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, p_ref, ds_re
     jax.lax.fori_loop(0, n_blocks, body, 0)
 
 
-def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, dq_ref, part_ref, *, cfg: _Cfg, n_blocks: int,
-                 slots: int):
-    """One column slice of a token's dq (all heads) and of its dkv partial rows (all slots) from the stored P, dS."""
+def _scatter_add_rows(dkv_ref, ids, valid, col0, part, cfg: _Cfg):
+    """dkv[ids[r], col0 : col0 + width] += part[r] for the valid slots r (bwd="atomic"): relaxed fp32 atomics on
+    the chip (`triton_atomics`: no fences), so repeated keys, in one block or across programs, all land. Interpret
+    mode adds row by row through the slice form of the atomic, whose discharge rule is an exact read-add-write;
+    its gather form discharges to a scatter-set that would keep only one of two repeated rows of a block."""
+    width = part.shape[1]
+    if cfg.backend == "interpret":
+        def row(r, carry):
+            @pl.when(valid[r])
+            def _():
+                triton_atomics.atomic_add(dkv_ref, (ids[r], pl.ds(col0, width)), part[r])
+            return carry
+        jax.lax.fori_loop(0, part.shape[0], row, 0)
+        return
+    cols = col0 + jnp.arange(width, dtype=jnp.int32)
+    triton_atomics.atomic_add(dkv_ref, (jnp.where(valid, ids, 0)[:, None], cols[None, :]), part, mask=valid[:, None])
+
+
+def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, *refs, cfg: _Cfg, n_blocks: int, slots: int):
+    """One column slice of a token's dq (all heads) and of its dkv rows (all slots) from the stored P, dS. The dkv
+    rows are written as partials ([slots, width] per block, bwd="stored") or added into the fp32 dkv accumulator
+    by atomics (bwd="atomic": refs are the aliased accumulator in and out, then dq)."""
+    if cfg.bwd == "atomic":
+        _, dkv_ref, dq_ref = refs
+    else:
+        dq_ref, part_ref = refs
     width = cfg.bwd_slice
-    cols = pl.program_id(0) * width + jnp.arange(width, dtype=jnp.int32)
+    col0 = pl.program_id(0) * width
+    cols = col0 + jnp.arange(width, dtype=jnp.int32)
     q, do = q_ref[...], do_ref[...]  # [H, width]; do is zero on the rope slice
 
     def body(j, dq):
         blk = pl.ds(pl.multiple_of(j * slots, slots), slots)
-        _, k = _gather(kv_ref, idx_ref[blk], cols, cfg)  # [slots, width]
+        ids = idx_ref[blk]
+        valid, k = _gather(kv_ref, ids, cols, cfg)  # [slots, width]
         ds, p = ds_ref[:, blk], p_ref[:, blk]  # [H, slots]
-        part_ref[blk, :] = (_tn(ds, q) + _tn(p, do)).astype(part_ref.dtype)
+        part = _tn(ds, q) + _tn(p, do)
+        if cfg.bwd == "atomic":
+            _scatter_add_rows(dkv_ref, ids, valid, col0, part, cfg)
+        else:
+            part_ref[blk, :] = part.astype(part_ref.dtype)
         return dq + _nn(ds, k)
 
     dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((q.shape[0], width), jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype):
-    """(dq, dkv partials) of a token chunk: `_pds_kernel`, then `_dqkv_kernel` over the column slices."""
+def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype, dkv=None):
+    """(dq, dkv partials) of a token chunk: `_pds_kernel`, then `_dqkv_kernel` over the column slices; with
+    bwd="atomic", (dq, dkv + this chunk's dkv) with `dkv` the fp32 [num_keys, Dqk] accumulator, aliased in place."""
     n, hp, dp = q_c.shape
     kp, bh = idx_c.shape[1], cfg.block_h
     # Grids put the programs of one token next to each other (grid axis 0 varies fastest in launch order), so
@@ -353,13 +389,19 @@ def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, par
     slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
     whole = pl.BlockSpec((None, hp, kp), lambda c, t: (t, 0, 0))
     slots = min(STORED_SLOTS, kp)
+    kernel = functools.partial(_dqkv_kernel, cfg=cfg, n_blocks=kp // slots, slots=slots)
+    in_specs = [slices, pl.BlockSpec(kvf.shape, lambda c, t: (0, 0)), pl.BlockSpec((None, kp), lambda c, t: (t, 0)),
+                slices, whole, whole]
+    dq_shape = jax.ShapeDtypeStruct(q_c.shape, q_c.dtype)
+    if cfg.bwd == "atomic":
+        acc = pl.BlockSpec(dkv.shape, lambda c, t: (0, 0))  # the whole accumulator, updated in place
+        return _call(cfg, kernel, grid=(dp // width, n), in_specs=[*in_specs, acc], out_specs=[acc, slices],
+                     out_shape=[jax.ShapeDtypeStruct(dkv.shape, dkv.dtype), dq_shape],
+                     input_output_aliases={6: 0})(q_c, kvf, idx_c, do_p, p, ds, dkv)[::-1]
     return _call(
-        cfg, functools.partial(_dqkv_kernel, cfg=cfg, n_blocks=kp // slots, slots=slots),
-        grid=(dp // width, n),
-        in_specs=[slices, pl.BlockSpec(kvf.shape, lambda c, t: (0, 0)), pl.BlockSpec((None, kp), lambda c, t: (t, 0)),
-                  slices, whole, whole],
+        cfg, kernel, grid=(dp // width, n), in_specs=in_specs,
         out_specs=[slices, pl.BlockSpec((None, kp, width), lambda c, t: (t, 0, c))],
-        out_shape=[jax.ShapeDtypeStruct(q_c.shape, q_c.dtype), jax.ShapeDtypeStruct((n, kp, dp), part_dtype)],
+        out_shape=[dq_shape, jax.ShapeDtypeStruct((n, kp, dp), part_dtype)],
     )(q_c, kvf, idx_c, do_p, p, ds)
 
 
@@ -409,7 +451,8 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
     part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
-    stored = cfg.bwd == "stored" and not cfg.tpu
+    stored = cfg.bwd in ("stored", "atomic") and not cfg.tpu
+    atomic = stored and cfg.bwd == "atomic"  # dkv rows added in place by the kernel: no partials, no segment sum
     per_token = 0  # bytes per token of the stored P and dS
     if stored:  # slots padded (-1) to whole steps of the dq / dkv-slice kernel
         kp = idxf.shape[1]
@@ -421,7 +464,7 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
         dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
     # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
     kp = idxf.shape[1]
-    chunk = max(1, min(n, cfg.bwd_partial_bytes // (kp * dp * 4 + per_token)))
+    chunk = max(1, min(n, cfg.bwd_partial_bytes // ((0 if atomic else kp * dp * 4) + per_token)))
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
 
@@ -435,6 +478,9 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
             dq_c, dkv_c = sparse_mla_tpu.backward(q_c, kvf, idx_c[:, None, :], do_c, lse_c[..., None],
                                                   delta_c[..., None], cfg, part_dtype)
             return dkv + dkv_c, dq_c
+        if atomic:
+            dq_c, dkv = _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg, part_dtype, dkv=dkv)
+            return dkv, dq_c
         if stored:
             dq_c, parts = _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg, part_dtype)
             return dkv + _reduce_dkv(parts, idx_c, cfg), dq_c
@@ -558,8 +604,9 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     of two >= 16. TPU: all heads per program, block_i slots per gathered block (default 128, a multiple of 8);
     block_h / bwd_* / num_* and bwd are GPU-only (the TPU kernels have one fused backward). bwd: "stored" (the
     default: P and dS computed once and stored for one token chunk at a time, see the module docstring; 84-88
-    TFLOP/s on an H200 at k 2048, 128 heads) or "recompute" (the dq and dkv kernels above, each recomputing S and
-    dP; 62-64 TFLOP/s in the same run). fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu /
+    TFLOP/s on an H200 at k 2048, 128 heads), "atomic" (the stored backward with dkv added in place by fp32
+    atomics: no [T, k, Dqk] partials and no segment sum; opt-in until a chip times it; not bitwise reproducible) or
+    "recompute" (the dq and dkv kernels above, each recomputing S and dP; 62-64 TFLOP/s in the same run). fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu /
     interpret: the same as impl mosaic_gpu / interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU
     and reference impls; raises on inputs the Mosaic GPU forward cannot serve).
     """

@@ -455,7 +455,7 @@ def test_sparse_mla_forward_and_probs(rng, dtype, shape):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-@pytest.mark.parametrize("bwd", ["recompute", "stored"])
+@pytest.mark.parametrize("bwd", ["recompute", "stored", "atomic"])
 def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape, bwd):
     """Both GPU backwards; backward tiles smaller than the forward's; a small partial budget gives several dkv
     chunks. Mutants of the stored backward (tests/mutate.sh on pallas_kernels/sparse_mla.py), each caught by the
@@ -468,9 +468,9 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape, bwd
 
 def test_sparse_mla_bwd_option_is_checked(rng):
     q, kv, idx, d_v = _mla_case(rng, jnp.float32)
-    with pytest.raises(ValueError, match=r"bwd='fused' must be one of \('recompute', 'stored'\)"):
+    with pytest.raises(ValueError, match=r"bwd='fused' must be one of \('recompute', 'stored', 'atomic'\)"):
         kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl=IMPL, bwd="fused")
-    with pytest.raises(ValueError, match=r"bwd='fused' must be one of \('recompute', 'stored'\)"):
+    with pytest.raises(ValueError, match=r"bwd='fused' must be one of \('recompute', 'stored', 'atomic'\)"):
         kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl=TPU, bwd="fused")
 
 
@@ -627,10 +627,12 @@ def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
     model.options = RunOptions()
 
 
-def test_kernel_attention_stored_mla_backward(rng, monkeypatch):
-    """RunOptions(mla_bwd="stored") reaches the sparse MLA kernel (its stored backward runs once per layer) and the
-    model's gradients through it, eq. 2 and eq. 4 together, match the recomputing backward's. Mutation caught: the
-    model not passing the option on (`bwd=opts.mla_bwd` -> `bwd="recompute"` in dsv32_jax/model/mla.py)."""
+@pytest.mark.parametrize("mla_bwd", ["stored", "atomic"])
+def test_kernel_attention_stored_mla_backward(rng, monkeypatch, mla_bwd):
+    """RunOptions(mla_bwd="stored" / "atomic") reaches the sparse MLA kernel (its stored backward runs once per
+    layer, accumulating dkv in place with "atomic" only) and the model's gradients through it, eq. 2 and eq. 4
+    together, match the recomputing backward's. Mutation caught: the model not passing the option on
+    (`bwd=opts.mla_bwd` -> `bwd="recompute"` in dsv32_jax/model/mla.py)."""
     import importlib
 
     from flax import nnx
@@ -640,7 +642,8 @@ def test_kernel_attention_stored_mla_backward(rng, monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
     calls = []
     original = smla._stored_backward_chunk
-    monkeypatch.setattr(smla, "_stored_backward_chunk", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setattr(smla, "_stored_backward_chunk",
+                        lambda *a, **kw: calls.append(kw.get("dkv") is not None) or original(*a, **kw))
     model = _tiny_model(128)
     toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, 9)), jnp.int32)
 
@@ -652,8 +655,8 @@ def test_kernel_attention_stored_mla_backward(rng, monkeypatch):
             return jnp.mean(logits**2) + sum(jnp.mean(v) for v in aux["indexer_kl"].values())
         return jnp.concatenate([g.ravel() for g in jax.tree.leaves(nnx.grad(loss)(model))])
 
-    got = grads("stored")
-    assert len(calls) == model.config.num_hidden_layers + model.config.num_nextn_predict_layers
+    got = grads(mla_bwd)
+    assert calls == [mla_bwd == "atomic"] * (model.config.num_hidden_layers + model.config.num_nextn_predict_layers)
     want = grads("recompute")
     assert len(calls) == model.config.num_hidden_layers + model.config.num_nextn_predict_layers
     assert rel_err(got, want) <= 1e-5
@@ -729,6 +732,9 @@ def test_triton_kernels_lower_at_production_shapes():
     grad = jax.grad(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu)[0].astype(f32).sum(),
                     argnums=(0, 1))
     assert _lower_for_cuda(grad, q, kv, idx).count("triton") >= 3
+    grad_atomic = jax.grad(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=gpu, bwd="atomic")[0]
+                           .astype(f32).sum(), argnums=(0, 1))  # the relaxed atomics' own lowering rule
+    assert _lower_for_cuda(grad_atomic, q, kv, idx).count("triton") >= 3
     _lower_for_cuda(lambda a, b, c, d, e, g: kernels.indexer_logits(a, b, c, d, starts=e, ends=g, impl=gpu),
                     sds((1, 8, 64, 128), F8), sds((1, 8192, 128), F8), sds((1, 8192), f32), sds((1, 8, 64), f32),
                     sds((1, 8), i32), sds((1, 8), i32))

@@ -53,7 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
     # eq. 4's key gradient (RunOptions.kl_key_grad): "dense" | "segment_sum" | "scatter" (autodiff, 2.6x slower step)
     c.kl_key_grad = "dense"
     # The sparse MLA kernel's GPU backward (RunOptions.mla_bwd, attention="kernel"): "stored" (1.36-1.38x faster on
-    # an H200) | "recompute"
+    # an H200) | "recompute" | "atomic" (stored, dkv added in place by fp32 atomics; not yet timed on a chip)
     c.mla_bwd = "stored"
     # Its GPU forward (RunOptions.mla_fwd): "triton" | "mosaic_gpu" (issue 31's Hopper kernel; not yet timed on a chip)
     c.mla_fwd = "triton"

@@ -12,7 +12,7 @@ ATTENTION_IMPLS = ("sparse", "dense", "kernel")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
 KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
-MLA_BWDS = ("recompute", "stored")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
+MLA_BWDS = ("recompute", "stored", "atomic")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
 MLA_FWDS = ("triton", "mosaic_gpu")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
 
 

@@ -102,6 +102,14 @@ STORED_BWD_CLAIMS = {"prod": dict(kernel_requires=(("_pds_kernel", r"wgmma\.mma_
                                   kernel_forbids=(("_pds_kernel|_dqkv_kernel", r"mma\.sync"),))}
 
 
+# bwd="atomic": the stored backward with the dkv rows added into the fp32 accumulator by the second kernel
+# (global fp32 atomics of relaxed order: acquire-release ones cost a GPU-wide MEMBAR and an L1 invalidation each),
+# no partials written.
+ATOMIC_BWD_CLAIMS = {"prod": dict(kernel_requires=(*STORED_BWD_CLAIMS["prod"]["kernel_requires"],
+                                                   ("_dqkv_kernel", r"(red|atom)\.global\S*\.relaxed\S*\.add\S*\.f32")),
+                                  kernel_forbids=STORED_BWD_CLAIMS["prod"]["kernel_forbids"])}
+
+
 def all_cases() -> list[Case]:
     cases = []
     for sh in (PROD, TINY):
@@ -121,6 +129,8 @@ def all_cases() -> list[Case]:
                  options=(("bwd", "recompute"),)),
             Case(f"sparse_mla_bwd_stored[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
                  options=(("bwd", "stored"),), **STORED_BWD_CLAIMS.get(sh.name, {})),
+            Case(f"sparse_mla_bwd_atomic[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
+                 options=(("bwd", "atomic"),), **ATOMIC_BWD_CLAIMS.get(sh.name, {})),
         ]
     # Issue 31 item 2's producer: selected rows gathered by 16-byte cp.async into the swizzled layout wgmma reads,
     # then QK^T for 64 keys at once (N = 64), in one warpgroup and warp-specialized (producer + consumer).
@@ -142,6 +152,10 @@ def all_cases() -> list[Case]:
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
+    # ... with mla_bwd="atomic": the model's gradient step reaches the in-place dkv accumulation (relaxed atomics)
+    cases.append(Case("model_kernel_train_step[tiny,T=64,mla_bwd=atomic]", "model_kernel", "tiny", 64,
+                      options=(("mla_bwd", "atomic"),), requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",),
+                      kernel_requires=(("_dqkv_kernel", r"red\.global\S*\.relaxed\S*\.add\S*\.f32"),)))
     # The checks must be able to fail: a 128 x 128 forward tile does not fit the H100's shared memory (the compile
     # fails); 64 x 64 (the former default) compiles but needs 95% of it and spills; 4 warps spill.
     cases += [
@@ -171,7 +185,7 @@ def build(case: Case):
 
     t, l, o = sh.queries, case.keys, case.opts()
     if case.op == "model_kernel":
-        return model_kernel_step(l, spec)
+        return model_kernel_step(l, spec, **o)
     f8 = jnp.float8_e4m3fn
     if case.op == "hadamard_quant":  # the kernel rotates 128-dim rows (the production indexer head dim)
         return (lambda x: pk.hadamard_quant(x, impl="pallas_gpu")), [spec((1, l, 128), jnp.bfloat16)]
@@ -214,9 +228,9 @@ def build(case: Case):
     raise SystemExit(f"unknown op {case.op!r}")
 
 
-def model_kernel_step(length: int, spec):
+def model_kernel_step(length: int, spec, mla_bwd: str = "stored"):
     """Loss + gradients of the tiny model (indexer 4 x 128) on one sequence with RunOptions(attention="kernel",
-    indexer_fp8=True, indexer_loss="sparse"): every op dispatched to its GPU kernel (set_default_impl)."""
+    indexer_fp8=True, indexer_loss="sparse", mla_bwd=...): every op dispatched to its GPU kernel (set_default_impl)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -229,7 +243,7 @@ def model_kernel_step(length: int, spec):
 
     pk.set_default_impl("pallas_gpu")
     cfg = load_preset("tiny").replace(index_head_dim=128)
-    opts = RunOptions(attention="kernel", indexer_fp8=True, indexer_loss="sparse")
+    opts = RunOptions(attention="kernel", indexer_fp8=True, indexer_loss="sparse", mla_bwd=mla_bwd)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), options=opts, dtype=jnp.bfloat16))
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda x: spec(x.shape, x.dtype), state)
@@ -302,9 +316,10 @@ THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)
 XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|gemm|cutlass|cublas|triton_softmax|sort|scatter|reduce)_|"
                       r"^(copy|transpose|bitcast|sort|scatter)")
 MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)")
-# vector loads, and the async-copy path of a gathering producer (per-thread cp.async + the proxy fence before wgmma)
+# vector loads, the async-copy path of a gathering producer (per-thread cp.async + the proxy fence before wgmma),
+# and global atomics / reductions (a kernel that accumulates into memory)
 VLOAD = re.compile(r"\b(ld\.global(?:\.\w+)*?\.v[248]\.\w+|cp\.async\.c[ag]\.shared\.global|"
-                   r"fence\.proxy\.async[\w:.]*)")
+                   r"fence\.proxy\.async[\w:.]*|(?:red|atom)\.[\w:.]*global[\w:.]*)")
 
 
 def parse_thunks(text: str) -> dict[str, dict]:
