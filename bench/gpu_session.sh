@@ -28,7 +28,8 @@ python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.
   | tee -a "$OUT/device.txt"
 bench() {
 t0=$(date +%s)
-timeout "${BENCH_S:-330}" python3 bench/kernels.py --lengths "${LENGTHS:-8192,32768,131072}" --out "$OUT/dsa_kernels" \
+timeout "${BENCH_S:-330}" python3 bench/kernels.py --lengths "${LENGTHS:-8192,32768,131072}" ${BENCH_ARGS:-} \
+  --out "$OUT/dsa_kernels" \
   >"$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^\s*$" "$OUT/bench.log" | grep -v "^|" | tail -40
 }

@@ -25,6 +25,7 @@ import importlib.util
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -118,6 +119,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     state = {}
 
     def guarded(op, body):
+        if args.ops and not re.search(args.ops, op):
+            return
         try:
             emit(body())
         except Exception as e:  # noqa: BLE001 -- a benchmark row per op, whatever breaks
@@ -260,6 +263,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="8192,32768,131072", help="comma-separated key lengths L")
     p.add_argument("--impl", default=None, help="kernel impl (default: by platform)")
+    p.add_argument("--ops", default="", help="regex: only the rows whose op name matches (e.g. '^sparse_mla'; the "
+                   "backward rows need the 'sparse_mla fwd' row)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ref-rows", type=int, default=256, help="queries for the memory-bound XLA references")

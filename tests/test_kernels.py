@@ -795,9 +795,14 @@ def test_benchmark_smoke_runs():
     bench = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.main(["--smoke"])
-    assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd", "DSA layer fwd"}
+    assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd",
+                                    "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)", "DSA layer fwd"}
     assert all(r.kernel_ms > 0 for r in rows)  # an op that raised has a NaN time and a "FAILED ..." check
     assert not [r.check for r in rows if "FAILED" in r.check or "DIFFER" in r.check]
+    # --ops (bench/gpu_owed.sh 6): only the matching rows, the backward rows after the forward they subtract
+    rows = bench.main(["--smoke", "--ops", "^sparse_mla bwd \\(atomic|^sparse_mla fwd$"])
+    assert [r.op for r in rows] == ["sparse_mla fwd", "sparse_mla bwd (atomic)"]
+    assert all(r.kernel_ms > 0 for r in rows)
 
 
 # ------------------------------------------------------------------------------------------------ gathering producer
