@@ -209,8 +209,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                  f"(bf16 in; fp32 reference, {c.stop} queries)")
         return Row(name, length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", state["ref_fwd"], check=check)
 
-    def bwd_row(bwd):
-        both_ms, _ = timed(fwd_bwd(impl, bwd=bwd), q, kv, sel, warmup=w, iters=it)
+    def bwd_row(bwd, **kw):
+        both_ms, _ = timed(fwd_bwd(impl, bwd=bwd, **kw), q, kv, sel, warmup=w, iters=it)
         if "ref_bwd" not in state:
             ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
             state["ref_bwd"] = ref_both - state["ref_fwd"]
@@ -218,11 +218,11 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         # the bf16 reference accumulates dkv in bf16 (~T*k/L adds per row): check against fp32 autodiff instead, on
         # the first queries (both sides on the same subset)
         c = slice(0, min(t, args.check_rows))
-        dq, dkv = fwd_bwd(impl, bwd=bwd)(q[:, c], kv, sel[:, c])
+        dq, dkv = fwd_bwd(impl, bwd=bwd, **kw)(q[:, c], kv, sel[:, c])
         rdq, rdkv = fwd_bwd("reference")(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
         check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
                  f"fwd+bwd {both_ms:.3f} ms")
-        name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd})")
+        name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{', P/dS mosaic_gpu' if kw else ''})")
         return Row(name, length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", state["ref_bwd"], check=check)
 
     guarded("sparse_mla fwd", fwd_row)
@@ -233,6 +233,10 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         guarded("sparse_mla bwd", functools.partial(bwd_row, "recompute"))
         guarded("sparse_mla bwd (stored)", functools.partial(bwd_row, "stored"))
         guarded("sparse_mla bwd (atomic)", functools.partial(bwd_row, "atomic"))
+        if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
+            # issue 31 item 3: P and dS by the Mosaic GPU kernel (`sparse_mla_pds_mgpu`), the rest as "stored"
+            guarded("sparse_mla bwd (stored, P/dS mosaic_gpu)",
+                    functools.partial(bwd_row, "stored", pds="mosaic_gpu"))
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
     def layer_row():

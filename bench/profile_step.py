@@ -9,7 +9,7 @@ trainer's compiled step, batch 1), "prefill" the model's forward over the prompt
 generation's prefill computes); attention is kernel (the Pallas kernels), sparse (plain-JAX DSA) or dense (the
 dense stage / dense attention); flags, joined by "+", are the per-case flags of bench/train_step.py
 (kl_scatter_add, kl_segment_sum, indexer_fp8, mla_bwd_stored, mla_bwd_recompute, mla_bwd_atomic,
-mla_fwd_mgpu), each also a global flag here. After --warmup untimed runs one run is traced with
+mla_fwd_mgpu, mla_pds_mgpu), each also a global flag here. After --warmup untimed runs one run is traced with
 `jax.profiler.trace` and the device plane's kernel events are summed by kernel name (the top --top, then shares by
 kind). A CPU run has no device plane and reports the XLA ops of the host's trace instead. --out PATH writes the rows as JSON.
 """
@@ -63,6 +63,7 @@ def build(what: str, attention: str, context: int, args, flags=()):
                                 mla_bwd_stored=args.mla_bwd_stored or "mla_bwd_stored" in flags,
                                 mla_bwd_recompute=args.mla_bwd_recompute or "mla_bwd_recompute" in flags,
                                 mla_bwd_atomic=args.mla_bwd_atomic or "mla_bwd_atomic" in flags,
+                                mla_pds_mgpu=args.mla_pds_mgpu or "mla_pds_mgpu" in flags,
                                 mla_fwd_mgpu=args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags)
         trainer, batch = make_trainer(ns)
         return lambda: jax.block_until_ready(trainer.train_step(batch))
@@ -80,7 +81,8 @@ def build(what: str, attention: str, context: int, args, flags=()):
     options = RunOptions(dsa=attention != "dense", attention="kernel" if attention == "kernel" else "sparse",
                          attn_chunk=args.chunk, index_chunk=args.chunk,
                          indexer_fp8=args.indexer_fp8 or "indexer_fp8" in flags,
-                         mla_fwd="mosaic_gpu" if args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags else "triton")
+                         mla_fwd="mosaic_gpu" if args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags else "triton",
+                         mla_pds="mosaic_gpu" if args.mla_pds_mgpu or "mla_pds_mgpu" in flags else "triton")
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, options=options)
     ids = jnp.asarray(np.random.default_rng(0).integers(2, cfg.vocab_size, (1, context)), jnp.int32)
     graphdef, state = nnx.split(model)
@@ -169,6 +171,8 @@ def main():
     p.add_argument("--mla_bwd_recompute", action="store_true", help="the sparse MLA kernel's recomputing backward")
     p.add_argument("--mla_bwd_atomic", action="store_true",
                    help="the sparse MLA kernel's stored backward with dkv added in place (fp32 atomics)")
+    p.add_argument("--mla_pds_mgpu", action="store_true",
+                   help="the sparse MLA kernel's stored backward with its P / dS kernel in Mosaic GPU")
     p.add_argument("--mla_fwd_mgpu", action="store_true", help="the sparse MLA kernel's Mosaic GPU forward")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 CASE_FLAGS = ("kl_scatter_add", "kl_segment_sum", "indexer_fp8", "mla_bwd_stored", "mla_bwd_recompute", "mla_bwd_atomic",
-              "mla_fwd_mgpu")
+              "mla_fwd_mgpu", "mla_pds_mgpu")
 
 
 def parse_case(text: str) -> tuple[str, int, tuple[str, ...]]:
@@ -65,6 +65,7 @@ def make_trainer(args):
     config.mla_bwd = ("recompute" if getattr(args, "mla_bwd_recompute", False) else
                       "atomic" if getattr(args, "mla_bwd_atomic", False) else "stored")
     config.mla_fwd = "mosaic_gpu" if getattr(args, "mla_fwd_mgpu", False) else "triton"
+    config.mla_pds = "mosaic_gpu" if getattr(args, "mla_pds_mgpu", False) else "triton"
     config.loss.token_chunk = getattr(args, "token_chunk", 0)
     if args.layers:
         config.model_overrides = {"num_hidden_layers": args.layers}
@@ -110,7 +111,7 @@ def run_case(args) -> dict:
             "indexer_fp8": bool(config.get("indexer_fp8", False)),
             "kl_scatter_add": config.kl_key_grad == "scatter", "kl_segment_sum": config.kl_key_grad == "segment_sum",
             "mla_bwd_stored": config.mla_bwd == "stored", "mla_bwd_atomic": config.mla_bwd == "atomic",
-            "mla_fwd_mgpu": config.mla_fwd == "mosaic_gpu",
+            "mla_fwd_mgpu": config.mla_fwd == "mosaic_gpu", "mla_pds_mgpu": config.mla_pds == "mosaic_gpu",
             "remat": config.get("remat", "none"), "token_chunk": int(config.loss.get("token_chunk", 0)),
             "layers": trainer.cfg.num_hidden_layers,
             "context": args.context, "step_s": step, "tokens_per_s": args.context / step,
@@ -139,6 +140,8 @@ def main():
                    help="config.mla_bwd='recompute': the sparse MLA kernel's recomputing backward")
     p.add_argument("--mla_bwd_atomic", action="store_true",
                    help="config.mla_bwd='atomic': the stored backward adding dkv rows in place (fp32 atomics)")
+    p.add_argument("--mla_pds_mgpu", action="store_true",
+                   help="config.mla_pds='mosaic_gpu': the stored backward's P / dS kernel in Mosaic GPU (issue 31 item 3)")
     p.add_argument("--mla_fwd_mgpu", action="store_true",
                    help="config.mla_fwd='mosaic_gpu': the sparse MLA kernel's Mosaic GPU forward (issue 31 item 2)")
     p.add_argument("--remat", default="none", help="config.remat (none | full | dots | dots_no_batch)")
@@ -171,12 +174,7 @@ def main():
                f"--model={args.model}", f"--attention={args.attention}", f"--dtype={args.dtype}",
                f"--chunk={args.chunk}", f"--warmup={args.warmup}", f"--steps={args.steps}",
                f"--layers={args.layers}"] + (["--scan"] if args.scan else []) + \
-            (["--indexer_fp8"] if args.indexer_fp8 or "indexer_fp8" in flags else []) + \
-            (["--kl_scatter_add"] if args.kl_scatter_add or "kl_scatter_add" in flags else []) + \
-            (["--kl_segment_sum"] if args.kl_segment_sum or "kl_segment_sum" in flags else []) + \
-            (["--mla_bwd_stored"] if args.mla_bwd_stored or "mla_bwd_stored" in flags else []) + \
-            (["--mla_bwd_recompute"] if args.mla_bwd_recompute or "mla_bwd_recompute" in flags else []) + \
-            (["--mla_fwd_mgpu"] if args.mla_fwd_mgpu or "mla_fwd_mgpu" in flags else []) + \
+            [f"--{f}" for f in CASE_FLAGS if getattr(args, f) or f in flags] + \
             [f"--remat={args.remat}", f"--token_chunk={args.token_chunk}"]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

@@ -32,6 +32,9 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
     slices, all heads at once, and produces both that slice of dq (dS K over the slots, the slice of each
     selected row gathered once) and that slice of the dkv partials (dS^T q + P^T dO over the heads: M = 64 slots,
     K = H), reduced by the same segment sum. MMA work: 2752 FLOP per head-slot pair, none repeated.
+  * pds="mosaic_gpu" (with "stored" or "atomic"): P and scale * dS from the Mosaic GPU kernel of
+    `sparse_mla_pds_mgpu` (two warpgroups, cp.async gather, wgmma N = 32; Dqk 576 / d_v 512, bf16) instead of
+    `_pds_kernel`; the dq / dkv kernel is the same.
   * bwd="atomic": the stored backward whose second kernel adds its dkv rows ([64 slots, 64 columns] per step) into
     the fp32 [B*S, Dqk] accumulator with relaxed fp32 vector atomics (`red.global.relaxed.add.v4.f32`,
     `triton_atomics`) instead of writing them: no [T, K, Dqk] partials, no segment sum, and token chunks bounded
@@ -62,8 +65,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
-from dsv32_jax.model.options import MLA_BWDS, MLA_FWDS
-from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_tpu, triton_atomics
+from dsv32_jax.model.options import MLA_BWDS, MLA_FWDS, MLA_PDS
+from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_pds_mgpu, sparse_mla_tpu, triton_atomics
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
@@ -92,6 +95,7 @@ class _Cfg:
     bwd: str = "recompute"  # "recompute" | "stored" (GPU backward, see the module docstring)
     bwd_slice: int = 64  # dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)
     fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
+    pds: str = "triton"  # the stored backward's P / dS kernel: "triton" (`_pds_kernel`) | "mosaic_gpu"
 
     @property
     def tpu(self) -> bool:
@@ -364,6 +368,21 @@ def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, *refs, cfg: _Cfg
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
+def _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
+    """`_pds_kernel`'s (P, scale * dS) [n, hp, kp] by the Mosaic GPU kernel (`sparse_mla_pds_mgpu`): heads padded to
+    its 64 (lse -inf: P = dS = 0 there), slots (-1) to its 64-key blocks, both cut back."""
+    n, hp, _ = q_c.shape
+    kp = idx_c.shape[1]
+    hm, km = round_up(hp, sparse_mla_pds_mgpu.H_BLK), round_up(kp, sparse_mla_pds_mgpu.BK)
+    heads = ((0, 0), (0, hm - hp))
+    p, ds = sparse_mla_pds_mgpu.sparse_mla_pds(
+        jnp.pad(q_c, (*heads, (0, 0))), jnp.pad(do_c, (*heads, (0, 0))), kvf,
+        jnp.pad(idx_c, ((0, 0), (0, km - kp)), constant_values=-1),
+        jnp.pad(lse_c, heads, constant_values=-jnp.inf), jnp.pad(delta_c, heads),
+        scale=cfg.scale, interpret=cfg.backend == "interpret")
+    return p[:, :hp, :kp], ds[:, :hp, :kp]
+
+
 def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype, dkv=None):
     """(dq, dkv partials) of a token chunk: `_pds_kernel`, then `_dqkv_kernel` over the column slices; with
     bwd="atomic", (dq, dkv + this chunk's dkv) with `dkv` the fp32 [num_keys, Dqk] accumulator, aliased in place."""
@@ -373,17 +392,20 @@ def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, par
     # they meet its gathered rows and its P / dS in L2.
     row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
     ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
-    p, ds = _call(
-        dataclasses.replace(cfg, num_warps=PDS_WARPS),
-        functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
-        grid=(hp // bh, n),
-        in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
-                  pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
-                  pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
-                  pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
-        out_specs=[pl.BlockSpec((None, bh, kp), lambda h, t: (t, h, 0))] * 2,
-        out_shape=[ps_shape, ps_shape],
-    )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
+    if cfg.pds == "mosaic_gpu":
+        p, ds = _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
+    else:
+        p, ds = _call(
+            dataclasses.replace(cfg, num_warps=PDS_WARPS),
+            functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
+            grid=(hp // bh, n),
+            in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
+                      pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
+                      pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
+                      pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
+            out_specs=[pl.BlockSpec((None, bh, kp), lambda h, t: (t, h, 0))] * 2,
+            out_shape=[ps_shape, ps_shape],
+        )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
     width = cfg.bwd_slice
     do_p = jnp.pad(do_c, ((0, 0), (0, 0), (0, dp - cfg.dv_p)))  # the rope slice gets no P^T dO term
     slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
@@ -546,7 +568,7 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
 
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes, bwd="stored"):
+            bwd_partial_bytes, bwd="stored", pds="triton"):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -581,13 +603,14 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
     dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
     return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
-                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), fwd=fwd, **common)
+                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), fwd=fwd, pds=pds,
+                **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
                num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored",
-               fwd: str = "triton"):
+               fwd: str = "triton", pds: str = "triton"):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -606,9 +629,13 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     default: P and dS computed once and stored for one token chunk at a time, see the module docstring; 84-88
     TFLOP/s on an H200 at k 2048, 128 heads), "atomic" (the stored backward with dkv added in place by fp32
     atomics: no [T, k, Dqk] partials and no segment sum; opt-in until a chip times it; not bitwise reproducible) or
-    "recompute" (the dq and dkv kernels above, each recomputing S and dP; 62-64 TFLOP/s in the same run). fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu /
-    interpret: the same as impl mosaic_gpu / interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU
-    and reference impls; raises on inputs the Mosaic GPU forward cannot serve).
+    "recompute" (the dq and dkv kernels above, each recomputing S and dP; 62-64 TFLOP/s in the same run).
+    fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu / interpret: the same as impl mosaic_gpu /
+    interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU and reference impls; raises on inputs the
+    Mosaic GPU forward cannot serve). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
+    `_pds_kernel`) or "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3; opt-in until a chip times it; raises on
+    inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
+    reference impls.
     """
     def unsupported(backend):
         if backend not in MGPU_BACKENDS:
@@ -620,6 +647,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
 
     if fwd not in MLA_FWDS:
         raise ValueError(f"sparse_mla: fwd={fwd!r} must be one of {MLA_FWDS}")
+    if pds not in MLA_PDS:
+        raise ValueError(f"sparse_mla: pds={pds!r} must be one of {MLA_PDS}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
                         op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
     if fwd == "mosaic_gpu" and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU forward
@@ -627,10 +656,14 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         if (why := unsupported(impl)) is not None:
             raise ValueError(f"sparse_mla: fwd='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
                              f"{why}")
+    if pds == "mosaic_gpu" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
+        if (why := unsupported("mosaic_gpu")) is not None:
+            raise ValueError(f"sparse_mla: pds='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
+                             f"{why.replace('forward', 'P / dS kernel')}")
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
-                  num_stages, bwd_partial_bytes, bwd)
+                  num_stages, bwd_partial_bytes, bwd, pds)
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

@@ -2,6 +2,7 @@
 exact resume after SIGKILL / SIGTERM, config files, curves (sharded and multi-process equivalence: test_multiprocess.py)."""
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -212,11 +213,20 @@ def test_every_config_builds_its_sharded_state_abstractly(path):
 
 
 @pytest.mark.slow
-def test_bench_train_smoke():
-    res = subprocess.run([sys.executable, "bench/train_step.py", "--smoke", "--contexts=64", "--steps=1"], cwd=ROOT,
+def test_bench_train_smoke(tmp_path):
+    """bench/train_step.py --smoke; a case's flags reach the subprocess that runs it (each is recorded in the
+    row: a flag the parent forgets to pass, as --mla_bwd_atomic once was, reads False)."""
+    out = str(tmp_path / "steps")
+    res = subprocess.run([sys.executable, "bench/train_step.py", "--smoke", "--steps=1", f"--out={out}",
+                          "--cases=dense:64,sparse:64,sparse:64:mla_bwd_atomic+mla_pds_mgpu+indexer_fp8"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "longest context that fits (sparse): 64" in res.stdout
+    with open(out) as f:
+        rows = json.load(f)
+    flagged = [r for r in rows if r.get("mla_bwd_atomic")]
+    assert len(flagged) == 1 and flagged[0]["mla_pds_mgpu"] and flagged[0]["indexer_fp8"]
+    assert not flagged[0]["mla_bwd_stored"]
 
 
 COUNT_STEP_COMPILES = r"""

@@ -57,6 +57,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mla_bwd = "stored"
     # Its GPU forward (RunOptions.mla_fwd): "triton" | "mosaic_gpu" (issue 31's Hopper kernel; not yet timed on a chip)
     c.mla_fwd = "triton"
+    # The stored backward's P / dS kernel (RunOptions.mla_pds): "triton" | "mosaic_gpu" (not yet timed on a chip)
+    c.mla_pds = "triton"
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

@@ -14,6 +14,7 @@ MLA_MODES = ("mqa", "mha")
 KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
 MLA_BWDS = ("recompute", "stored", "atomic")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
 MLA_FWDS = ("triton", "mosaic_gpu")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
+MLA_PDS = ("triton", "mosaic_gpu")  # its stored backward's P / dS kernel (dsv32_jax.kernels.sparse_mla, pds=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +56,19 @@ class RunOptions:
     # have one fused backward and ignore it): "stored" (the default: P and dS computed once on 64-head wgmma tiles
     # and stored per token chunk, then dq and the dkv rows by column slices; H200, k 2048, 128 heads: 84-88
     # TFLOP/s, 1.14-1.21x XLA's autodiff) or "recompute" (dq and dkv kernels that each recompute S and dP; 62-64
-    # TFLOP/s in the same run). Same gradients up to float32 summation order. BENCHMARKS.md, issue 31.
+    # TFLOP/s in the same run), or "atomic" (stored, with the dkv rows added in place by fp32 atomics: no
+    # [T, k, 576] partials or segment sum; not bitwise reproducible; not yet timed on a chip). Same gradients up to
+    # float32 summation order. BENCHMARKS.md, issue 31.
     mla_bwd: str = "stored"
     # The GPU forward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(fwd=...)`): "triton" (the
     # default, measured: 158-165 TFLOP/s on an H200) or "mosaic_gpu" (issue 31 item 2's FlashMLA-shaped Hopper kernel,
     # `sparse_mla_mgpu`: compiled for sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512
     # only). TPU and reference runs ignore it.
     mla_fwd: str = "triton"
+    # The stored / atomic backward's P and dS kernel (`kernels.sparse_mla(pds=...)`): "triton" (the default) or
+    # "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3: two warpgroups, cp.async gather, wgmma N = 32; compiled
+    # for sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512 only).
+    mla_pds: str = "triton"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -74,6 +81,8 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_bwd must be one of {MLA_BWDS}, got {self.mla_bwd!r}")
         if self.mla_fwd not in MLA_FWDS:
             raise ValueError(f"RunOptions.mla_fwd must be one of {MLA_FWDS}, got {self.mla_fwd!r}")
+        if self.mla_pds not in MLA_PDS:
+            raise ValueError(f"RunOptions.mla_pds must be one of {MLA_PDS}, got {self.mla_pds!r}")
         if self.kl_key_grad not in KL_KEY_GRADS:
             raise ValueError(f"RunOptions.kl_key_grad must be one of {KL_KEY_GRADS}, got {self.kl_key_grad!r}")
         if self.remat not in REMAT_POLICIES:

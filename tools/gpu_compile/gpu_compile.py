@@ -149,6 +149,13 @@ def all_cases() -> list[Case]:
                                 r"wgmma\.mma_async\S*m64n256k16\S*bf16", r"sass:LDGSTS\.\S*128",
                                 r"sass:HGMMA\.64x256x16", r"sass:HGMMA\.64x32x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),), max_registers=(("mosaic", 232),)))  # 213 measured
+    # Issue 31 item 3's P / dS kernel (the stored backward's first kernel) in Mosaic GPU: both warpgroups gather by
+    # cp.async, S and dP on wgmma N = 32 per warpgroup, no mma.sync, no spills; q + dO + one key block + staging.
+    cases.append(Case("sparse_mla_pds_mgpu[prod,L=8192]", "sparse_mla_pds_mgpu", "prod", 8192,
+                      smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
+                                r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x32x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -212,6 +219,12 @@ def build(case: Case):
         gm = importlib.import_module("dsv32_jax.kernels.gather_mgpu")
         return (gm.gather_qk_ws if o.get("ws") else gm.gather_qk), [
             spec((64, sh.d_qk), jnp.bfloat16), spec((l, sh.d_qk), jnp.bfloat16), spec((64,), jnp.int32)]
+    if case.op == "sparse_mla_pds_mgpu":  # the stored backward's P / dS kernel in Mosaic GPU, flattened tokens
+        pm = importlib.import_module("dsv32_jax.kernels.sparse_mla_pds_mgpu")
+        return (lambda q, do, kv, i, lse, dl: pm.sparse_mla_pds(q, do, kv, i, lse, dl, scale=sh.d_qk ** -0.5)), [
+            spec((t, sh.heads, sh.d_qk), jnp.bfloat16), spec((t, sh.heads, sh.d_v), jnp.bfloat16),
+            spec((l, sh.d_qk), jnp.bfloat16), spec((t, sh.topk), jnp.int32), spec((t, sh.heads), jnp.float32),
+            spec((t, sh.heads), jnp.float32)]
     args = [spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
             spec((1, t, sh.topk), jnp.int32)]
     scale = sh.d_qk ** -0.5
