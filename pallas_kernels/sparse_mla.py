@@ -92,7 +92,7 @@ class _Cfg:
     num_stages: int
     bwd_partial_bytes: int
     num_keys: int  # B * S rows of the flattened cache
-    bwd: str = "recompute"  # "recompute" | "stored" (GPU backward, see the module docstring)
+    bwd: str = "recompute"  # "recompute" | "stored" | "atomic" (GPU backward, see the module docstring)
     bwd_slice: int = 64  # dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)
     fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
     pds: str = "triton"  # the stored backward's P / dS kernel: "triton" (`_pds_kernel`) | "mosaic_gpu"
@@ -390,11 +390,11 @@ def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, par
     kp, bh = idx_c.shape[1], cfg.block_h
     # Grids put the programs of one token next to each other (grid axis 0 varies fastest in launch order), so
     # they meet its gathered rows and its P / dS in L2.
-    row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
-    ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
     if cfg.pds == "mosaic_gpu":
         p, ds = _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
     else:
+        row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
+        ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
         p, ds = _call(
             dataclasses.replace(cfg, num_warps=PDS_WARPS),
             functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
@@ -484,7 +484,7 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     elif not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
         dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
-    # The dkv partials ([tokens, K, Dqk]) are produced and reduced in token chunks of bounded size.
+    # Token chunks of bounded size: the dkv partials ([tokens, K, Dqk]) and, stored / atomic, P and dS.
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // ((0 if atomic else kp * dp * 4) + per_token)))
     n_chunks = -(-n // chunk)
@@ -637,11 +637,11 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
     reference impls.
     """
-    def unsupported(backend):
+    def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:
             return None
         if (q.shape[-1], d_v) != (sparse_mla_mgpu.DQK, sparse_mla_mgpu.DV) or kv.dtype != jnp.bfloat16:
-            return (f"its Mosaic GPU forward needs Dqk {sparse_mla_mgpu.DQK}, d_v {sparse_mla_mgpu.DV} and a bf16 "
+            return (f"its Mosaic GPU {kernel} needs Dqk {sparse_mla_mgpu.DQK}, d_v {sparse_mla_mgpu.DV} and a bf16 "
                     f"cache (got Dqk {q.shape[-1]}, d_v {d_v}, kv {kv.dtype})")
         return None
 
@@ -657,9 +657,9 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
             raise ValueError(f"sparse_mla: fwd='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
                              f"{why}")
     if pds == "mosaic_gpu" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
-        if (why := unsupported("mosaic_gpu")) is not None:
+        if (why := unsupported("mosaic_gpu", "P / dS kernel")) is not None:
             raise ValueError(f"sparse_mla: pds='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
-                             f"{why.replace('forward', 'P / dS kernel')}")
+                             f"{why}")
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,

@@ -1033,32 +1033,22 @@ def test_sparse_mla_mgpu_argument_checks(rng):
     assert out.shape == (1, 2, 64, 128)
 
 
-def test_run_option_mla_fwd_reaches_the_kernel(rng, monkeypatch):
-    """RunOptions(mla_fwd="mosaic_gpu") reaches `kernels.sparse_mla(fwd=...)` from the model: the tiny model's
-    Dqk 40 is refused by name (the Mosaic GPU forward serves 576 / 512 only). Mutation caught: the model not passing
-    the option on (`fwd=opts.mla_fwd` dropped in dsv32_jax/model/mla.py: the tiny model then runs)."""
+@pytest.mark.parametrize("field,kernel", [("fwd", "forward"), ("pds", "P / dS kernel")])
+def test_run_option_mla_mosaic_gpu_reaches_the_kernel(rng, monkeypatch, field, kernel):
+    """RunOptions(mla_fwd / mla_pds="mosaic_gpu") reaches `kernels.sparse_mla(fwd= / pds=)` from the model: the tiny
+    model's Dqk 40 is refused by name (the Mosaic GPU kernels serve 576 / 512 only); an unknown value is refused.
+    Mutations caught: the model not passing the option on (`fwd=opts.mla_fwd` or `pds=opts.mla_pds` dropped in
+    dsv32_jax/model/mla.py: the tiny model then runs)."""
     from dsv32_jax import RunOptions
     monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
     model = _tiny_model()
     toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, 9)), jnp.int32)
-    model.options = RunOptions(attention="kernel", mla_fwd="mosaic_gpu")
-    with pytest.raises(ValueError, match=r"sparse_mla: fwd='mosaic_gpu' cannot run.*Dqk 576, d_v 512"):
+    model.options = RunOptions(attention="kernel", **{f"mla_{field}": "mosaic_gpu"})
+    with pytest.raises(ValueError, match=rf"sparse_mla: {field}='mosaic_gpu' cannot run.*{kernel} needs Dqk 576, "
+                                         r"d_v 512"):
         model(toks)
-    model.options = RunOptions()
-
-
-def test_run_option_mla_pds_reaches_the_kernel(rng, monkeypatch):
-    """RunOptions(mla_pds="mosaic_gpu") reaches `kernels.sparse_mla(pds=...)` from the model: the tiny model's
-    Dqk 40 is refused by name. Mutation caught: `pds=opts.mla_pds` dropped in dsv32_jax/model/mla.py."""
-    from dsv32_jax import RunOptions
-    monkeypatch.setenv(_dispatch.ENV_VAR, IMPL)
-    model = _tiny_model()
-    toks = jnp.asarray(rng.integers(0, model.config.vocab_size, (1, 9)), jnp.int32)
-    model.options = RunOptions(attention="kernel", mla_pds="mosaic_gpu")
-    with pytest.raises(ValueError, match=r"sparse_mla: pds='mosaic_gpu' cannot run.*P / dS kernel needs Dqk 576"):
-        model(toks)
-    with pytest.raises(ValueError, match=r"RunOptions.mla_pds must be one of \('triton', 'mosaic_gpu'\)"):
-        RunOptions(mla_pds="cutlass")
+    with pytest.raises(ValueError, match=rf"RunOptions.mla_{field} must be one of \('triton', 'mosaic_gpu'\)"):
+        RunOptions(**{f"mla_{field}": "cutlass"})
     model.options = RunOptions()
 
 
