@@ -40,6 +40,7 @@ from dsv32_jax import kernels  # noqa: E402
 from dsv32_jax.model import attention  # noqa: E402
 from dsv32_jax.model.indexer import quantize_indexer  # noqa: E402
 from dsv32_jax.kernels.indexer_logits import indexer_logits_reference  # noqa: E402
+sparse_mla_module = importlib.import_module("dsv32_jax.kernels.sparse_mla")  # the package's name is the function
 from dsv32_jax.kernels.topk import topk_reference  # noqa: E402
 
 
@@ -126,6 +127,16 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         except Exception as e:  # noqa: BLE001 -- a benchmark row per op, whatever breaks
             emit(Row(op, length, float("nan"), None, "", None, check=f"FAILED {type(e).__name__}: {str(e)[:300]}"))
 
+    def guarded_rows(op, body):  # as guarded, for a body that returns several rows
+        if args.ops and not re.search(args.ops, op):
+            return
+        try:
+            rows = body()
+        except Exception as e:  # noqa: BLE001
+            rows = [Row(op, length, float("nan"), None, "", None, check=f"FAILED {type(e).__name__}: {str(e)[:300]}")]
+        for r in rows:
+            emit(r)
+
     # ---- indexer: hadamard_quant + logits
     qi = jax.random.normal(ks[0], (1, t, sh.index_heads, sh.index_dim), jnp.bfloat16)
     ki = jax.random.normal(ks[1], (1, length, sh.index_dim), jnp.bfloat16)
@@ -142,17 +153,23 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         return Row("hadamard_quant(q)", length, ms, qi.size * 2 * sh.index_dim / ms / 1e9, "TFLOP/s", ref_ms,
                    check=check)
 
-    def logits_row():
-        logits_fn = jax.jit(lambda a, b, c, d, s, e: kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl))
+    def logits_row(k_steps=None):
+        logits_fn = jax.jit(lambda a, b, c, d, s, e: kernels.indexer_logits(a, b, c, d, starts=s, ends=e, impl=impl,
+                                                                             k_steps=k_steps))
         ms, logits = timed(logits_fn, q8, k8, kscale, w8, starts, ends, warmup=w, iters=it)
-        state["scores"] = logits[0]
+        if k_steps is None:
+            state["scores"] = logits[0]
         ref_fn = jax.jit(lambda a, b, c, d, s, e: indexer_logits_reference(a, b, c, d, s, e))
-        ref_ms, ref = timed(ref_fn, q8[:, sl], k8, kscale, w8[:, sl], starts[:, sl], ends[:, sl], warmup=w, iters=it)
+        if "logits_ref" not in state:
+            state["logits_ref"] = timed(ref_fn, q8[:, sl], k8, kscale, w8[:, sl], starts[:, sl], ends[:, sl],
+                                        warmup=w, iters=it)
+        ref_ms, ref = state["logits_ref"]
         out = logits[:, sl]
         finite = jnp.isfinite(ref)
         same_mask = bool(jnp.all(jnp.isneginf(out) == jnp.isneginf(ref)))
         err = rel(jnp.where(finite, out, 0), jnp.where(finite, ref, 0))
-        return Row("indexer_logits", length, ms, flops / ms / 1e9, "TFLOP/s", ref_ms * t / ref_rows, ref_rows < t,
+        return Row("indexer_logits" + ("" if k_steps is None else f" (k_steps={k_steps})"), length, ms,
+                   flops / ms / 1e9, "TFLOP/s", ref_ms * t / ref_rows, ref_rows < t,
                    check=f"rel {err:.1e} on {ref_rows} rows, -inf mask {'equal' if same_mask else 'DIFFERS'}")
 
     def topk_row():
@@ -175,6 +192,9 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
 
     guarded("hadamard_quant(q)", hadamard)
     guarded("indexer_logits", logits_row)
+    if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu":
+        # issue 31 item 4: the Mosaic GPU kernel with chunks of 8 key blocks per program (queries loaded once)
+        guarded("indexer_logits (k_steps=8)", functools.partial(logits_row, 8))
     if "scores" in state:
         guarded("topk", topk_row)
     guarded("indexer_topk(fp8)", indexer_topk_row)
@@ -223,6 +243,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
                  f"fwd+bwd {both_ms:.3f} ms")
         name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{', P/dS mosaic_gpu' if kw else ''})")
+        state[("bwd", bwd, kw.get("pds", "triton"))] = bwd_ms
         return Row(name, length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", state["ref_bwd"], check=check)
 
     guarded("sparse_mla fwd", fwd_row)
@@ -237,6 +258,31 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
             # issue 31 item 3: P and dS by the Mosaic GPU kernel (`sparse_mla_pds_mgpu`), the rest as "stored"
             guarded("sparse_mla bwd (stored, P/dS mosaic_gpu)",
                     functools.partial(bwd_row, "stored", pds="mosaic_gpu"))
+
+    # ---- the GPU backward cut into its kernels, each timed alone over all 4096 queries at once (no token chunks):
+    # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials.
+    def stage_rows(bwd, pds="triton"):
+        do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
+        stages = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
+                                                    bwd=bwd, pds=pds)
+        whole = state.get(("bwd", bwd, pds))
+        rows = []
+        for st in stages:
+            if pds != "triton" and not st.name.startswith("P/dS"):
+                continue  # the rest is the Triton pds row's
+            ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
+            rate, unit = (st.flops / ms / 1e9, "TFLOP/s") if st.flops else (st.bytes / ms / 1e6, "GB/s")
+            share = "" if whole is None else f"{ms / whole:.0%} of the `{bwd}` backward row's time"
+            rows.append(Row(f"sparse_mla bwd ({bwd}) stage: {st.name}", length, ms, rate, unit, None, check=share))
+        return rows
+
+    if impl in (None, "pallas_gpu", "interpret") and jax.default_backend() != "tpu":
+        cases = [("stored", "triton"), ("atomic", "triton")]
+        if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
+            cases.append(("stored", "mosaic_gpu"))
+        for bwd, pds in cases:
+            guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})"),
+                         functools.partial(stage_rows, bwd, pds))
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
     def layer_row():

@@ -193,19 +193,20 @@ def _gpu_compute_capability() -> float | None:
     return float(cc) if cc is not None else None
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "interpret"))
-def _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dtype, block_q, block_k, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_q", "block_k", "k_steps", "interpret"))
+def _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dtype, block_q, block_k, k_steps,
+                           interpret):
     b, t, _, _ = q_fp8.shape
     starts, ends = _ranges(starts, ends, b, t, k_fp8.shape[1])
     out = mgpu_kernel.indexer_logits_mgpu(q_fp8, k_fp8, k_scale, weights, starts, ends, block_q=block_q,
-                                          block_k=block_k, interpret=interpret)
+                                          block_k=block_k, k_steps=k_steps, interpret=interpret)
     return out.astype(out_dtype)
 
 
 def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, out_dtype=jnp.float32,
                    impl: str | None = None, block_q: int | None = None, block_k: int | None = None,
                    num_warps: int = 4,
-                   num_stages: int = 3):
+                   num_stages: int = 3, k_steps: int | None = None):
     """Indexer logits [B, T, S] (out_dtype f32 or bf16) from q_fp8 [B, T, H, D] e4m3, k_fp8 [B, S, D] e4m3,
     k_scale [B, S] f32 and folded weights w' [B, T, H] f32; key s is scored for query t iff starts[b, t] <= s <
     ends[b, t] (defaults: all keys; causal = starts 0, ends q_index + 1), -inf elsewhere.
@@ -216,7 +217,13 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     pallas_gpu and interpret (Triton kernel; block_q query rows x block_k keys, default 2 x 128),
     pallas_tpu and interpret_tpu (Mosaic kernel; block_q rows x block_k keys with block_q a multiple of 8, default
     8 x 512, block_k a multiple of 128); CPU runs the reference (`dsv32_jax.model.indexer.index_scores_fp8`).
+    k_steps (Mosaic GPU only; issue 31 item 4): None, one key block per program (the default, timed on an H200);
+    n >= 1, chunks of n key blocks per program, the queries loaded once and the key blocks that meet the rows' ranges
+    streamed through a double-buffered TMA pipeline (blocks outside every range neither loaded nor multiplied); not
+    yet timed on a chip. Ignored by the other backends.
     """
+    if k_steps is not None and k_steps < 1:
+        raise ValueError(f"indexer_logits: k_steps={k_steps} must be >= 1 (or None)")
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MOSAIC_BACKENDS),
@@ -232,7 +239,8 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     if impl in MOSAIC_BACKENDS:  # resolve_impl checked the shapes (mgpu_kernel.check_shapes)
         block_q, block_k = block_q or 8, block_k or 128
         return _indexer_logits_mosaic(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype=out_dtype,
-                                      block_q=block_q, block_k=block_k, interpret=impl == "interpret_mosaic_gpu")
+                                      block_q=block_q, block_k=block_k, k_steps=k_steps,
+                                      interpret=impl == "interpret_mosaic_gpu")
     if impl in ("pallas_tpu", "interpret_tpu"):
         block_q, block_k = block_q or 8, block_k or 512
         if block_q % 8 or block_k % 128:

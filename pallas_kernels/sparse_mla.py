@@ -383,29 +383,33 @@ def _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
     return p[:, :hp, :kp], ds[:, :hp, :kp]
 
 
-def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype, dkv=None):
-    """(dq, dkv partials) of a token chunk: `_pds_kernel`, then `_dqkv_kernel` over the column slices; with
-    bwd="atomic", (dq, dkv + this chunk's dkv) with `dkv` the fp32 [num_keys, Dqk] accumulator, aliased in place."""
+def _pds(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
+    """The stored backward's first kernel: (P, scale * dS) [n, hp, kp] in the cache dtype, by `_pds_kernel` (grid
+    (head block, token)) or, with pds="mosaic_gpu", by `sparse_mla_pds_mgpu`."""
+    if cfg.pds == "mosaic_gpu":
+        return _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
     n, hp, dp = q_c.shape
     kp, bh = idx_c.shape[1], cfg.block_h
-    # Grids put the programs of one token next to each other (grid axis 0 varies fastest in launch order), so
-    # they meet its gathered rows and its P / dS in L2.
-    if cfg.pds == "mosaic_gpu":
-        p, ds = _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
-    else:
-        row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
-        ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
-        p, ds = _call(
-            dataclasses.replace(cfg, num_warps=PDS_WARPS),
-            functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
-            grid=(hp // bh, n),
-            in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
-                      pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
-                      pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
-                      pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
-            out_specs=[pl.BlockSpec((None, bh, kp), lambda h, t: (t, h, 0))] * 2,
-            out_shape=[ps_shape, ps_shape],
-        )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
+    row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
+    ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
+    return _call(
+        dataclasses.replace(cfg, num_warps=PDS_WARPS),
+        functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
+        grid=(hp // bh, n),
+        in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
+                  pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
+                  pl.BlockSpec((None, kp), lambda h, t: (t, 0)),
+                  pl.BlockSpec((None, bh, cfg.dv_p), lambda h, t: (t, h, 0)), row, row],
+        out_specs=[pl.BlockSpec((None, bh, kp), lambda h, t: (t, h, 0))] * 2,
+        out_shape=[ps_shape, ps_shape],
+    )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
+
+
+def _dqkv(q_c, kvf, idx_c, do_c, p, ds, cfg: _Cfg, part_dtype, dkv=None):
+    """The stored backward's second kernel over the column slices: (dq, dkv partials [n, kp, Dqk]), or with
+    bwd="atomic" (dq, dkv + these tokens' dkv rows), `dkv` the fp32 [num_keys, Dqk] accumulator aliased in place."""
+    n, hp, dp = q_c.shape
+    kp = idx_c.shape[1]
     width = cfg.bwd_slice
     do_p = jnp.pad(do_c, ((0, 0), (0, 0), (0, dp - cfg.dv_p)))  # the rope slice gets no P^T dO term
     slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
@@ -425,6 +429,14 @@ def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, par
         out_specs=[slices, pl.BlockSpec((None, kp, width), lambda c, t: (t, 0, c))],
         out_shape=[dq_shape, jax.ShapeDtypeStruct((n, kp, dp), part_dtype)],
     )(q_c, kvf, idx_c, do_p, p, ds)
+
+
+def _stored_backward_chunk(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg, part_dtype, dkv=None):
+    """(dq, dkv partials) of a token chunk: `_pds`, then `_dqkv`; with bwd="atomic", (dq, dkv + this chunk's dkv)
+    with `dkv` the fp32 [num_keys, Dqk] accumulator, aliased in place. Grids put the programs of one token next to
+    each other (grid axis 0 varies fastest in launch order), so they meet its gathered rows and its P / dS in L2."""
+    p, ds = _pds(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
+    return _dqkv(q_c, kvf, idx_c, do_c, p, ds, cfg, part_dtype, dkv=dkv)
 
 
 def _dq(qf, kvf, idxf, do, lse, delta, cfg: _Cfg):
@@ -514,6 +526,63 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     if cfg.tpu or stored:
         dq = dq_chunks.reshape(n_chunks * chunk, hp, dp)[:n]
     return dq, dkv.astype(kvf.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One kernel (or XLA op) of the GPU backward, to be timed alone: `fn(*args)`; `flops` its MMA work (all slots
+    counted, the bench's convention) or `bytes` the bytes it must move (the segment sum), 0 where not stated."""
+    name: str
+    fn: object
+    args: tuple
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = "pallas_gpu", bwd: str = "stored",
+                    pds: str = "triton") -> list[Stage]:
+    """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds)` cut into its stages, each over all tokens
+    at once (no token chunks), on the inputs the custom VJP would see (the forward runs here once; `do` [B, T, H,
+    d_v] is the output's cotangent, dlse = 0): for bench/kernels.py's breakdown rows. The stages' outputs equal the
+    backward's (tests/test_kernels.py checks their composition against `jax.grad` of `sparse_mla`)."""
+    if impl not in ("pallas_gpu", "interpret"):
+        raise ValueError(f"sparse_mla.backward_stages: impl={impl!r} must be 'pallas_gpu' or 'interpret' (the Triton "
+                         "backward's stages)")
+    cfg = _config(q, kv, topk_idx, scale, d_v, impl, 64, None, 32, 32, 8, 2, 1 << 29, bwd, pds)
+    b, t, h, _ = q.shape
+    qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)
+    n, hp, dp = qf.shape
+    out, lse = jax.jit(functools.partial(_forward, cfg=cfg))(qf, kvf, idxf)
+    dof = jnp.pad(do.astype(qf.dtype).reshape(n, h, d_v), ((0, 0), (0, hp - h), (0, cfg.dv_p - d_v)))
+    delta = jnp.sum(out.astype(jnp.float32) * dof.astype(jnp.float32), axis=-1)
+    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+    pairs = b * t * h * topk_idx.shape[-1]
+    dqk = q.shape[-1]
+    reduce = functools.partial(_reduce_dkv, cfg=cfg)
+    if bwd == "recompute":
+        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
+        dq_fn = jax.jit(functools.partial(_dq, cfg=dataclasses.replace(cfg, block_h=cfg.bwd_block_h)))
+        part_fn = jax.jit(functools.partial(_dkv_partials, cfg=dkv_cfg, part_dtype=part_dtype))
+        base = (qf, kvf, idxf, dof, lse, delta)
+        parts = part_fn(*base)
+        return [Stage("dq (recompute)", dq_fn, base, 2 * pairs * (2 * dqk + d_v)),
+                Stage("dkv partials (recompute)", part_fn, base, 2 * pairs * 2 * (dqk + d_v)),
+                Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=parts.size * parts.dtype.itemsize)]
+    kp = idxf.shape[1]
+    idxf = jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)), constant_values=-1)
+    pds_fn = jax.jit(functools.partial(_pds, cfg=cfg))
+    pds_args = (qf, kvf, idxf, dof, lse, delta)
+    p, ds = pds_fn(*pds_args)
+    stages = [Stage(f"P/dS ({pds})", pds_fn, pds_args, 2 * pairs * (dqk + d_v))]
+    dqkv_flops = 2 * pairs * (2 * dqk + d_v)
+    if bwd == "atomic":
+        dqkv_fn = jax.jit(lambda *a: _dqkv(*a[:-1], cfg, part_dtype, dkv=a[-1]))
+        zeros = jnp.zeros((cfg.num_keys, dp), jnp.float32)
+        return stages + [Stage("dq/dkv (atomic)", dqkv_fn, (qf, kvf, idxf, dof, p, ds, zeros), dqkv_flops)]
+    dqkv_fn = jax.jit(lambda *a: _dqkv(*a, cfg, part_dtype))
+    parts = dqkv_fn(qf, kvf, idxf, dof, p, ds)[1]
+    return stages + [Stage("dq/dkv partials (stored)", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops),
+                     Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=parts.size * parts.dtype.itemsize)]
 
 
 # ------------------------------------------------------------------------------------------ custom VJP core

@@ -128,6 +128,7 @@ def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
     assert flipped > 0
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 def test_indexer_keeps_learning_during_rl_without_touching_the_policy_gradient(tmp_path):
     """grpo.indexer_weight (default 1): the eq. (4) KL trains the indexer during RL. Its inputs are detached, so the
     rest of the model takes exactly the update it takes with the term off (weight 0: the indexer stays put). The

@@ -138,17 +138,26 @@ def _fp32_logits_bound(impl, qf, kf, ks, wf, ref):
     return fp8_accumulator.modelled_bound(qf, kf, ks, wf, ref)
 
 
-@pytest.mark.parametrize("impl,block_q,block_k", [(IMPL, 2, 64), (TPU, 8, 128), (MGPU, 4, 64), (MGPU, 8, 128)])
+@pytest.mark.parametrize("impl,block_q,block_k,k_steps", [(IMPL, 2, 64, None), (TPU, 8, 128, None),
+                                                           (MGPU, 4, 64, None), (MGPU, 8, 128, None),
+                                                           (MGPU, 4, 64, 2), (MGPU, 4, 64, 3)])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, block_k):
+def test_indexer_logits_ranges_and_block_skip(rng, out_dtype, impl, block_q, block_k, k_steps):
+    """Ragged [start, end) ranges, an empty row and a whole query block of empty rows, against the fp32 reference.
+    k_steps (Mosaic GPU): chunks of key blocks per program, 5 blocks of 64 in chunks of 2 and 3 (a short last
+    chunk); blocks outside the rows' ranges get -inf without a load. Mutations caught (k_steps): the range's last
+    block dropped (`(hi + block_k - 1) // block_k` -> `hi // block_k`), the outside blocks not written (their
+    `copy_smem_to_gmem` removed), the output slot not double-buffered (`idx[0] % 2` -> `0`) under the race detector
+    (test_indexer_logits_mosaic_gpu_key_loop_has_no_race)."""
     b, t, s = 2, 13, 301  # odd lengths; several key blocks, most rows skip some
     qf, kf, ks, wf = _indexer_inputs(rng, b, t, s, 8, 32)  # H and D padded inside the wrapper
     starts = rng.integers(0, 200, (b, t))
     ends = starts + rng.integers(0, 150, (b, t))
     starts[0, 0], ends[0, 0] = 7, 7  # empty range -> all -inf
+    starts[1, 8:12], ends[1, 8:12] = 50, 50  # a whole query block (of 4) with no visible key
     starts, ends = jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32)
     out = kernels.indexer_logits(qf, kf, ks, wf, starts=starts, ends=ends, out_dtype=out_dtype, impl=impl,
-                                        block_q=block_q, block_k=block_k)
+                                 block_q=block_q, block_k=block_k, k_steps=k_steps)
     ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends, out_dtype)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
@@ -199,6 +208,25 @@ def test_fp8_accumulator_model_reproduces_the_chip_errors():
                 assert err > bound, (err, bound)
     assert all(4.4e-5 / 1.5 <= e <= 1.9e-4 * 1.5 for e in errs), errs
     assert max(errs[:2]) < min(errs[2:]), errs
+
+
+def test_indexer_logits_mosaic_gpu_key_loop_has_no_race(rng, monkeypatch):
+    """k_steps: the key blocks' double-buffered pipeline and the two output slots under the interpreter's
+    happens-before race detector (it raises: a slot's TMA store must have read it before the slot is rewritten two
+    steps later; the -inf tile of the blocks outside the rows' ranges lives in slot 1, which the first step does not
+    write). Mutations caught ("RACE DETECTED"): one output slot (`idx[0] % 2` -> `0`), the -inf tile in slot 0."""
+    from dsv32_jax.kernels import indexer_logits_mgpu as im
+    if MGPU != "interpret_mosaic_gpu":
+        pytest.skip("the race detector is an interpret-mode tool")
+    monkeypatch.setattr(im, "_DETECT_RACES", True)
+    qf, kf, ks, wf = _indexer_inputs(rng, 1, 8, 400, 8, 32)
+    ends = jnp.asarray(rng.integers(150, 300, (1, 8)), jnp.int32)  # blocks 0 and 5, 6 outside every range: -inf
+    starts = jnp.full_like(ends, 70)
+    out = im.indexer_logits_mgpu(qf, kf, ks, wf, starts, ends, block_q=4, block_k=64, k_steps=7, interpret=True)
+    ref = indexer_logits_reference(qf, kf, ks, wf, starts, ends)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(out)), np.isneginf(np.asarray(ref)))
+    finite = np.isfinite(np.asarray(ref))
+    assert rel_err(np.asarray(out)[finite], np.asarray(ref)[finite]) <= 1e-6
 
 
 @pytest.mark.parametrize("impl", [IMPL, TPU, MGPU])
@@ -466,6 +494,34 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape, bwd
                                 bwd_block_h=16, bwd_block_i=16, bwd=bwd)
 
 
+@pytest.mark.parametrize("bwd", ["recompute", "stored", "atomic"])
+def test_sparse_mla_backward_stages_compose_to_the_gradient(rng, bwd):
+    """`sparse_mla.backward_stages` (bench/kernels.py's breakdown rows: each kernel of the backward timed alone over
+    all tokens) runs the backward's own kernels: chained by hand, its stages give the gradient of the float32
+    reference (out's cotangent only) within the fp32 bound. Mutation caught: the atomic stage handed a dkv
+    accumulator that is not zero (`zeros = jnp.zeros((cfg.num_keys` -> `jnp.ones(`)."""
+    import importlib
+    smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
+    q, kv, idx, d_v = _mla_case(rng, jnp.float32, **SHAPES["blocks"])
+    scale = q.shape[-1] ** -0.5
+    do = jnp.asarray(rng.standard_normal((*q.shape[:3], d_v)), jnp.float32)
+    stages = smla.backward_stages(q, kv, idx, scale, d_v, do, impl=IMPL, bwd=bwd)
+    names = [st.name for st in stages]
+    if bwd == "recompute":
+        assert names == ["dq (recompute)", "dkv partials (recompute)", "dkv segment sum"]
+        dq, dkv = stages[0].fn(*stages[0].args), stages[2].fn(*stages[2].args)
+    elif bwd == "stored":
+        assert names == ["P/dS (triton)", "dq/dkv partials (stored)", "dkv segment sum"]
+        dq, dkv = stages[1].fn(*stages[1].args)[0], stages[2].fn(*stages[2].args)
+    else:
+        assert names == ["P/dS (triton)", "dq/dkv (atomic)"]
+        dq, dkv = stages[1].fn(*stages[1].args)
+    assert all(st.flops > 0 or st.bytes > 0 for st in stages)
+    want = jax.grad(lambda a, c: jnp.sum(ref_sparse_mla(a, c, idx, scale, d_v)[0] * do), argnums=(0, 1))(q, kv)
+    assert rel_err(dq.reshape(q.shape), want[0]) <= BOUNDS[jnp.float32][1]
+    assert rel_err(dkv.reshape(kv.shape), want[1]) <= BOUNDS[jnp.float32][1]
+
+
 def test_sparse_mla_bwd_option_is_checked(rng):
     q, kv, idx, d_v = _mla_case(rng, jnp.float32)
     with pytest.raises(ValueError, match=r"bwd='fused' must be one of \('recompute', 'stored', 'atomic'\)"):
@@ -578,6 +634,7 @@ def test_tiny_model_kernel_attention_matches_sparse(rng, monkeypatch, impl, fp8)
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
     """attention='kernel' selects through the Pallas hadamard_quant / indexer_logits / topk kernels, never through
     the plain-JAX indexer_topk; the model's gradients through it match the sparse path's."""
@@ -627,6 +684,7 @@ def test_kernel_attention_runs_the_indexer_kernels(rng, monkeypatch):
     model.options = RunOptions()
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 @pytest.mark.parametrize("mla_bwd", ["stored", "atomic"])
 def test_kernel_attention_stored_mla_backward(rng, monkeypatch, mla_bwd):
     """RunOptions(mla_bwd="stored" / "atomic") reaches the sparse MLA kernel (its stored backward runs once per
@@ -663,6 +721,7 @@ def test_kernel_attention_stored_mla_backward(rng, monkeypatch, mla_bwd):
     model.options = RunOptions()
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 @pytest.mark.parametrize("fp8", [True])
 def test_decode_with_kernel_attention_matches_sparse(rng, monkeypatch, fp8):
     """Prefill + decode steps on the cache: the kernel selection reads the cached (fp8: e4m3 + scale) keys."""
@@ -796,12 +855,24 @@ def test_benchmark_smoke_runs():
     spec.loader.exec_module(bench)
     rows = bench.main(["--smoke"])
     assert {r.op for r in rows} >= {"indexer_logits", "topk", "sparse_mla fwd", "sparse_mla bwd",
-                                    "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)", "DSA layer fwd"}
+                                    "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)", "DSA layer fwd",
+                                    # the backward's kernels timed alone, each with its share of its backward row
+                                    "sparse_mla bwd (stored) stage: P/dS (triton)",
+                                    "sparse_mla bwd (stored) stage: dq/dkv partials (stored)",
+                                    "sparse_mla bwd (stored) stage: dkv segment sum",
+                                    "sparse_mla bwd (atomic) stage: P/dS (triton)",
+                                    "sparse_mla bwd (atomic) stage: dq/dkv (atomic)"}
     assert all(r.kernel_ms > 0 for r in rows)  # an op that raised has a NaN time and a "FAILED ..." check
     assert not [r.check for r in rows if "FAILED" in r.check or "DIFFER" in r.check]
-    # --ops (bench/gpu_owed.sh 6): only the matching rows, the backward rows after the forward they subtract
-    rows = bench.main(["--smoke", "--ops", "^sparse_mla bwd \\(atomic|^sparse_mla fwd$"])
-    assert [r.op for r in rows] == ["sparse_mla fwd", "sparse_mla bwd (atomic)"]
+    assert all("backward row's time" in r.check and r.rate > 0 for r in rows if " stage: " in r.op)
+    # --ops as bench/gpu_owed.sh 0 gives it: only the matching rows (not the recomputing backward's), the backward
+    # rows after the forward they subtract
+    rows = bench.main(["--smoke", "--ops", "^sparse_mla.(fwd|bwd.\\()"])
+    assert [r.op for r in rows] == ["sparse_mla fwd", "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)",
+                                    *(f"sparse_mla bwd (stored) stage: {s}" for s in
+                                      ("P/dS (triton)", "dq/dkv partials (stored)", "dkv segment sum")),
+                                    *(f"sparse_mla bwd (atomic) stage: {s}" for s in
+                                      ("P/dS (triton)", "dq/dkv (atomic)"))]
     assert all(r.kernel_ms > 0 for r in rows)
 
 

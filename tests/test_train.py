@@ -250,6 +250,7 @@ print("COMPILES", len(compiles))
 """
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 def test_kernel_step_compiles_once():
     """A fresh process (nothing of Pallas imported yet) runs the sparse stage's step with attention="kernel" three
     times: it must compile once. Mutation (recorded in BUILD.md): without `RunOptions` importing the kernels up front
@@ -262,6 +263,7 @@ def test_kernel_step_compiles_once():
     assert "COMPILES 1" in res.stdout, res.stdout[-500:]
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 @pytest.mark.parametrize("source", ["hf", "orbax"])
 def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
     """init_from an HF checkpoint directory or its orbax conversion (python -m dsv32_jax.checkpoint.convert hf-to-orbax)."""
@@ -284,6 +286,7 @@ def test_training_starts_from_a_converted_checkpoint(source, tmp_path):
     assert len(history) == 2 and all(np.isfinite(h["loss"]) for h in history)
 
 
+@pytest.mark.heavy  # 20 s or more on 2 cores
 def test_init_from_a_workdir_uses_its_recorded_model_config(tmp_path):
     """A workdir trained with a non-default architecture (2 layers, index_topk 4) initializes a run whose config
     names the plain preset: the recorded architecture is built and its trained weights are loaded; overrides of

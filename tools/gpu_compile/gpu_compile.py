@@ -132,6 +132,12 @@ def all_cases() -> list[Case]:
             Case(f"sparse_mla_bwd_atomic[{sh.name},L={sh.keys[0]}]", "sparse_mla_bwd", sh.name, sh.keys[0],
                  options=(("bwd", "atomic"),), **ATOMIC_BWD_CLAIMS.get(sh.name, {})),
         ]
+    # Issue 31 item 4: the FP8 indexer with chunks of 8 key blocks per program (queries loaded once, the key blocks
+    # through a double-buffered TMA pipeline), still on FP8 wgmma, and small enough for two CTAs per SM (233,472 B
+    # of shared memory per SM, 1 KiB reserved per CTA) like the one-block kernel.
+    cases.append(Case("indexer_logits_kloop[prod,L=8192,k_steps=8]", "indexer_logits", "prod", 8192,
+                      options=(("k_steps", 8),), requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",),
+                      smem_budget=(233_472 - 2 * 1024) // 2))
     # Issue 31 item 2's producer: selected rows gathered by 16-byte cp.async into the swizzled layout wgmma reads,
     # then QK^T for 64 keys at once (N = 64), in one warpgroup and warp-specialized (producer + consumer).
     for form in ("", "_ws"):
