@@ -30,6 +30,8 @@ from tests.test_train import load_config
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.trainer import Trainer
 
+pytestmark = pytest.mark.heavy  # its two session fixtures (train 2 steps, export) alone take ~55 s on 2 cores
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 STEPS = 2
