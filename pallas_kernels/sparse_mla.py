@@ -704,7 +704,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     Mosaic GPU forward cannot serve). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
     `_pds_kernel`) or "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3; opt-in until a chip times it; raises on
     inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
-    reference impls.
+    reference impls. Both Mosaic GPU kernels run 64 heads per CTA: fewer heads (per device, under a mesh) are padded
+    to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md "Head padding").
     """
     def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:
