@@ -260,7 +260,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                     functools.partial(bwd_row, "stored", pds="mosaic_gpu"))
 
     # ---- the GPU backward cut into its kernels, each timed alone over all 4096 queries at once (no token chunks):
-    # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials.
+    # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials;
+    # the check column adds the share of the whole backward and the GB/s of the traffic it cannot avoid (`Stage`).
     def stage_rows(bwd, pds="triton"):
         do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
         stages = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
@@ -272,7 +273,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                 continue  # the rest is the Triton pds row's
             ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
             rate, unit = (st.flops / ms / 1e9, "TFLOP/s") if st.flops else (st.bytes / ms / 1e6, "GB/s")
-            share = "" if whole is None else f"{ms / whole:.0%} of the `{bwd}` backward row's time"
+            share = "" if whole is None else f"{ms / whole:.0%} of the `{bwd}` backward row's time; "
+            share += f"moves >= {st.bytes / 1e9:.3g} GB: {st.bytes / ms / 1e6:.0f} GB/s"
             rows.append(Row(f"sparse_mla bwd ({bwd}) stage: {st.name}", length, ms, rate, unit, None, check=share))
         return rows
 

@@ -531,7 +531,8 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One kernel (or XLA op) of the GPU backward, to be timed alone: `fn(*args)`; `flops` its MMA work (all slots
-    counted, the bench's convention) or `bytes` the bytes it must move (the segment sum), 0 where not stated."""
+    counted, the bench's convention); `bytes` what it must move at least through L2 / HBM (gathered rows once per
+    program that gathers them, P / dS / partials written or read once, atomics as 4-byte adds), for its GB/s."""
     name: str
     fn: object
     args: tuple
@@ -558,6 +559,10 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
     part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
     pairs = b * t * h * topk_idx.shape[-1]
     dqk = q.shape[-1]
+    item = jnp.dtype(kv.dtype).itemsize
+    slots = b * t * topk_idx.shape[-1]  # (token, slot) pairs
+    rows = slots * dqk * item  # every token's selected rows gathered once
+    ps = pairs * item  # one [T, H, k] array of P or dS
     reduce = functools.partial(_reduce_dkv, cfg=cfg)
     if bwd == "recompute":
         dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
@@ -565,24 +570,30 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
         part_fn = jax.jit(functools.partial(_dkv_partials, cfg=dkv_cfg, part_dtype=part_dtype))
         base = (qf, kvf, idxf, dof, lse, delta)
         parts = part_fn(*base)
-        return [Stage("dq (recompute)", dq_fn, base, 2 * pairs * (2 * dqk + d_v)),
-                Stage("dkv partials (recompute)", part_fn, base, 2 * pairs * 2 * (dqk + d_v)),
-                Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=parts.size * parts.dtype.itemsize)]
+        n_dq = hp // cfg.bwd_block_h  # dq programs per token, each gathering the token's rows
+        part_bytes = parts.size * parts.dtype.itemsize
+        return [Stage("dq (recompute)", dq_fn, base, 2 * pairs * (2 * dqk + d_v), n_dq * rows),
+                Stage("dkv partials (recompute)", part_fn, base, 2 * pairs * 2 * (dqk + d_v), rows + part_bytes),
+                Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=part_bytes)]
     kp = idxf.shape[1]
     idxf = jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)), constant_values=-1)
     pds_fn = jax.jit(functools.partial(_pds, cfg=cfg))
     pds_args = (qf, kvf, idxf, dof, lse, delta)
     p, ds = pds_fn(*pds_args)
-    stages = [Stage(f"P/dS ({pds})", pds_fn, pds_args, 2 * pairs * (dqk + d_v))]
+    groups = -(-h // 64)  # both P / dS kernels gather per (token, 64 heads)
+    stages = [Stage(f"P/dS ({pds})", pds_fn, pds_args, 2 * pairs * (dqk + d_v), groups * rows + 2 * ps)]
     dqkv_flops = 2 * pairs * (2 * dqk + d_v)
     if bwd == "atomic":
         dqkv_fn = jax.jit(lambda *a: _dqkv(*a[:-1], cfg, part_dtype, dkv=a[-1]))
         zeros = jnp.zeros((cfg.num_keys, dp), jnp.float32)
-        return stages + [Stage("dq/dkv (atomic)", dqkv_fn, (qf, kvf, idxf, dof, p, ds, zeros), dqkv_flops)]
+        return stages + [Stage("dq/dkv (atomic)", dqkv_fn, (qf, kvf, idxf, dof, p, ds, zeros), dqkv_flops,
+                               rows + 2 * ps + slots * dqk * 4)]
     dqkv_fn = jax.jit(lambda *a: _dqkv(*a, cfg, part_dtype))
     parts = dqkv_fn(qf, kvf, idxf, dof, p, ds)[1]
-    return stages + [Stage("dq/dkv partials (stored)", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops),
-                     Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=parts.size * parts.dtype.itemsize)]
+    part_bytes = parts.size * parts.dtype.itemsize
+    return stages + [Stage("dq/dkv partials (stored)", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops,
+                           rows + 2 * ps + part_bytes),
+                     Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=part_bytes)]
 
 
 # ------------------------------------------------------------------------------------------ custom VJP core

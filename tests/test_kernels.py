@@ -516,7 +516,7 @@ def test_sparse_mla_backward_stages_compose_to_the_gradient(rng, bwd):
     else:
         assert names == ["P/dS (triton)", "dq/dkv (atomic)"]
         dq, dkv = stages[1].fn(*stages[1].args)
-    assert all(st.flops > 0 or st.bytes > 0 for st in stages)
+    assert all(st.bytes > 0 for st in stages)
     want = jax.grad(lambda a, c: jnp.sum(ref_sparse_mla(a, c, idx, scale, d_v)[0] * do), argnums=(0, 1))(q, kv)
     assert rel_err(dq.reshape(q.shape), want[0]) <= BOUNDS[jnp.float32][1]
     assert rel_err(dkv.reshape(kv.shape), want[1]) <= BOUNDS[jnp.float32][1]
