@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,14 @@ def _load_q(q_ref, cfg: _Cfg, heads=None):
     return q_ref[h, pl.ds(0, cfg.dv_p)], q_ref[h, pl.ds(cfg.dv_p, cfg.dt_p)]
 
 
+def _warn_head_padding(kernel: str, heads: int, padded: int):
+    """At trace time: a Mosaic GPU kernel (64 heads per CTA) about to run on zero-padded heads."""
+    if padded > heads:
+        warnings.warn(f"sparse_mla: the Mosaic GPU {kernel} runs 64 heads per CTA; {heads} heads (per device) are "
+                      f"padded to {padded}: {padded / heads:.1f}x its MMA work and q / dO / P / dS memory "
+                      "(BENCHMARKS.md, 'Head padding'); the Triton kernel tiles them as they are", stacklevel=2)
+
+
 # ----------------------------------------------------------------------------------------------- forward
 def _fwd_kernel(q_ref, kv_ref, idx_ref, o_ref, lse_ref, *, cfg: _Cfg, n_blocks: int):
     q_main, q_tail = _load_q(q_ref, cfg)
@@ -183,6 +192,7 @@ def _forward(qf, kvf, idxf, cfg: _Cfg):
     if cfg.fwd == "mosaic_gpu":  # heads padded to the kernel's 64, slots (-1) to its 64-key blocks
         n, hp, _ = qf.shape
         hm, km = round_up(hp, sparse_mla_mgpu.H_BLK), round_up(idxf.shape[1], sparse_mla_mgpu.BK)
+        _warn_head_padding("forward", hp, hm)
         out, lse = sparse_mla_mgpu.sparse_mla_fwd(
             jnp.pad(qf, ((0, 0), (0, hm - hp), (0, 0))), kvf,
             jnp.pad(idxf, ((0, 0), (0, km - idxf.shape[1])), constant_values=-1),
@@ -374,6 +384,7 @@ def _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
     n, hp, _ = q_c.shape
     kp = idx_c.shape[1]
     hm, km = round_up(hp, sparse_mla_pds_mgpu.H_BLK), round_up(kp, sparse_mla_pds_mgpu.BK)
+    _warn_head_padding("P / dS kernel", hp, hm)
     heads = ((0, 0), (0, hm - hp))
     p, ds = sparse_mla_pds_mgpu.sparse_mla_pds(
         jnp.pad(q_c, (*heads, (0, 0))), jnp.pad(do_c, (*heads, (0, 0))), kvf,

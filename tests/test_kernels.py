@@ -11,6 +11,7 @@ hadamard_quant ue8m0 scales and top-k sets exact.
 """
 
 import os
+import warnings
 
 import fp8_accumulator
 import jax
@@ -1010,6 +1011,24 @@ def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch):
     out, lse = sm.sparse_mla_fwd(q, kv, idx, scale=0.05, interpret=True)
     want, _ = sm.sparse_mla_fwd_reference(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale=0.05)
     assert rel_err(out, want) <= 6e-3
+
+
+def test_mosaic_gpu_kernels_warn_when_they_pad_heads(rng):
+    """The Mosaic GPU forward and P / dS kernel run 64 heads per CTA: 16 heads are padded to 64 (4x the work), which
+    the user is told at trace time (eval_shape: nothing runs); 64 heads are not padded and nothing is said."""
+    def traced(h, **kw):
+        q = jax.ShapeDtypeStruct((1, 2, h, 576), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 90, 576), jnp.bfloat16)
+        idx = jax.ShapeDtypeStruct((1, 2, 64), jnp.int32)
+        f = lambda a, c, i: kernels.sparse_mla(a, c, i, 0.04, 512, impl=IMPL, **kw)[0].astype(jnp.float32).sum()  # noqa: E731
+        jax.eval_shape(jax.grad(f, argnums=(0, 1)), q, kv, idx)
+    with pytest.warns(UserWarning, match=r"Mosaic GPU forward runs 64 heads per CTA; 16 heads .* padded to 64: 4.0x"):
+        traced(16, fwd="mosaic_gpu")
+    with pytest.warns(UserWarning, match=r"Mosaic GPU P / dS kernel .* 16 heads .* padded to 64: 4.0x"):
+        traced(16, pds="mosaic_gpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        traced(64, fwd="mosaic_gpu", pds="mosaic_gpu")
 
 
 def _padded_mla_case(rng, b=2, t=2, h=40, s=90, k=72):
