@@ -40,8 +40,9 @@ from dsv32_jax import kernels  # noqa: E402
 from dsv32_jax.model import attention  # noqa: E402
 from dsv32_jax.model.indexer import quantize_indexer  # noqa: E402
 from dsv32_jax.kernels.indexer_logits import indexer_logits_reference  # noqa: E402
-sparse_mla_module = importlib.import_module("dsv32_jax.kernels.sparse_mla")  # the package's name is the function
 from dsv32_jax.kernels.topk import topk_reference  # noqa: E402
+
+sparse_mla_module = importlib.import_module("dsv32_jax.kernels.sparse_mla")  # `kernels.sparse_mla` is the function
 
 
 @dataclasses.dataclass
@@ -265,12 +266,10 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     def stage_rows(bwd, pds="triton"):
         do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
         stages = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
-                                                    bwd=bwd, pds=pds)
+                                                    bwd=bwd, pds=pds, pds_only=pds != "triton")  # the rest: as Triton's
         whole = state.get(("bwd", bwd, pds))
         rows = []
         for st in stages:
-            if pds != "triton" and not st.name.startswith("P/dS"):
-                continue  # the rest is the Triton pds row's
             ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
             rate, unit = (st.flops / ms / 1e9, "TFLOP/s") if st.flops else (st.bytes / ms / 1e6, "GB/s")
             share = "" if whole is None else f"{ms / whole:.0%} of the `{bwd}` backward row's time; "

@@ -225,7 +225,7 @@ def indexer_logits_mgpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, block_q
         grid_names=("q", "k"),
         interpret=mgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
         # the head sums reduce within warps (no cross-warp scratch): the loop kernel fits two CTAs per SM without it
-        compiler_params=mgpu.CompilerParams(reduction_scratch_bytes=0 if k_steps else 128 * 4 * 4),
+        compiler_params=mgpu.CompilerParams(**({} if k_steps is None else {"reduction_scratch_bytes": 0})),
     )
     out = call(q, k, ks, w, st, en)
     return out.reshape(b, tp, sp)[:, :t, :s]

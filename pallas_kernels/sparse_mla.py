@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 
@@ -491,22 +492,37 @@ def _reduce_dkv(parts, idxf, cfg: _Cfg):
     return jax.ops.segment_sum(rows, ids, num_segments=cfg.num_keys + 1)[:cfg.num_keys]
 
 
-def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
-    n, hp, dp = qf.shape
+def _backward_inputs(qf, kvf, out, do, dlse):
+    """(dO in the compute dtype, Delta = rowsum(O * dO) - dlse [n, hp] f32, the dkv partials' dtype)."""
     do = do.astype(qf.dtype)
     delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1) - dlse
-    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+    return do, delta, jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+
+
+def _stored_slots(idxf):
+    """The stored / atomic backward's slots, padded (-1) to whole steps of its dq / dkv-slice kernel."""
+    kp = idxf.shape[1]
+    return jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)), constant_values=-1)
+
+
+def _recompute_cfgs(cfg: _Cfg):
+    """(dq kernel's, dkv partials kernel's) configs of the recomputing backward: its smaller bwd_* tiles."""
+    return (dataclasses.replace(cfg, block_h=cfg.bwd_block_h),
+            dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h))
+
+
+def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
+    n, hp, dp = qf.shape
+    do, delta, part_dtype = _backward_inputs(qf, kvf, out, do, dlse)
     stored = cfg.bwd in ("stored", "atomic") and not cfg.tpu
     atomic = stored and cfg.bwd == "atomic"  # dkv rows added in place by the kernel: no partials, no segment sum
     per_token = 0  # bytes per token of the stored P and dS
-    if stored:  # slots padded (-1) to whole steps of the dq / dkv-slice kernel
-        kp = idxf.shape[1]
-        kp_s = round_up(kp, min(STORED_SLOTS, next_pow2(kp)))
-        idxf = jnp.pad(idxf, ((0, 0), (0, kp_s - kp)), constant_values=-1)
-        per_token = 2 * hp * kp_s * jnp.dtype(kvf.dtype).itemsize
+    if stored:
+        idxf = _stored_slots(idxf)
+        per_token = 2 * hp * idxf.shape[1] * jnp.dtype(kvf.dtype).itemsize
     elif not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
-        dq = _dq(qf, kvf, idxf, do, lse, delta, dataclasses.replace(cfg, block_h=cfg.bwd_block_h))
-        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
+        dq_cfg, dkv_cfg = _recompute_cfgs(cfg)
+        dq = _dq(qf, kvf, idxf, do, lse, delta, dq_cfg)
     # Token chunks of bounded size: the dkv partials ([tokens, K, Dqk]) and, stored / atomic, P and dS.
     kp = idxf.shape[1]
     chunk = max(1, min(n, cfg.bwd_partial_bytes // ((0 if atomic else kp * dp * 4) + per_token)))
@@ -552,22 +568,24 @@ class Stage:
 
 
 def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = "pallas_gpu", bwd: str = "stored",
-                    pds: str = "triton") -> list[Stage]:
-    """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds)` cut into its stages, each over all tokens
-    at once (no token chunks), on the inputs the custom VJP would see (the forward runs here once; `do` [B, T, H,
-    d_v] is the output's cotangent, dlse = 0): for bench/kernels.py's breakdown rows. The stages' outputs equal the
-    backward's (tests/test_kernels.py checks their composition against `jax.grad` of `sparse_mla`)."""
+                    pds: str = "triton", pds_only: bool = False) -> list[Stage]:
+    """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds)` (its default tiles) cut into its stages,
+    each over all tokens at once (no token chunks), on the inputs the custom VJP would see (the forward runs here
+    once; `do` [B, T, H, d_v] is the output's cotangent, dlse = 0): for bench/kernels.py's breakdown rows. The
+    stages' outputs equal the backward's (tests/test_kernels.py checks their composition against the reference's
+    gradient). pds_only (stored / atomic): the P / dS stage alone, without running the later stages' inputs."""
     if impl not in ("pallas_gpu", "interpret"):
         raise ValueError(f"sparse_mla.backward_stages: impl={impl!r} must be 'pallas_gpu' or 'interpret' (the Triton "
                          "backward's stages)")
-    cfg = _config(q, kv, topk_idx, scale, d_v, impl, 64, None, 32, 32, 8, 2, 1 << 29, bwd, pds)
+    tiles = {name: p.default for name, p in inspect.signature(sparse_mla).parameters.items()}  # sparse_mla's defaults
+    cfg = _config(q, kv, topk_idx, scale, d_v, impl, *(tiles[k] for k in (
+        "block_h", "block_i", "bwd_block_h", "bwd_block_i", "num_warps", "num_stages", "bwd_partial_bytes")), bwd, pds)
     b, t, h, _ = q.shape
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)
     n, hp, dp = qf.shape
     out, lse = jax.jit(functools.partial(_forward, cfg=cfg))(qf, kvf, idxf)
-    dof = jnp.pad(do.astype(qf.dtype).reshape(n, h, d_v), ((0, 0), (0, hp - h), (0, cfg.dv_p - d_v)))
-    delta = jnp.sum(out.astype(jnp.float32) * dof.astype(jnp.float32), axis=-1)
-    part_dtype = jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
+    dof, delta, part_dtype = _backward_inputs(
+        qf, kvf, out, jnp.pad(do.reshape(n, h, d_v), ((0, 0), (0, hp - h), (0, cfg.dv_p - d_v))), 0.0)
     pairs = b * t * h * topk_idx.shape[-1]
     dqk = q.shape[-1]
     item = jnp.dtype(kv.dtype).itemsize
@@ -576,23 +594,24 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
     ps = pairs * item  # one [T, H, k] array of P or dS
     reduce = functools.partial(_reduce_dkv, cfg=cfg)
     if bwd == "recompute":
-        dkv_cfg = dataclasses.replace(cfg, block_i=cfg.bwd_block_i, block_h=cfg.bwd_block_h)
-        dq_fn = jax.jit(functools.partial(_dq, cfg=dataclasses.replace(cfg, block_h=cfg.bwd_block_h)))
+        dq_cfg, dkv_cfg = _recompute_cfgs(cfg)
+        dq_fn = jax.jit(functools.partial(_dq, cfg=dq_cfg))
         part_fn = jax.jit(functools.partial(_dkv_partials, cfg=dkv_cfg, part_dtype=part_dtype))
         base = (qf, kvf, idxf, dof, lse, delta)
         parts = part_fn(*base)
-        n_dq = hp // cfg.bwd_block_h  # dq programs per token, each gathering the token's rows
+        n_dq = hp // dq_cfg.block_h  # dq programs per token, each gathering the token's rows
         part_bytes = parts.size * parts.dtype.itemsize
         return [Stage("dq (recompute)", dq_fn, base, 2 * pairs * (2 * dqk + d_v), n_dq * rows),
                 Stage("dkv partials (recompute)", part_fn, base, 2 * pairs * 2 * (dqk + d_v), rows + part_bytes),
                 Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=part_bytes)]
-    kp = idxf.shape[1]
-    idxf = jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)), constant_values=-1)
+    idxf = _stored_slots(idxf)
     pds_fn = jax.jit(functools.partial(_pds, cfg=cfg))
     pds_args = (qf, kvf, idxf, dof, lse, delta)
-    p, ds = pds_fn(*pds_args)
     groups = -(-h // 64)  # both P / dS kernels gather per (token, 64 heads)
     stages = [Stage(f"P/dS ({pds})", pds_fn, pds_args, 2 * pairs * (dqk + d_v), groups * rows + 2 * ps)]
+    if pds_only:
+        return stages
+    p, ds = pds_fn(*pds_args)
     dqkv_flops = 2 * pairs * (2 * dqk + d_v)
     if bwd == "atomic":
         dqkv_fn = jax.jit(lambda *a: _dqkv(*a[:-1], cfg, part_dtype, dkv=a[-1]))

@@ -517,6 +517,9 @@ def test_sparse_mla_backward_stages_compose_to_the_gradient(rng, bwd):
     else:
         assert names == ["P/dS (triton)", "dq/dkv (atomic)"]
         dq, dkv = stages[1].fn(*stages[1].args)
+    if bwd != "recompute":  # the bench's Mosaic P / dS rows ask for that stage alone
+        alone = smla.backward_stages(q, kv, idx, scale, d_v, do, impl=IMPL, bwd=bwd, pds_only=True)
+        assert [st.name for st in alone] == ["P/dS (triton)"]
     assert all(st.bytes > 0 for st in stages)
     want = jax.grad(lambda a, c: jnp.sum(ref_sparse_mla(a, c, idx, scale, d_v)[0] * do), argnums=(0, 1))(q, kv)
     assert rel_err(dq.reshape(q.shape), want[0]) <= BOUNDS[jnp.float32][1]
