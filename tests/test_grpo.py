@@ -108,6 +108,7 @@ def test_learns_sum_of_two_digits_from_chance(tmp_path):
     assert acc[-1] >= 0.4 and min(acc[5:]) >= 0.3
 
 
+@pytest.mark.heavy  # 21 s on 2 cores
 def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
     lrn = learner(tmp_path, 0)
     batch, _ = lrn.rollout(0)
@@ -226,6 +227,7 @@ def test_letters_prompts_exercise_the_language_reward(tmp_path):
         learner(tmp_path, 0, **{"grpo.letters": 1.5})
 
 
+@pytest.mark.heavy  # 22 s on 2 cores
 def test_off_policy_sequence_mask_fires_in_the_learner(tmp_path):
     """Two epochs x two minibatches at a high learning rate: the second epoch's minibatches are off-policy, and with
     a small delta the off-policy sequence mask drops negative-advantage sequences there (masked fraction > 0 in the

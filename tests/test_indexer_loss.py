@@ -142,7 +142,7 @@ def is_indexer(path) -> bool:
     return "indexer" in [str(p) for p in path]
 
 
-@pytest.mark.parametrize("objective", ["dense", "sparse"])
+@pytest.mark.parametrize("objective", [pytest.param("dense", marks=pytest.mark.heavy), "sparse"])  # dense: 26 s
 def test_gradient_isolation(objective, rng):
     cfg = load_preset("tiny").replace(initializer_range=0.1)
     model = Transformer(cfg, rngs=nnx.Rngs(1), options=RunOptions(indexer_loss=objective, dsa=objective == "sparse"))

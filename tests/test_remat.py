@@ -38,7 +38,7 @@ def _batch(rng, cfg, b=2, t=24):
 
 
 @pytest.mark.parametrize("stage,policies", [pytest.param("warmup", REMAT_POLICIES[1:], marks=pytest.mark.heavy),
-                                            ("sparse", ("full",)),
+                                            pytest.param("sparse", ("full",), marks=pytest.mark.heavy),  # 28 s
                                             pytest.param("sparse", REMAT_POLICIES[2:], marks=pytest.mark.slow)])
 def test_block_remat_policies_keep_loss_and_gradients(rng, stage, policies):
     cfg = load_preset("tiny").replace(num_hidden_layers=2, index_topk=6)

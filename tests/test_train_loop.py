@@ -212,6 +212,7 @@ def test_cli_missing_init_from_exits_with_a_message_not_a_traceback(tmp_path):
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.heavy  # 30 s on 2 cores
 def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
     res = cli([], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
