@@ -8,21 +8,24 @@
 #                                FP8 indexer under the accumulator model), then the kernel table's sparse MLA rows at
 #                                32K: both forwards, the stored / atomic / Mosaic-P/dS backwards, and each backward cut
 #                                into its kernels (the stage rows: where the backward's time goes)
-#   bash bench/gpu_owed.sh 1   # the atomic backward in the 4-layer step: 32K beside stored, and 64K
-#   bash bench/gpu_owed.sh 2   # a 32K profile of the step with the atomic backward
-#   bash bench/gpu_owed.sh 3   # the other chip tests not reached (top-k, stored backward, sparse MLA gradients), then
+#   bash bench/gpu_owed.sh 1   # the stored backward's tiles at 32K: each P / dS and dq / dkv tile that compiles for
+#                                sm_90a without spills (bench/stored_tiles_h100.json, tools/gpu_compile --sweep: 14
+#                                and 23 candidates) timed as its own stage, then both backwards at the fastest
+#   bash bench/gpu_owed.sh 2   # the atomic backward in the 4-layer step: 32K beside stored, and 64K
+#   bash bench/gpu_owed.sh 3   # a 32K profile of the step with the atomic backward
+#   bash bench/gpu_owed.sh 4   # the other chip tests not reached (top-k, stored backward, sparse MLA gradients), then
 #                                the indexer / top-k rows at 8K (item 4's 8K rate; the k_steps=8 row) and 32K
-#   bash bench/gpu_owed.sh 4   # profile at 32K: the default kernel step beside the fast flags', dense, prefill
-#   bash bench/gpu_owed.sh 5   # 4-layer step at 32K, the parts separated: defaults, + FP8 selection, + segment sum,
+#   bash bench/gpu_owed.sh 5   # profile at 32K: the default kernel step beside the fast flags', dense, prefill
+#   bash bench/gpu_owed.sh 6   # 4-layer step at 32K, the parts separated: defaults, + FP8 selection, + segment sum,
 #                                the recomputing backward, dense
-#   bash bench/gpu_owed.sh 6   # 4-layer step with remat=full + token_chunk: 64K with the defaults, dense at 128K
-#   bash bench/gpu_owed.sh 7   # the model-level chip tests not reached yet, then the kernels' 32K prefill
+#   bash bench/gpu_owed.sh 7   # 4-layer step with remat=full + token_chunk: 64K with the defaults, dense at 128K
+#   bash bench/gpu_owed.sh 8   # the model-level chip tests not reached yet, then the kernels' 32K prefill
 # No step call times the Mosaic GPU forward or P / dS kernel: the small config's 16 heads are padded to their 64 (4x
 # the work), so the kernel table's 128-head rows (call 0) are their fair test (BENCHMARKS.md, "Head padding").
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
-call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5|6|7}
+call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5|6|7|8}
 run() {
   if [ -n "${DRY:-}" ]; then echo "call $call: $*"; return; fi
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -36,18 +39,20 @@ case $call in
        "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu or sparse_mla_pds or gather_producer"
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
-  1) run STAGES=step STEP_S=390 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=95 "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
+  1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \
+       "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\((stored|atomic)\)(.tiles)?)$ --stored_tiles bench/stored_tiles_h100.json" ;;
+  2) run STAGES=step STEP_S=390 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=95 "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
        STEP_CASES=sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_bwd_atomic,sparse:65536:indexer_fp8+kl_segment_sum+mla_bwd_atomic ;;
-  2) run STAGES=profile PROFILE_S=200 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_bwd_atomic ;;
-  3) run STAGES="tests bench" TEST_S=230 "TEST_K=topk or stored or sparse_mla_gradients" \
+  3) run STAGES=profile PROFILE_S=200 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_bwd_atomic ;;
+  4) run STAGES="tests bench" TEST_S=230 "TEST_K=topk or stored or sparse_mla_gradients" \
        LENGTHS=8192,32768 "BENCH_ARGS=--ops ^(indexer|topk|hadamard)" BENCH_S=300 ;;
-  4) run STAGES=profile PROFILE_S=420 \
+  5) run STAGES=profile PROFILE_S=420 \
        PROFILE_CASES=train:kernel:32768,train:kernel:32768:kl_segment_sum+indexer_fp8,train:dense:32768,prefill:kernel:32768 ;;
-  5) run STAGES=step STEP_S=560 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=105 "STEP_ARGS=--layers 4" \
+  6) run STAGES=step STEP_S=560 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=105 "STEP_ARGS=--layers 4" \
        STEP_CASES=sparse:32768,sparse:32768:indexer_fp8,sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_bwd_recompute,dense:32768 ;;
-  6) run STAGES=step STEP_S=560 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=230 \
+  7) run STAGES=step STEP_S=560 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=230 \
        "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" STEP_CASES=sparse:65536,dense:131072 ;;
-  7) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
+  8) run STAGES="tests gen" TEST_S=300 GEN_S=240 \
        "TEST_K=tiny_model_kernel or runs_the_indexer or decode_with_kernel or hf_long_golden or triton_kernels_lower" ;;
-  *) echo "bench/gpu_owed.sh: no call $call (0-7)" >&2; exit 2 ;;
+  *) echo "bench/gpu_owed.sh: no call $call (0-8)" >&2; exit 2 ;;
 esac

@@ -7,6 +7,9 @@ reference's time measured in the same run; then a summary table; --out PATH also
   python bench/kernels.py                                  # H100: L = 8K, 32K, 128K; 4096 queries; H 128, k 2048
   python bench/kernels.py --smoke                          # tiny shapes in interpret mode (CPU), keeps this alive
   python bench/kernels.py --smoke --impl=interpret_tpu     # the same through the TPU kernel bodies
+  python bench/kernels.py --lengths 32768 --stored_tiles bench/stored_tiles_h100.json  # the stored backward's
+      # tiles that compile for sm_90a (tools/gpu_compile --sweep), each kernel timed per candidate, then the
+      # whole backward at the fastest (bench/gpu_owed.sh 1)
   (on a TPU, the default impl is pallas_tpu: the Mosaic kernels, with the reference top-k)
 
 FLOP conventions: indexer 2*H_I*d_I per visible (query, key) pair (causal: the 4096 queries are the last
@@ -24,6 +27,7 @@ import functools
 import importlib.util
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -230,7 +234,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                  f"(bf16 in; fp32 reference, {c.stop} queries)")
         return Row(name, length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", state["ref_fwd"], check=check)
 
-    def bwd_row(bwd, **kw):
+    def bwd_row(bwd, name=None, **kw):
         both_ms, _ = timed(fwd_bwd(impl, bwd=bwd, **kw), q, kv, sel, warmup=w, iters=it)
         if "ref_bwd" not in state:
             ref_both, _ = timed(fwd_bwd("reference"), q, kv, sel, warmup=w, iters=it)
@@ -243,8 +247,9 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         rdq, rdkv = fwd_bwd("reference")(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
         check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
                  f"fwd+bwd {both_ms:.3f} ms")
-        name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{', P/dS mosaic_gpu' if kw else ''})")
-        state[("bwd", bwd, kw.get("pds", "triton"))] = bwd_ms
+        if name is None:
+            name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{', P/dS mosaic_gpu' if kw else ''})")
+            state[("bwd", bwd, kw.get("pds", "triton"))] = bwd_ms
         return Row(name, length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", state["ref_bwd"], check=check)
 
     guarded("sparse_mla fwd", fwd_row)
@@ -285,6 +290,43 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
             guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})"),
                          functools.partial(stage_rows, bwd, pds))
 
+    # ---- the stored backward's tiles (issue 31 item 3): every candidate of the sweep file (tools/gpu_compile --sweep:
+    # those that compile for sm_90a without spills) timed as its own stage, P / dS and dq / dkv separately, then the
+    # whole stored and atomic backwards at the fastest of each beside the defaults' rows
+    def tile_rows():
+        with open(args.stored_tiles) as f:
+            sweep = json.load(f)
+        do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
+        rows, best = [], {}
+        for kernel, stage in (("pds", 0), ("dqkv", 1)):
+            for cand in sweep[kernel]:
+                if not cand["fits"]:
+                    continue
+                tiles = kernels.StoredTiles(**cand["tiles"])
+                st = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
+                                                        bwd="stored", pds_only=kernel == "pds",
+                                                        stored_tiles=tiles)[stage]
+                ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
+                label = ", ".join(f"{k.split('_', 1)[1]} {v}" for k, v in cand["tiles"].items())
+                rows.append(Row(f"sparse_mla bwd (stored) tiles: {st.name} [{label}]", length, ms,
+                                st.flops / ms / 1e9, "TFLOP/s", None,
+                                check=f"sm_90a: {cand['registers']} registers, {cand['smem']:,} B shared memory"))
+                if ms < best.get(kernel, (math.inf,))[0]:
+                    best[kernel] = (ms, cand["tiles"])
+        if set(best) != {"pds", "dqkv"}:
+            raise ValueError(f"{args.stored_tiles}: no fitting candidate for {sorted({'pds', 'dqkv'} - set(best))}")
+        tuned = kernels.StoredTiles(**best["pds"][1], **best["dqkv"][1])
+        for bwd in ("stored", "atomic"):
+            r = bwd_row(bwd, name=f"sparse_mla bwd ({bwd}, fastest tiles)", stored_tiles=tuned)
+            default = state.get(("bwd", bwd, "triton"))
+            r.check = (f"{tuned.label()}; " + ("" if default is None else f"{default / r.kernel_ms:.2f}x the "
+                                                                           "default tiles' row; ") + r.check)
+            rows.append(r)
+        return rows
+
+    if args.stored_tiles and "fwd" in state and impl in (None, "pallas_gpu", "interpret"):
+        guarded_rows("sparse_mla bwd (stored) tiles", tile_rows)
+
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
     def layer_row():
         layer = jax.jit(lambda a, b, c, qq, cc, qx, sg: kernels.sparse_mla(
@@ -323,6 +365,9 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, one iteration, impl=interpret (or --impl=interpret_tpu for the TPU kernels)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--stored_tiles", default="", help="a sweep file of tools/gpu_compile --sweep (e.g. "
+                   "bench/stored_tiles_h100.json): time the stored backward's kernels at each candidate tile that fits "
+                   "(rows 'sparse_mla bwd (stored) tiles: ...'), then the whole backward at the fastest")
     args = p.parse_args(argv)
     sh = Shapes()
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -13,8 +13,8 @@ from dsv32_jax.kernels._dispatch import ENV_VAR, IMPLS, set_default_impl
 from dsv32_jax.kernels.hadamard_quant import hadamard_quant
 from dsv32_jax.kernels.indexer_logits import indexer_logits
 from dsv32_jax.kernels.indexer_topk import indexer_topk
-from dsv32_jax.kernels.sparse_mla import sparse_mla
+from dsv32_jax.kernels.sparse_mla import StoredTiles, sparse_mla
 from dsv32_jax.kernels.topk import topk
 
-__all__ = ["ENV_VAR", "IMPLS", "hadamard_quant", "indexer_logits", "indexer_topk", "set_default_impl", "sparse_mla",
-           "topk"]
+__all__ = ["ENV_VAR", "IMPLS", "StoredTiles", "hadamard_quant", "indexer_logits", "indexer_topk", "set_default_impl",
+           "sparse_mla", "topk"]

@@ -79,6 +79,44 @@ LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
+class StoredTiles:
+    """Tiles of the stored / atomic GPU backward's two Triton kernels (`sparse_mla(..., stored_tiles=)`): the P / dS
+    kernel (`_pds_kernel`, one program per (token, block_h heads)) gathers `pds_slots` selected rows per step (the N
+    of its S and dP MMAs); the dq / dkv kernel (`_dqkv_kernel`, one program per (token, column slice)) takes
+    `dqkv_slots` slots per step (the M of its dS^T q MMA) and `dqkv_slice` of the Dqk columns per program (clipped
+    to the padded value and rope widths). Each kernel has its own warps and software-pipeline stages. All sizes are
+    powers of two, slots >= 16, slices >= 16, warps 4 or 8, stages >= 1. The defaults are the tiles timed on an
+    H200 (84-88 TFLOP/s); `bench/kernels.py --stored_tiles` times the alternatives that compile for sm_90a."""
+    pds_slots: int = 16
+    pds_warps: int = 4
+    pds_stages: int = 2
+    dqkv_slots: int = 64
+    dqkv_slice: int = 64
+    dqkv_warps: int = 8
+    dqkv_stages: int = 2
+
+    def check(self) -> "StoredTiles":
+        """Self, or a ValueError naming the first bad field."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"sparse_mla: StoredTiles.{f.name}={v!r} must be an int")
+            if f.name.endswith("_warps") and v not in (4, 8):
+                raise ValueError(f"sparse_mla: StoredTiles.{f.name}={v} must be 4 or 8")
+            if f.name.endswith("_stages") and v < 1:
+                raise ValueError(f"sparse_mla: StoredTiles.{f.name}={v} must be >= 1")
+            if f.name.endswith(("_slots", "_slice")) and (v < 16 or v & (v - 1)):
+                raise ValueError(f"sparse_mla: StoredTiles.{f.name}={v} must be a power of two >= 16")
+        return self
+
+    def label(self) -> str:
+        """A short name: 'P/dS 16 slots, 4 warps, 2 stages; dq/dkv 64 slots, slice 64, 8 warps, 2 stages'."""
+        return (f"P/dS {self.pds_slots} slots, {self.pds_warps} warps, {self.pds_stages} stages; dq/dkv "
+                f"{self.dqkv_slots} slots, slice {self.dqkv_slice}, {self.dqkv_warps} warps, {self.dqkv_stages} "
+                "stages")
+
+
+@dataclasses.dataclass(frozen=True)
 class _Cfg:
     scale: float
     d_v: int
@@ -95,13 +133,18 @@ class _Cfg:
     bwd_partial_bytes: int
     num_keys: int  # B * S rows of the flattened cache
     bwd: str = "recompute"  # "recompute" | "stored" | "atomic" (GPU backward, see the module docstring)
-    bwd_slice: int = 64  # dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)
+    stored: StoredTiles = StoredTiles()  # the stored / atomic backward's tiles
     fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
     pds: str = "triton"  # the stored backward's P / dS kernel: "triton" (`_pds_kernel`) | "mosaic_gpu"
 
     @property
     def tpu(self) -> bool:
         return self.backend in TPU_BACKENDS
+
+    @property
+    def bwd_slice(self) -> int:
+        """dq / dkv column slice of the stored backward's second kernel (divides dv_p and dt_p)."""
+        return min(self.stored.dqkv_slice, self.dv_p, self.dt_p)
 
     @property
     def padded(self) -> bool:
@@ -305,12 +348,9 @@ def _dkv_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, part_ref, *,
 
 
 # ------------------------------------------------------------------- backward without recomputation ("stored")
-STORED_SLOTS = 64  # slots per step of the dq / dkv-slice kernel (the M of its dS^T q MMA)
-# The P / dS kernel at 64 heads x 576 (H100, deviceless compile): q and dO stay in shared memory (139 KB), so 16
-# gathered slots per step (two buffers) with one warpgroup: 178 KB, 138 registers, wgmma m64n16k16. 32 slots take
-# 217 KB (over the 90% budget) with two buffers, or 255 registers with one.
-PDS_SLOTS = 16
-PDS_WARPS = 4
+# Tiles: `StoredTiles`. The P / dS kernel at 64 heads x 576 (H100, deviceless compile): q and dO stay in shared
+# memory (139 KB), so 16 gathered slots per step (two buffers) with one warpgroup: 178 KB, 138 registers, wgmma
+# m64n16k16. 32 slots take 217 KB with two buffers, or 255 registers with one (tools/gpu_compile --sweep lists them).
 
 
 def _pds_kernel(q_ref, kv_ref, idx_ref, do_ref, lse_ref, delta_ref, p_ref, ds_ref, *, cfg: _Cfg, n_blocks: int,
@@ -402,11 +442,12 @@ def _pds(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
         return _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg)
     n, hp, dp = q_c.shape
     kp, bh = idx_c.shape[1], cfg.block_h
+    slots = _step_slots(cfg.stored.pds_slots, kp)
     row = pl.BlockSpec((None, bh), lambda h, t: (t, h))
     ps_shape = jax.ShapeDtypeStruct((n, hp, kp), kvf.dtype)
     return _call(
-        dataclasses.replace(cfg, num_warps=PDS_WARPS),
-        functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // PDS_SLOTS, slots=PDS_SLOTS),
+        dataclasses.replace(cfg, num_warps=cfg.stored.pds_warps, num_stages=cfg.stored.pds_stages),
+        functools.partial(_pds_kernel, cfg=cfg, n_blocks=kp // slots, slots=slots),
         grid=(hp // bh, n),
         in_specs=[pl.BlockSpec((None, bh, dp), lambda h, t: (t, h, 0)),
                   pl.BlockSpec(kvf.shape, lambda h, t: (0, 0)),
@@ -426,18 +467,19 @@ def _dqkv(q_c, kvf, idx_c, do_c, p, ds, cfg: _Cfg, part_dtype, dkv=None):
     do_p = jnp.pad(do_c, ((0, 0), (0, 0), (0, dp - cfg.dv_p)))  # the rope slice gets no P^T dO term
     slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
     whole = pl.BlockSpec((None, hp, kp), lambda c, t: (t, 0, 0))
-    slots = min(STORED_SLOTS, kp)
+    slots = _step_slots(cfg.stored.dqkv_slots, kp)
     kernel = functools.partial(_dqkv_kernel, cfg=cfg, n_blocks=kp // slots, slots=slots)
+    cfg_k = dataclasses.replace(cfg, num_warps=cfg.stored.dqkv_warps, num_stages=cfg.stored.dqkv_stages)
     in_specs = [slices, pl.BlockSpec(kvf.shape, lambda c, t: (0, 0)), pl.BlockSpec((None, kp), lambda c, t: (t, 0)),
                 slices, whole, whole]
     dq_shape = jax.ShapeDtypeStruct(q_c.shape, q_c.dtype)
     if cfg.bwd == "atomic":
         acc = pl.BlockSpec(dkv.shape, lambda c, t: (0, 0))  # the whole accumulator, updated in place
-        return _call(cfg, kernel, grid=(dp // width, n), in_specs=[*in_specs, acc], out_specs=[acc, slices],
+        return _call(cfg_k, kernel, grid=(dp // width, n), in_specs=[*in_specs, acc], out_specs=[acc, slices],
                      out_shape=[jax.ShapeDtypeStruct(dkv.shape, dkv.dtype), dq_shape],
                      input_output_aliases={6: 0})(q_c, kvf, idx_c, do_p, p, ds, dkv)[::-1]
     return _call(
-        cfg, kernel, grid=(dp // width, n), in_specs=in_specs,
+        cfg_k, kernel, grid=(dp // width, n), in_specs=in_specs,
         out_specs=[slices, pl.BlockSpec((None, kp, width), lambda c, t: (t, 0, c))],
         out_shape=[dq_shape, jax.ShapeDtypeStruct((n, kp, dp), part_dtype)],
     )(q_c, kvf, idx_c, do_p, p, ds)
@@ -499,10 +541,18 @@ def _backward_inputs(qf, kvf, out, do, dlse):
     return do, delta, jnp.float32 if kvf.dtype == jnp.float32 else kvf.dtype
 
 
-def _stored_slots(idxf):
-    """The stored / atomic backward's slots, padded (-1) to whole steps of its dq / dkv-slice kernel."""
+def _step_slots(slots: int, kp: int) -> int:
+    """Slots per step of a stored-backward kernel over kp (padded by `_stored_slots`) slots: its tile, or all kp."""
+    step = min(slots, kp)
+    assert kp % step == 0, (slots, kp)
+    return step
+
+
+def _stored_slots(idxf, tiles: StoredTiles):
+    """The stored / atomic backward's slots, padded (-1) to whole steps of both of its kernels."""
     kp = idxf.shape[1]
-    return jnp.pad(idxf, ((0, 0), (0, round_up(kp, min(STORED_SLOTS, next_pow2(kp))) - kp)), constant_values=-1)
+    step = max(min(s, next_pow2(kp)) for s in (tiles.pds_slots, tiles.dqkv_slots))
+    return jnp.pad(idxf, ((0, 0), (0, round_up(kp, step) - kp)), constant_values=-1)
 
 
 def _recompute_cfgs(cfg: _Cfg):
@@ -518,7 +568,7 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     atomic = stored and cfg.bwd == "atomic"  # dkv rows added in place by the kernel: no partials, no segment sum
     per_token = 0  # bytes per token of the stored P and dS
     if stored:
-        idxf = _stored_slots(idxf)
+        idxf = _stored_slots(idxf, cfg.stored)
         per_token = 2 * hp * idxf.shape[1] * jnp.dtype(kvf.dtype).itemsize
     elif not cfg.tpu:  # GPU: a dq kernel over all tokens; TPU: dq comes with the partials, chunk by chunk
         dq_cfg, dkv_cfg = _recompute_cfgs(cfg)
@@ -555,6 +605,34 @@ def _backward(qf, kvf, idxf, out, lse, do, dlse, cfg: _Cfg):
     return dq, dkv.astype(kvf.dtype)
 
 
+def _keep_tiles(cfg: _Cfg, prefixes: tuple[str, ...]) -> _Cfg:
+    """cfg with the stored tiles reset to their defaults except the fields named by `prefixes` (those a stage
+    reads), so `_stage_jit` shares one compiled stage among the tile candidates that differ only elsewhere."""
+    keep = {f.name: getattr(cfg.stored, f.name) for f in dataclasses.fields(StoredTiles) if f.name.startswith(prefixes)}
+    return dataclasses.replace(cfg, stored=StoredTiles(**keep))
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_jit(fn, cfg: _Cfg, **kw):
+    """One jitted stage per (function, config): bench/kernels.py's tile sweep builds the stages of many candidates."""
+    return jax.jit(functools.partial(fn, cfg=cfg, **kw))
+
+
+def _dqkv_stage(q_c, kvf, idx_c, do_c, p, ds, dkv=None, *, cfg: _Cfg, part_dtype):
+    return _dqkv(q_c, kvf, idx_c, do_c, p, ds, cfg, part_dtype, dkv=dkv)
+
+
+def default_config(q, kv, topk_idx, scale: float, d_v: int, impl: str, *, bwd: str = "stored", pds: str = "triton",
+                   stored_tiles: StoredTiles | None = None) -> _Cfg:
+    """The kernels' config of `sparse_mla(q, kv, topk_idx, scale, d_v, impl=impl, bwd=, pds=, stored_tiles=)` at
+    sparse_mla's default tiles (taken from its signature); q / kv / topk_idx may be ShapeDtypeStructs. For
+    `backward_stages` and tools/gpu_compile's tile sweep, which call the backward's kernels one by one."""
+    tiles = {name: p.default for name, p in inspect.signature(sparse_mla).parameters.items()}
+    return _config(q, kv, topk_idx, scale, d_v, impl, *(tiles[k] for k in (
+        "block_h", "block_i", "bwd_block_h", "bwd_block_i", "num_warps", "num_stages", "bwd_partial_bytes")), bwd, pds,
+        stored_tiles)
+
+
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One kernel (or XLA op) of the GPU backward, to be timed alone: `fn(*args)`; `flops` its MMA work (all slots
@@ -568,22 +646,22 @@ class Stage:
 
 
 def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = "pallas_gpu", bwd: str = "stored",
-                    pds: str = "triton", pds_only: bool = False) -> list[Stage]:
-    """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds)` (its default tiles) cut into its stages,
-    each over all tokens at once (no token chunks), on the inputs the custom VJP would see (the forward runs here
-    once; `do` [B, T, H, d_v] is the output's cotangent, dlse = 0): for bench/kernels.py's breakdown rows. The
-    stages' outputs equal the backward's (tests/test_kernels.py checks their composition against the reference's
-    gradient). pds_only (stored / atomic): the P / dS stage alone, without running the later stages' inputs."""
+                    pds: str = "triton", pds_only: bool = False,
+                    stored_tiles: StoredTiles | None = None) -> list[Stage]:
+    """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds, stored_tiles=stored_tiles)` (its default
+    forward and recompute tiles) cut into its stages, each over all tokens at once (no token chunks), on the inputs
+    the custom VJP would see (the forward runs here once; `do` [B, T, H, d_v] is the output's cotangent, dlse = 0):
+    for bench/kernels.py's breakdown rows. The stages' outputs equal the backward's (tests/test_kernels.py checks
+    their composition against the reference's gradient). pds_only (stored / atomic): the P / dS stage alone,
+    without running the later stages' inputs."""
     if impl not in ("pallas_gpu", "interpret"):
         raise ValueError(f"sparse_mla.backward_stages: impl={impl!r} must be 'pallas_gpu' or 'interpret' (the Triton "
                          "backward's stages)")
-    tiles = {name: p.default for name, p in inspect.signature(sparse_mla).parameters.items()}  # sparse_mla's defaults
-    cfg = _config(q, kv, topk_idx, scale, d_v, impl, *(tiles[k] for k in (
-        "block_h", "block_i", "bwd_block_h", "bwd_block_i", "num_warps", "num_stages", "bwd_partial_bytes")), bwd, pds)
+    cfg = default_config(q, kv, topk_idx, scale, d_v, impl, bwd=bwd, pds=pds, stored_tiles=stored_tiles)
     b, t, h, _ = q.shape
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)
     n, hp, dp = qf.shape
-    out, lse = jax.jit(functools.partial(_forward, cfg=cfg))(qf, kvf, idxf)
+    out, lse = _stage_jit(_forward, _keep_tiles(cfg, ()))(qf, kvf, idxf)
     dof, delta, part_dtype = _backward_inputs(
         qf, kvf, out, jnp.pad(do.reshape(n, h, d_v), ((0, 0), (0, hp - h), (0, cfg.dv_p - d_v))), 0.0)
     pairs = b * t * h * topk_idx.shape[-1]
@@ -592,7 +670,7 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
     slots = b * t * topk_idx.shape[-1]  # (token, slot) pairs
     rows = slots * dqk * item  # every token's selected rows gathered once
     ps = pairs * item  # one [T, H, k] array of P or dS
-    reduce = functools.partial(_reduce_dkv, cfg=cfg)
+    reduce = _stage_jit(_reduce_dkv, _keep_tiles(cfg, ()))
     if bwd == "recompute":
         dq_cfg, dkv_cfg = _recompute_cfgs(cfg)
         dq_fn = jax.jit(functools.partial(_dq, cfg=dq_cfg))
@@ -603,9 +681,9 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
         part_bytes = parts.size * parts.dtype.itemsize
         return [Stage("dq (recompute)", dq_fn, base, 2 * pairs * (2 * dqk + d_v), n_dq * rows),
                 Stage("dkv partials (recompute)", part_fn, base, 2 * pairs * 2 * (dqk + d_v), rows + part_bytes),
-                Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=part_bytes)]
-    idxf = _stored_slots(idxf)
-    pds_fn = jax.jit(functools.partial(_pds, cfg=cfg))
+                Stage("dkv segment sum", reduce, (parts, idxf), bytes=part_bytes)]
+    idxf = _stored_slots(idxf, cfg.stored)
+    pds_fn = _stage_jit(_pds, _keep_tiles(cfg, ("pds_",)))
     pds_args = (qf, kvf, idxf, dof, lse, delta)
     groups = -(-h // 64)  # both P / dS kernels gather per (token, 64 heads)
     stages = [Stage(f"P/dS ({pds})", pds_fn, pds_args, 2 * pairs * (dqk + d_v), groups * rows + 2 * ps)]
@@ -613,17 +691,16 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
         return stages
     p, ds = pds_fn(*pds_args)
     dqkv_flops = 2 * pairs * (2 * dqk + d_v)
+    dqkv_fn = _stage_jit(_dqkv_stage, _keep_tiles(cfg, ("dqkv_",)), part_dtype=part_dtype)
     if bwd == "atomic":
-        dqkv_fn = jax.jit(lambda *a: _dqkv(*a[:-1], cfg, part_dtype, dkv=a[-1]))
         zeros = jnp.zeros((cfg.num_keys, dp), jnp.float32)
         return stages + [Stage("dq/dkv (atomic)", dqkv_fn, (qf, kvf, idxf, dof, p, ds, zeros), dqkv_flops,
                                rows + 2 * ps + slots * dqk * 4)]
-    dqkv_fn = jax.jit(lambda *a: _dqkv(*a, cfg, part_dtype))
     parts = dqkv_fn(qf, kvf, idxf, dof, p, ds)[1]
     part_bytes = parts.size * parts.dtype.itemsize
     return stages + [Stage("dq/dkv partials (stored)", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops,
                            rows + 2 * ps + part_bytes),
-                     Stage("dkv segment sum", jax.jit(reduce), (parts, idxf), bytes=part_bytes)]
+                     Stage("dkv segment sum", reduce, (parts, idxf), bytes=part_bytes)]
 
 
 # ------------------------------------------------------------------------------------------ custom VJP core
@@ -678,7 +755,7 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
 
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes, bwd="stored", pds="triton"):
+            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -687,6 +764,10 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
     d_tail = dqk - d_v
+    stored = StoredTiles() if stored_tiles is None else stored_tiles
+    if not isinstance(stored, StoredTiles):
+        raise ValueError(f"sparse_mla: stored_tiles must be a sparse_mla.StoredTiles or None (got {stored!r})")
+    stored.check()
     if bwd not in MLA_BWDS:
         raise ValueError(f"sparse_mla: bwd={bwd!r} must be one of {MLA_BWDS}")
     fwd = "triton"
@@ -713,14 +794,13 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
     dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
     return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
-                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, bwd_slice=min(64, dv_p, dt_p), fwd=fwd, pds=pds,
-                **common)
+                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, fwd=fwd, pds=pds, stored=stored, **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
                num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored",
-               fwd: str = "triton", pds: str = "triton"):
+               fwd: str = "triton", pds: str = "triton", stored_tiles: StoredTiles | None = None):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -742,7 +822,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     "recompute" (the dq and dkv kernels above, each recomputing S and dP; 62-64 TFLOP/s in the same run).
     fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu / interpret: the same as impl mosaic_gpu /
     interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU and reference impls; raises on inputs the
-    Mosaic GPU forward cannot serve). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
+    Mosaic GPU forward cannot serve). stored_tiles: the stored / atomic backward's Triton tiles (`StoredTiles`;
+    None: its defaults). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
     `_pds_kernel`) or "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3; opt-in until a chip times it; raises on
     inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
     reference impls. Both Mosaic GPU kernels run 64 heads per CTA: fewer heads (per device, under a mesh) are padded
@@ -774,7 +855,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
-                  num_stages, bwd_partial_bytes, bwd, pds)
+                  num_stages, bwd_partial_bytes, bwd, pds, stored_tiles)
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

@@ -437,6 +437,8 @@ SHAPES = {  # padded layout (tiny model: Dqk 40 = 32 + 8, K 8 < 16) and the unpa
     "blocks": dict(t=3, s=50, h=32, d=48, d_v=32, k=40),
     # TPU edge cases: odd Dqk = 32 + 13 (an odd rope part), 3 heads, k = 13 slots over only 5 keys (duplicates)
     "odd": dict(t=3, s=5, h=3, d=45, d_v=32, k=13),
+    # the stored backward's tiles: Dqk 96 = 64 + 32 (column slices of 16 and 32), k = 100 slots (padded to 128)
+    "wide": dict(t=3, s=70, h=32, d=96, d_v=64, k=100),
 }
 GPU_SHAPES = ["blocks", "tiny"]
 
@@ -493,6 +495,57 @@ def test_sparse_mla_gradients_match_autodiff_of_reference(rng, dtype, shape, bwd
     (`pl.program_id(0) * width +` -> `0 * width +`)."""
     _check_sparse_mla_gradients(rng, dtype, shape, impl=IMPL, bwd_partial_bytes=4096, block_h=32, block_i=32,
                                 bwd_block_h=16, bwd_block_i=16, bwd=bwd)
+
+
+STORED_TILES = {  # the stored backward's tiles away from their defaults: other step counts, slices and launches
+    "narrow": kernels.StoredTiles(pds_slots=32, pds_warps=8, pds_stages=1, dqkv_slots=16, dqkv_slice=16,
+                                  dqkv_warps=4, dqkv_stages=3),
+    "wide": kernels.StoredTiles(pds_slots=64, dqkv_slots=128, dqkv_slice=32),
+}
+
+
+@pytest.mark.parametrize("bwd", ["stored", "atomic"])
+@pytest.mark.parametrize("tiles", sorted(STORED_TILES))
+def test_sparse_mla_stored_tiles_keep_the_gradient(rng, monkeypatch, bwd, tiles):
+    """`sparse_mla(stored_tiles=)` (what bench/kernels.py --stored_tiles sweeps on a chip): P / dS and dq / dkv with
+    other slots per step, column slices (Dqk 96 = 64 + 32: slices of 16 and 32 against the default's 32) and
+    launch parameters give the float32 reference's gradient within the fp32 bound; k = 100 slots padded to 128:
+    two P / dS steps of 64 and one dq / dkv step of 128 ("wide"), four of 32 and eight of 16 ("narrow"). Mutants
+    runs the kernels it names: the tile's slots per step, slices (grid) and warps / stages reach each launch.
+    Mutants caught: the P / dS kernel's slot blocks at the default's stride of 16 (`pl.multiple_of(j * bi, bi), bi)`
+    -> `pl.multiple_of(j * 16, 16), bi)`: a wrong gradient), the P / dS launch keeping the forward's warps
+    (`num_warps=cfg.stored.pds_warps,` -> `num_warps=cfg.num_warps,`), the slice ignoring the tile
+    (`min(self.stored.dqkv_slice,` -> `min(64,`)."""
+    import importlib
+    smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
+    t = STORED_TILES[tiles]
+    launches = []
+    call = smla._call
+
+    def spy(cfg, kernel, **kw):
+        name = getattr(kernel, "func", kernel).__name__
+        if name in ("_pds_kernel", "_dqkv_kernel"):
+            launches.append((name, kernel.keywords["slots"], kw["grid"][0], cfg.num_warps, cfg.num_stages))
+        return call(cfg, kernel, **kw)
+
+    monkeypatch.setattr(smla, "_call", spy)
+    _check_sparse_mla_gradients(rng, jnp.float32, "wide", impl=IMPL, bwd_partial_bytes=1 << 16, bwd=bwd,
+                                stored_tiles=t)
+    # 32 heads in one block of 32; Dqk 96 in slices of min(slice, 64 value dims, 32 rope dims)
+    want = {("_pds_kernel", t.pds_slots, 1, t.pds_warps, t.pds_stages),
+            ("_dqkv_kernel", t.dqkv_slots, 96 // min(t.dqkv_slice, 32), t.dqkv_warps, t.dqkv_stages)}
+    assert set(launches) == want
+
+
+def test_sparse_mla_stored_tiles_are_checked(rng):
+    q, kv, idx, d_v = _mla_case(rng, jnp.float32)
+    for tiles, field in ((kernels.StoredTiles(pds_warps=6), r"StoredTiles.pds_warps=6 must be 4 or 8"),
+                         (kernels.StoredTiles(dqkv_slice=48), r"StoredTiles.dqkv_slice=48 must be a power of two"),
+                         (kernels.StoredTiles(pds_slots=8), r"StoredTiles.pds_slots=8 must be a power of two >= 16"),
+                         (kernels.StoredTiles(dqkv_stages=0), r"StoredTiles.dqkv_stages=0 must be >= 1"),
+                         ({"pds_slots": 32}, r"stored_tiles must be a sparse_mla.StoredTiles")):
+        with pytest.raises(ValueError, match=field):
+            kernels.sparse_mla(q, kv, idx, 0.1, d_v, impl=IMPL, stored_tiles=tiles)
 
 
 @pytest.mark.parametrize("bwd", ["recompute", "stored", "atomic"])
@@ -849,7 +902,7 @@ def test_tpu_kernels_lower_at_production_shapes():
 
 # ---------------------------------------------------------------------------------------------- benchmark
 @pytest.mark.heavy
-def test_benchmark_smoke_runs():
+def test_benchmark_smoke_runs(tmp_path):
     """bench/kernels.py --smoke: every op at tiny shapes in interpret mode, so the GPU benchmark does not rot."""
     import importlib.util
     import sys
@@ -878,6 +931,25 @@ def test_benchmark_smoke_runs():
                                     *(f"sparse_mla bwd (atomic) stage: {s}" for s in
                                       ("P/dS (triton)", "dq/dkv (atomic)"))]
     assert all(r.kernel_ms > 0 for r in rows)
+    # --stored_tiles as bench/gpu_owed.sh 1 gives it: each fitting candidate of the sweep file timed as its stage
+    # (the others skipped), then both backwards at the fastest tiles
+    import json
+    sweep = os.path.join(tmp_path, "sweep.json")
+    with open(sweep, "w") as f:
+        json.dump({"pds": [{"tiles": {"pds_slots": s, "pds_warps": 4, "pds_stages": 2}, "fits": s < 64, "smem": 1,
+                            "registers": 2} for s in (16, 32, 64)],
+                   "dqkv": [{"tiles": {"dqkv_slots": 16, "dqkv_slice": 16, "dqkv_warps": 8, "dqkv_stages": 1},
+                             "fits": True, "smem": 3, "registers": 4}]}, f)
+    rows = bench.main(["--smoke", "--ops", "^sparse_mla (fwd|bwd \\((stored|atomic)\\)( tiles)?)$",
+                       "--stored_tiles", sweep])
+    tiles = "sparse_mla bwd (stored) tiles: "
+    assert [r.op for r in rows] == ["sparse_mla fwd", "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)",
+                                    f"{tiles}P/dS (triton) [slots 16, warps 4, stages 2]",
+                                    f"{tiles}P/dS (triton) [slots 32, warps 4, stages 2]",
+                                    f"{tiles}dq/dkv partials (stored) [slots 16, slice 16, warps 8, stages 1]",
+                                    "sparse_mla bwd (stored, fastest tiles)", "sparse_mla bwd (atomic, fastest tiles)"]
+    assert all(r.kernel_ms > 0 and r.rate > 0 for r in rows)
+    assert all("the default tiles' row" in r.check and "dq/dkv 16 slots, slice 16" in r.check for r in rows[-2:])
 
 
 # ------------------------------------------------------------------------------------------------ gathering producer

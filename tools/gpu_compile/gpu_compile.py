@@ -182,6 +182,43 @@ def all_cases() -> list[Case]:
     return cases
 
 
+# --sweep: the stored backward's two Triton kernels at every candidate tile (sparse_mla.StoredTiles), each kernel
+# compiled alone at the production shapes so that one kernel's failure does not hide the other's facts. What
+# fits (compiles, shared memory within the per-block maximum, no spills) goes into the sweep file, which
+# bench/kernels.py --stored_tiles times on a chip.
+SWEEP_PDS = [dict(pds_slots=s, pds_warps=w, pds_stages=st) for s in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)]
+SWEEP_DQKV = [dict(dqkv_slots=s, dqkv_slice=c, dqkv_warps=w, dqkv_stages=st)
+              for s in (32, 64, 128) for c in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
+
+
+def sweep_cases() -> list[Case]:
+    cases = []
+    for kernel, grid in (("pds", SWEEP_PDS), ("dqkv", SWEEP_DQKV)):
+        for tiles in grid:
+            label = ",".join(f"{k.split('_', 1)[1]}={v}" for k, v in tiles.items())
+            cases.append(Case(f"stored_tiles[{kernel}:{label}]", "stored_kernel", "prod", 8192,
+                              options=(("kernel", kernel), ("tiles", tuple(tiles.items()))),
+                              smem_budget=SMEM_PER_BLOCK,
+                              kernel_forbids=((f"_{kernel}_kernel", r"mma\.sync"),)))
+    return cases
+
+
+def sweep_summary(records: list[dict], cases: list[Case]) -> dict:
+    """The sweep file: per kernel, each candidate's tiles, resources and whether it fits (the case's checks)."""
+    import jax
+    out = {"generated": f"tools/gpu_compile --sweep on {datetime.date.today()}, jax {jax.__version__}, sm_90a "
+                        "(no GPU: XLA's H100 target config), production shapes (H 128, Dqk 576, d_v 512, k 2048)",
+           "pds": [], "dqkv": []}
+    for case, rec in zip(cases, records):
+        o = case.opts()
+        ks = [k for k in rec["kernels"] if k["name"].startswith(f"_{o['kernel']}_kernel")]
+        k = ks[0] if ks else {}
+        out[o["kernel"]].append(dict(tiles=dict(o["tiles"]), fits=rec["ok"], smem=k.get("smem"),
+                                     registers=k.get("registers"), spill_bytes=k.get("spill_bytes"),
+                                     mma=sorted(k.get("mma", {})), why="; ".join(rec["failures"])[:300]))
+    return out
+
+
 def build(case: Case):
     """(fn, arg specs) of a case, for the abstract H100."""
     import jax
@@ -225,6 +262,17 @@ def build(case: Case):
         gm = importlib.import_module("dsv32_jax.kernels.gather_mgpu")
         return (gm.gather_qk_ws if o.get("ws") else gm.gather_qk), [
             spec((64, sh.d_qk), jnp.bfloat16), spec((l, sh.d_qk), jnp.bfloat16), spec((64,), jnp.int32)]
+    if case.op == "stored_kernel":  # one kernel of the stored backward at a candidate tile (--sweep)
+        smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
+        n, kp, hp, dp = 512, sh.topk, sh.heads, sh.d_qk  # 512 tokens: a chunk of the backward's scan
+        cfg = smla.default_config(spec((1, n, hp, dp), jnp.bfloat16), spec((1, l, dp), jnp.bfloat16),
+                                  spec((1, n, kp), jnp.int32), sh.d_qk ** -0.5, sh.d_v, "pallas_gpu",
+                                  stored_tiles=pk.StoredTiles(**dict(o["tiles"])))
+        args = [spec((n, hp, dp), jnp.bfloat16), spec((l, dp), jnp.bfloat16), spec((n, kp), jnp.int32),
+                spec((n, hp, cfg.dv_p), jnp.bfloat16)]
+        if o["kernel"] == "pds":
+            return (lambda *a: smla._pds(*a, cfg)), args + [spec((n, hp), jnp.float32)] * 2
+        return (lambda *a: smla._dqkv(*a, cfg, jnp.bfloat16)), args + [spec((n, hp, kp), jnp.bfloat16)] * 2
     if case.op == "sparse_mla_pds_mgpu":  # the stored backward's P / dS kernel in Mosaic GPU, flattened tokens
         pm = importlib.import_module("dsv32_jax.kernels.sparse_mla_pds_mgpu")
         return (lambda q, do, kv, i, lse, dl: pm.sparse_mla_pds(q, do, kv, i, lse, dl, scale=sh.d_qk ** -0.5)), [
@@ -581,6 +629,8 @@ def main(argv=None) -> int:
     p.add_argument("--benchmarks", default="", help="replace the gpu-compile section of this file (BENCHMARKS.md)")
     p.add_argument("--keep", default="", help="keep each case's dumps under this directory")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--sweep", default="", help="compile the stored backward's kernels at every candidate tile "
+                   "instead of the cases, and write what fits to this JSON file (bench/kernels.py --stored_tiles)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
@@ -589,7 +639,7 @@ def main(argv=None) -> int:
                                              tuple(v) if isinstance(v, list) else v
                                              for k, v in json.loads(a.one).items()}))))
         return 0
-    cases = [c for c in all_cases() if re.search(a.cases, c.name)]
+    cases = [c for c in (sweep_cases() if a.sweep else all_cases()) if re.search(a.cases, c.name)]
     if a.list:
         print("\n".join(c.name for c in cases))
         return 0
@@ -611,6 +661,15 @@ def main(argv=None) -> int:
             json.dump(records, f, indent=1)
     if a.benchmarks:
         update_benchmarks(a.benchmarks, records)
+    if a.sweep:
+        summary = sweep_summary(records, cases)
+        tmp = a.sweep + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(summary, f, indent=1)
+        os.replace(tmp, a.sweep)
+        for kernel in ("pds", "dqkv"):
+            fit = sum(c["fits"] for c in summary[kernel])
+            print(f"{kernel}: {fit} of {len(summary[kernel])} candidate tiles fit", flush=True)
     failed = [r["case"] for r in records if not r["ok"]]
     print(f"\n{len(records) - len(failed)}/{len(records)} cases ok" + (f"; failed: {failed}" if failed else ""))
     return 1 if (a.check and failed) else 0
