@@ -14,8 +14,8 @@ VENV_TPU := .venv-tpu
 PY_TPU := $(VENV_TPU)/bin/python
 STAMP_TPU := $(VENV_TPU)/.installed
 
-.PHONY: all venv venv-cuda venv-tpu test test-heavy test-slow test-all test-gpu-compile gpu-compile-table gpu-tile-sweep \
-	test-tpu-compile tpu-compile-table test-step-compile train agent-demo golden clean
+.PHONY: all venv venv-cuda venv-tpu test test-heavy test-slow test-all test-gpu-compile gpu-compile-table \
+	gpu-tile-sweep test-tpu-compile tpu-compile-table test-step-compile train agent-demo golden clean
 
 all: test
 
@@ -51,11 +51,11 @@ test-gpu-compile: $(STAMP_CUDA)
 gpu-compile-table: $(STAMP_CUDA)
 	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json --benchmarks BENCHMARKS.md
 
-# The stored sparse MLA backward's two kernels at every candidate tile (deviceless, about 2 minutes): what compiles
-# for sm_90a without spills goes to bench/stored_tiles_h100.json, which `bench/kernels.py --stored_tiles` times on a
-# chip (bench/gpu_owed.sh 1).
+# The sparse MLA Triton forward and the stored backward's two kernels at every candidate tile (deviceless, about 5
+# minutes): what compiles for sm_90a without spills or mma.sync goes to bench/tile_sweep_h100.json, which
+# `bench/kernels.py --tile_sweep` times on a chip (bench/gpu_owed.sh 1).
 gpu-tile-sweep: $(STAMP_CUDA)
-	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --sweep bench/stored_tiles_h100.json
+	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --sweep bench/tile_sweep_h100.json
 
 # Compile-only TPU venv for the deviceless TPU compile (no TPU needed): jax[tpu] (libtpu from PyPI) at the same jax
 # version as .venv.

@@ -8,9 +8,9 @@
 #                                FP8 indexer under the accumulator model), then the kernel table's sparse MLA rows at
 #                                32K: both forwards, the stored / atomic / Mosaic-P/dS backwards, and each backward cut
 #                                into its kernels (the stage rows: where the backward's time goes)
-#   bash bench/gpu_owed.sh 1   # the stored backward's tiles at 32K: each P / dS and dq / dkv tile that compiles for
-#                                sm_90a without spills (bench/stored_tiles_h100.json, tools/gpu_compile --sweep: 14
-#                                and 23 candidates) timed as its own stage, then both backwards at the fastest
+#   bash bench/gpu_owed.sh 1   # the tiles at 32K: each Triton forward, P / dS and dq / dkv tile that compiles for
+#                                sm_90a without spills or mma.sync (bench/tile_sweep_h100.json, tools/gpu_compile
+#                                --sweep: 6, 14 and 23 candidates) timed, then both backwards at the fastest
 #   bash bench/gpu_owed.sh 2   # the atomic backward in the 4-layer step: 32K beside stored, and 64K
 #   bash bench/gpu_owed.sh 3   # a 32K profile of the step with the atomic backward
 #   bash bench/gpu_owed.sh 4   # the other chip tests not reached (top-k, stored backward, sparse MLA gradients), then
@@ -40,7 +40,7 @@ case $call in
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
   1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \
-       "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\((stored|atomic)\)(.tiles)?)$ --stored_tiles bench/stored_tiles_h100.json" ;;
+       "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\((stored|atomic)\))(.tiles)?$ --tile_sweep bench/tile_sweep_h100.json" ;;
   2) run STAGES=step STEP_S=390 STEP_WARMUP=1 STEP_STEPS=2 STEP_CASE_S=95 "STEP_ARGS=--layers 4 --remat=full --token_chunk=4096" \
        STEP_CASES=sparse:32768:indexer_fp8+kl_segment_sum,sparse:32768:indexer_fp8+kl_segment_sum+mla_bwd_atomic,sparse:65536:indexer_fp8+kl_segment_sum+mla_bwd_atomic ;;
   3) run STAGES=profile PROFILE_S=200 PROFILE_CASES=train:kernel:32768:kl_segment_sum+indexer_fp8+mla_bwd_atomic ;;

@@ -7,9 +7,9 @@ reference's time measured in the same run; then a summary table; --out PATH also
   python bench/kernels.py                                  # H100: L = 8K, 32K, 128K; 4096 queries; H 128, k 2048
   python bench/kernels.py --smoke                          # tiny shapes in interpret mode (CPU), keeps this alive
   python bench/kernels.py --smoke --impl=interpret_tpu     # the same through the TPU kernel bodies
-  python bench/kernels.py --lengths 32768 --stored_tiles bench/stored_tiles_h100.json  # the stored backward's
-      # tiles that compile for sm_90a (tools/gpu_compile --sweep), each kernel timed per candidate, then the
-      # whole backward at the fastest (bench/gpu_owed.sh 1)
+  python bench/kernels.py --lengths 32768 --tile_sweep bench/tile_sweep_h100.json  # the forward's and the
+      # stored backward's tiles that compile for sm_90a (tools/gpu_compile --sweep), each kernel timed per
+      # candidate, then the whole backwards at the fastest (bench/gpu_owed.sh 1)
   (on a TPU, the default impl is pallas_tpu: the Mosaic kernels, with the reference top-k)
 
 FLOP conventions: indexer 2*H_I*d_I per visible (query, key) pair (causal: the 4096 queries are the last
@@ -222,11 +222,11 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         f = mla(which, **kw)
         return jax.jit(jax.grad(lambda a, c, i: f(a, c, i)[0].astype(jnp.float32).sum(), argnums=(0, 1)))
 
-    def fwd_row(which=impl, name="sparse_mla fwd"):
-        fwd_ms, out = timed(jax.jit(mla(which)), q, kv, sel, warmup=w, iters=it)
+    def fwd_row(which=impl, name="sparse_mla fwd", **kw):
+        fwd_ms, out = timed(jax.jit(mla(which, **kw)), q, kv, sel, warmup=w, iters=it)
         if "ref_fwd" not in state:
             state["ref_fwd"] = timed(jax.jit(mla("reference")), q, kv, sel, warmup=w, iters=it)[0]
-        if which == impl:
+        if which == impl and not kw:
             state["fwd"] = fwd_ms
         c = slice(0, min(t, args.check_rows))  # against the fp32 reference on the first queries
         ref32 = jax.jit(mla("reference"))(q[:, c].astype(jnp.float32), kv.astype(jnp.float32), sel[:, c])
@@ -290,12 +290,29 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
             guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})"),
                          functools.partial(stage_rows, bwd, pds))
 
-    # ---- the stored backward's tiles (issue 31 item 3): every candidate of the sweep file (tools/gpu_compile --sweep:
-    # those that compile for sm_90a without spills) timed as its own stage, P / dS and dq / dkv separately, then the
-    # whole stored and atomic backwards at the fastest of each beside the defaults' rows
+    # ---- tiles (issue 31 items 2 and 3): every candidate of the sweep file (tools/gpu_compile --sweep: those that
+    # compile for sm_90a without spills or mma.sync) timed: the Triton forward whole, the stored backward's P / dS and
+    # dq / dkv each as its own stage, then the whole stored and atomic backwards at the fastest of each, beside the
+    # defaults' rows
+    def sweep_file():
+        with open(args.tile_sweep) as f:
+            return json.load(f)
+
+    def fwd_tile_rows():
+        rows = []
+        for cand in sweep_file()["fwd"]:
+            if cand["fits"]:
+                label = ", ".join(f"{k} {v}" for k, v in cand["tiles"].items())
+                r = fwd_row(impl, f"sparse_mla fwd tiles: [{label}]", **cand["tiles"])
+                r.check = (f"sm_90a: {cand['registers']} registers, {cand['smem']:,} B shared memory; "
+                           f"{state['fwd'] / r.kernel_ms:.2f}x the default tiles' row; {r.check}")
+                rows.append(r)
+        if not rows:
+            raise ValueError(f"{args.tile_sweep}: no fitting forward candidate")
+        return rows
+
     def tile_rows():
-        with open(args.stored_tiles) as f:
-            sweep = json.load(f)
+        sweep = sweep_file()
         do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
         rows, best = [], {}
         for kernel, stage in (("pds", 0), ("dqkv", 1)):
@@ -314,7 +331,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                 if ms < best.get(kernel, (math.inf,))[0]:
                     best[kernel] = (ms, cand["tiles"])
         if set(best) != {"pds", "dqkv"}:
-            raise ValueError(f"{args.stored_tiles}: no fitting candidate for {sorted({'pds', 'dqkv'} - set(best))}")
+            raise ValueError(f"{args.tile_sweep}: no fitting candidate for {sorted({'pds', 'dqkv'} - set(best))}")
         tuned = kernels.StoredTiles(**best["pds"][1], **best["dqkv"][1])
         for bwd in ("stored", "atomic"):
             r = bwd_row(bwd, name=f"sparse_mla bwd ({bwd}, fastest tiles)", stored_tiles=tuned)
@@ -324,7 +341,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
             rows.append(r)
         return rows
 
-    if args.stored_tiles and "fwd" in state and impl in (None, "pallas_gpu", "interpret"):
+    if args.tile_sweep and "fwd" in state and impl in (None, "pallas_gpu", "interpret"):
+        guarded_rows("sparse_mla fwd tiles", fwd_tile_rows)
         guarded_rows("sparse_mla bwd (stored) tiles", tile_rows)
 
     # ---- DSA layer (indexer_topk + sparse MLA fwd on its selection) vs dense causal MQA attention
@@ -365,9 +383,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, one iteration, impl=interpret (or --impl=interpret_tpu for the TPU kernels)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
-    p.add_argument("--stored_tiles", default="", help="a sweep file of tools/gpu_compile --sweep (e.g. "
-                   "bench/stored_tiles_h100.json): time the stored backward's kernels at each candidate tile that fits "
-                   "(rows 'sparse_mla bwd (stored) tiles: ...'), then the whole backward at the fastest")
+    p.add_argument("--tile_sweep", default="", help="a sweep file of tools/gpu_compile --sweep (e.g. "
+                   "bench/tile_sweep_h100.json): time the sparse MLA forward and the stored backward's kernels at each "
+                   "candidate tile that fits (rows 'sparse_mla fwd tiles: ...', 'sparse_mla bwd (stored) tiles: ...'), "
+                   "then the whole backwards at the fastest")
     args = p.parse_args(argv)
     sh = Shapes()
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -86,7 +86,7 @@ class StoredTiles:
     `dqkv_slots` slots per step (the M of its dS^T q MMA) and `dqkv_slice` of the Dqk columns per program (clipped
     to the padded value and rope widths). Each kernel has its own warps and software-pipeline stages. All sizes are
     powers of two, slots >= 16, slices >= 16, warps 4 or 8, stages >= 1. The defaults are the tiles timed on an
-    H200 (84-88 TFLOP/s); `bench/kernels.py --stored_tiles` times the alternatives that compile for sm_90a."""
+    H200 (84-88 TFLOP/s); `bench/kernels.py --tile_sweep` times the alternatives that compile for sm_90a."""
     pds_slots: int = 16
     pds_warps: int = 4
     pds_stages: int = 2

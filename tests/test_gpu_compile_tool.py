@@ -155,32 +155,35 @@ def test_stored_backward_claims_wgmma_and_forbids_mma_sync():
 
 
 def test_tile_sweep_cases_and_the_committed_sweep_file_agree():
-    """--sweep compiles each stored-backward kernel alone at every candidate tile, judged by the per-block shared
-    memory maximum, no spills and no mma.sync; bench/stored_tiles_h100.json (what bench/kernels.py --stored_tiles
-    times on a chip) holds one record per candidate, the default tiles among those that fit, and a record fits
-    exactly when its facts pass those checks."""
+    """--sweep compiles the sparse MLA forward and each stored-backward kernel alone at every candidate tile, judged
+    by the per-block shared memory maximum, no spills and no mma.sync; bench/tile_sweep_h100.json (what
+    bench/kernels.py --tile_sweep times on a chip) holds one record per candidate, the default tiles among those
+    that fit, and a record fits exactly when its facts pass those checks."""
+    import dataclasses
     import json
 
     from dsv32_jax.kernels import StoredTiles
     cases = gc.sweep_cases()
-    assert len({c.name for c in cases}) == len(cases) == len(gc.SWEEP_PDS) + len(gc.SWEEP_DQKV)
+    assert len({c.name for c in cases}) == len(cases) == sum(map(len, gc.SWEEPS.values()))
     for c in cases:
-        StoredTiles(**dict(c.opts()["tiles"])).check()  # every candidate is a valid tile
+        if c.opts()["kernel"] != "fwd":
+            StoredTiles(**dict(c.opts()["tiles"])).check()  # every backward candidate is a valid tile
         assert c.smem_budget == gc.SMEM_PER_BLOCK and c.kernel_forbids[0][1] == r"mma\.sync"
-    with open(os.path.join(os.path.dirname(gc.HERE), "..", "bench", "stored_tiles_h100.json")) as f:
+    with open(os.path.join(os.path.dirname(gc.HERE), "..", "bench", "tile_sweep_h100.json")) as f:
         sweep = json.load(f)
-    default = StoredTiles()
-    for kernel, grid in (("pds", gc.SWEEP_PDS), ("dqkv", gc.SWEEP_DQKV)):
+    default = dataclasses.asdict(StoredTiles())
+    default.update(block_h=64, block_i=32, num_warps=8, num_stages=2)  # sparse_mla's forward tiles
+    for kernel, grid in gc.SWEEPS.items():
         recs = sweep[kernel]
         assert [r["tiles"] for r in recs] == grid
         fits = [r["tiles"] for r in recs if r["fits"]]
-        assert {k: getattr(default, k) for k in grid[0]} in fits
+        assert {k: default[k] for k in grid[0]} in fits
         for r in recs:
             facts_ok = (r["smem"] is not None and r["smem"] <= gc.SMEM_PER_BLOCK and r["spill_bytes"] == 0
                         and not any("mma.sync" in m for m in r["mma"]) and any("wgmma" in m for m in r["mma"]))
             assert r["fits"] == facts_ok, r
     # the summary judges by the case's checks: a spilling candidate does not fit
-    case = cases[0]
+    case = next(c for c in cases if c.opts()["kernel"] == "pds")
     bad = gc.check(case, {}, [_kernel(name="_pds_kernel", smem=1000, registers=255, spill_bytes=8, mma={})])
     summary = gc.sweep_summary([{"ok": not bad, "failures": bad, "kernels": [dict(
         name="_pds_kernel", smem=1000, registers=255, spill_bytes=8, mma={})]}], [case])

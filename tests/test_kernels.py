@@ -507,7 +507,7 @@ STORED_TILES = {  # the stored backward's tiles away from their defaults: other 
 @pytest.mark.parametrize("bwd", ["stored", "atomic"])
 @pytest.mark.parametrize("tiles", sorted(STORED_TILES))
 def test_sparse_mla_stored_tiles_keep_the_gradient(rng, monkeypatch, bwd, tiles):
-    """`sparse_mla(stored_tiles=)` (what bench/kernels.py --stored_tiles sweeps on a chip): P / dS and dq / dkv with
+    """`sparse_mla(stored_tiles=)` (what bench/kernels.py --tile_sweep sweeps on a chip): P / dS and dq / dkv with
     other slots per step, column slices (Dqk 96 = 64 + 32: slices of 16 and 32 against the default's 32) and
     launch parameters give the float32 reference's gradient within the fp32 bound; k = 100 slots padded to 128:
     two P / dS steps of 64 and one dq / dkv step of 128 ("wide"), four of 32 and eight of 16 ("narrow"). Mutants
@@ -931,25 +931,29 @@ def test_benchmark_smoke_runs(tmp_path):
                                     *(f"sparse_mla bwd (atomic) stage: {s}" for s in
                                       ("P/dS (triton)", "dq/dkv (atomic)"))]
     assert all(r.kernel_ms > 0 for r in rows)
-    # --stored_tiles as bench/gpu_owed.sh 1 gives it: each fitting candidate of the sweep file timed as its stage
-    # (the others skipped), then both backwards at the fastest tiles
+    # --tile_sweep as bench/gpu_owed.sh 1 gives it: each fitting candidate of the sweep file timed (the forward
+    # whole, the backward's kernels as their stages; the others skipped), then both backwards at the fastest tiles
     import json
     sweep = os.path.join(tmp_path, "sweep.json")
     with open(sweep, "w") as f:
-        json.dump({"pds": [{"tiles": {"pds_slots": s, "pds_warps": 4, "pds_stages": 2}, "fits": s < 64, "smem": 1,
+        json.dump({"fwd": [{"tiles": {"block_h": 16, "block_i": i, "num_warps": 4, "num_stages": 1}, "fits": i == 16,
+                            "smem": 5, "registers": 6} for i in (16, 32)],
+                   "pds": [{"tiles": {"pds_slots": s, "pds_warps": 4, "pds_stages": 2}, "fits": s < 64, "smem": 1,
                             "registers": 2} for s in (16, 32, 64)],
                    "dqkv": [{"tiles": {"dqkv_slots": 16, "dqkv_slice": 16, "dqkv_warps": 8, "dqkv_stages": 1},
                              "fits": True, "smem": 3, "registers": 4}]}, f)
-    rows = bench.main(["--smoke", "--ops", "^sparse_mla (fwd|bwd \\((stored|atomic)\\)( tiles)?)$",
-                       "--stored_tiles", sweep])
+    rows = bench.main(["--smoke", "--ops", "^sparse_mla.(fwd|bwd.\\((stored|atomic)\\))(.tiles)?$",
+                       "--tile_sweep", sweep])
     tiles = "sparse_mla bwd (stored) tiles: "
     assert [r.op for r in rows] == ["sparse_mla fwd", "sparse_mla bwd (stored)", "sparse_mla bwd (atomic)",
+                                    "sparse_mla fwd tiles: [block_h 16, block_i 16, num_warps 4, num_stages 1]",
                                     f"{tiles}P/dS (triton) [slots 16, warps 4, stages 2]",
                                     f"{tiles}P/dS (triton) [slots 32, warps 4, stages 2]",
                                     f"{tiles}dq/dkv partials (stored) [slots 16, slice 16, warps 8, stages 1]",
                                     "sparse_mla bwd (stored, fastest tiles)", "sparse_mla bwd (atomic, fastest tiles)"]
     assert all(r.kernel_ms > 0 and r.rate > 0 for r in rows)
     assert all("the default tiles' row" in r.check and "dq/dkv 16 slots, slice 16" in r.check for r in rows[-2:])
+    assert "the default tiles' row" in rows[3].check and "out rel" in rows[3].check
 
 
 # ------------------------------------------------------------------------------------------------ gathering producer

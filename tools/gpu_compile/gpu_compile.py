@@ -182,21 +182,27 @@ def all_cases() -> list[Case]:
     return cases
 
 
-# --sweep: the stored backward's two Triton kernels at every candidate tile (sparse_mla.StoredTiles), each kernel
-# compiled alone at the production shapes so that one kernel's failure does not hide the other's facts. What
-# fits (compiles, shared memory within the per-block maximum, no spills) goes into the sweep file, which
-# bench/kernels.py --stored_tiles times on a chip.
+# --sweep: the sparse MLA Triton forward (sparse_mla's block_h / block_i / num_warps / num_stages) and the stored
+# backward's two kernels (sparse_mla.StoredTiles) at every candidate tile, each kernel compiled alone at the
+# production shapes so that one kernel's failure does not hide the other's facts. What fits (compiles, shared
+# memory within the per-block maximum, no spills, no mma.sync) goes into the sweep file, which
+# bench/kernels.py --tile_sweep times on a chip.
+SWEEP_FWD = [dict(block_h=h, block_i=i, num_warps=w, num_stages=st)
+             for h in (32, 64) for i in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)]
 SWEEP_PDS = [dict(pds_slots=s, pds_warps=w, pds_stages=st) for s in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)]
 SWEEP_DQKV = [dict(dqkv_slots=s, dqkv_slice=c, dqkv_warps=w, dqkv_stages=st)
               for s in (32, 64, 128) for c in (32, 64) for w in (4, 8) for st in (1, 2, 3)]
 
 
+SWEEPS = {"fwd": SWEEP_FWD, "pds": SWEEP_PDS, "dqkv": SWEEP_DQKV}
+
+
 def sweep_cases() -> list[Case]:
     cases = []
-    for kernel, grid in (("pds", SWEEP_PDS), ("dqkv", SWEEP_DQKV)):
+    for kernel, grid in SWEEPS.items():
         for tiles in grid:
-            label = ",".join(f"{k.split('_', 1)[1]}={v}" for k, v in tiles.items())
-            cases.append(Case(f"stored_tiles[{kernel}:{label}]", "stored_kernel", "prod", 8192,
+            label = ",".join(f"{k}={v}" for k, v in tiles.items())
+            cases.append(Case(f"tile_sweep[{kernel}:{label}]", "sweep_kernel", "prod", 8192,
                               options=(("kernel", kernel), ("tiles", tuple(tiles.items()))),
                               smem_budget=SMEM_PER_BLOCK,
                               kernel_forbids=((f"_{kernel}_kernel", r"mma\.sync"),)))
@@ -208,7 +214,7 @@ def sweep_summary(records: list[dict], cases: list[Case]) -> dict:
     import jax
     out = {"generated": f"tools/gpu_compile --sweep on {datetime.date.today()}, jax {jax.__version__}, sm_90a "
                         "(no GPU: XLA's H100 target config), production shapes (H 128, Dqk 576, d_v 512, k 2048)",
-           "pds": [], "dqkv": []}
+           **{kernel: [] for kernel in SWEEPS}}
     for case, rec in zip(cases, records):
         o = case.opts()
         ks = [k for k in rec["kernels"] if k["name"].startswith(f"_{o['kernel']}_kernel")]
@@ -262,7 +268,12 @@ def build(case: Case):
         gm = importlib.import_module("dsv32_jax.kernels.gather_mgpu")
         return (gm.gather_qk_ws if o.get("ws") else gm.gather_qk), [
             spec((64, sh.d_qk), jnp.bfloat16), spec((l, sh.d_qk), jnp.bfloat16), spec((64,), jnp.int32)]
-    if case.op == "stored_kernel":  # one kernel of the stored backward at a candidate tile (--sweep)
+    if case.op == "sweep_kernel" and o["kernel"] == "fwd":  # the forward at a candidate tile (--sweep)
+        return (lambda q, kv, i: pk.sparse_mla(q, kv, i, sh.d_qk ** -0.5, sh.d_v, impl="pallas_gpu",
+                                               **dict(o["tiles"]))), [
+            spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
+            spec((1, t, sh.topk), jnp.int32)]
+    if case.op == "sweep_kernel":  # one kernel of the stored backward at a candidate tile (--sweep)
         smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
         n, kp, hp, dp = 512, sh.topk, sh.heads, sh.d_qk  # 512 tokens: a chunk of the backward's scan
         cfg = smla.default_config(spec((1, n, hp, dp), jnp.bfloat16), spec((1, l, dp), jnp.bfloat16),
@@ -629,8 +640,9 @@ def main(argv=None) -> int:
     p.add_argument("--benchmarks", default="", help="replace the gpu-compile section of this file (BENCHMARKS.md)")
     p.add_argument("--keep", default="", help="keep each case's dumps under this directory")
     p.add_argument("--list", action="store_true")
-    p.add_argument("--sweep", default="", help="compile the stored backward's kernels at every candidate tile "
-                   "instead of the cases, and write what fits to this JSON file (bench/kernels.py --stored_tiles)")
+    p.add_argument("--sweep", default="", help="compile the sparse MLA forward's and the stored backward's kernels at "
+                   "every candidate tile "
+                   "instead of the cases, and write what fits to this JSON file (bench/kernels.py --tile_sweep)")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
@@ -667,7 +679,7 @@ def main(argv=None) -> int:
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(tmp, a.sweep)
-        for kernel in ("pds", "dqkv"):
+        for kernel in SWEEPS:
             fit = sum(c["fits"] for c in summary[kernel])
             print(f"{kernel}: {fit} of {len(summary[kernel])} candidate tiles fit", flush=True)
     failed = [r["case"] for r in records if not r["ok"]]
