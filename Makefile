@@ -10,12 +10,18 @@ VENV_CUDA := .venv-cuda
 PY_CUDA := $(VENV_CUDA)/bin/python
 STAMP_CUDA := $(VENV_CUDA)/.installed
 
+# The jax of the lent GPUs (the device notes: jax 0.11.2 with CUDA 13), where the owed chip runs happen.
+LENT_JAX ?= 0.11.2
+VENV_LENT := .venv-cuda-lent
+PY_LENT := $(VENV_LENT)/bin/python
+STAMP_LENT := $(VENV_LENT)/.installed-$(LENT_JAX)
+
 VENV_TPU := .venv-tpu
 PY_TPU := $(VENV_TPU)/bin/python
 STAMP_TPU := $(VENV_TPU)/.installed
 
 .PHONY: all venv venv-cuda venv-tpu test test-heavy test-slow test-all test-gpu-compile gpu-compile-table \
-	gpu-tile-sweep test-tpu-compile tpu-compile-table test-step-compile train agent-demo golden clean
+	venv-cuda-lent test-gpu-compile-lent gpu-tile-sweep test-tpu-compile tpu-compile-table test-step-compile train agent-demo golden clean
 
 all: test
 
@@ -50,6 +56,25 @@ test-gpu-compile: $(STAMP_CUDA)
 # The same, and the per-kernel table written into BENCHMARKS.md.
 gpu-compile-table: $(STAMP_CUDA)
 	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile.json --benchmarks BENCHMARKS.md
+
+# The same compile check under the lent GPUs' jax (LENT_JAX, older than CI's): an overlay venv holding only that
+# jax, jaxlib and CUDA plugin, which takes everything else (nvidia wheels, the ptxas wrapper, flax, the editable
+# install) from .venv-cuda. A kernel that compiles on CI's jax and not on the chip's fails here, before a device
+# call is spent on it (2026-11-28: the atomic backward's mask, which jax 0.11.2's Triton lowering does not broadcast).
+$(STAMP_LENT): $(STAMP_CUDA)
+	@set -e; interp=$$(tools/find_python.sh); rm -rf $(VENV_LENT); "$$interp" -m venv $(VENV_LENT); \
+	  $(PY_LENT) -m pip install -q --no-deps "jax==$(LENT_JAX)" "jaxlib==$(LENT_JAX)" \
+	    "jax-cuda13-plugin==$(LENT_JAX)" "jax-cuda13-pjrt==$(LENT_JAX)"; \
+	  own=$$($(PY_LENT) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  base=$$($(PY_CUDA) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  echo "$$base" > "$$own/0_venv_cuda.pth"; cp "$$base"/__editable__.dsv32_jax*.pth "$$own/"; \
+	  test "$$($(PY_LENT) -c 'import jax; print(jax.__version__)')" = "$(LENT_JAX)"; \
+	  touch $(STAMP_LENT)
+
+venv-cuda-lent: $(STAMP_LENT)
+
+test-gpu-compile-lent: $(STAMP_LENT)
+	$(PY_LENT) tools/gpu_compile/gpu_compile.py --check --json runs/gpu_compile_lent.json $(GPU_COMPILE_ARGS)
 
 # The sparse MLA Triton forward and the stored backward's two kernels at every candidate tile (deviceless, about 5
 # minutes): what compiles for sm_90a without spills or mma.sync goes to bench/tile_sweep_h100.json, which
@@ -137,4 +162,4 @@ golden:
 	$${HF_PYTHON:-$(PY)} tools/make_hf_v3_fixture.py
 
 clean:
-	rm -rf $(VENV) $(VENV_CUDA) $(VENV_TPU) .pytest_cache
+	rm -rf $(VENV) $(VENV_CUDA) $(VENV_LENT) $(VENV_TPU) .pytest_cache

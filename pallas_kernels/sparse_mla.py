@@ -387,7 +387,9 @@ def _scatter_add_rows(dkv_ref, ids, valid, col0, part, cfg: _Cfg):
         jax.lax.fori_loop(0, part.shape[0], row, 0)
         return
     cols = col0 + jnp.arange(width, dtype=jnp.int32)
-    triton_atomics.atomic_add(dkv_ref, (jnp.where(valid, ids, 0)[:, None], cols[None, :]), part, mask=valid[:, None])
+    # the mask at the value's full shape: jax 0.11.2's lowering does not broadcast it (0.12's does)
+    triton_atomics.atomic_add(dkv_ref, (jnp.where(valid, ids, 0)[:, None], cols[None, :]), part,
+                              mask=jnp.broadcast_to(valid[:, None], part.shape))
 
 
 def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, *refs, cfg: _Cfg, n_blocks: int, slots: int):

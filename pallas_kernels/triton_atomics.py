@@ -5,8 +5,9 @@ brackets every such atomic with `MEMBAR.ALL.GPU` (waiting for all of the thread'
 the prefetching cp.async included) and `CCTL.IVALL` (invalidating L1): four of each per 64 x 64 tile in the sparse
 MLA backward's dkv accumulation, which needs no ordering at all (the sum is read after the kernel). `atomic_add`
 here is the same primitive's rules (abstract eval, interpret-mode discharge, lowering) with relaxed order, which
-lowers to a plain `ATOMG.E.ADD.F32x4` / `REDG`. It leans on jax 0.12's private Pallas Triton lowering
-(`jax._src.pallas.triton`): `tools/gpu_compile` checks the PTX for the relaxed atomic on every CI run.
+lowers to a plain `ATOMG.E.ADD.F32x4` / `REDG`. It leans on the private Pallas Triton lowering
+(`jax._src.pallas.triton`) of jax 0.11.2 (the lent GPUs') and 0.12: `tools/gpu_compile` checks the PTX for the
+relaxed atomic on every CI run.
 """
 
 from __future__ import annotations
