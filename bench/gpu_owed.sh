@@ -20,6 +20,8 @@
 #                                the recomputing backward, dense
 #   bash bench/gpu_owed.sh 7   # 4-layer step with remat=full + token_chunk: 64K with the defaults, dense at 128K
 #   bash bench/gpu_owed.sh 8   # the model-level chip tests not reached yet, then the kernels' 32K prefill
+# Call 0's never-run kernels are tested one kernel per process (gpu_session.sh: TEST_K groups split by ';', 40 s each,
+# -vv names each test as it starts), so a kernel that hangs or faults the device costs its own group only.
 # No step call times the Mosaic GPU forward or P / dS kernel: the small config's 16 heads are padded to their 64 (4x
 # the work), so the kernel table's 128-head rows (call 0) are their fair test (BENCHMARKS.md, "Head padding").
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
@@ -35,8 +37,8 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
-  0) run STAGES=tests TEST_S=110 TEST_LOG=test_new_kernels_gpu.log \
-       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu or sparse_mla_pds or gather_producer"
+  0) run STAGES=tests TEST_S=40 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" \
+       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;gather_producer"
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
   1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \

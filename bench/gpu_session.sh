@@ -14,7 +14,7 @@
 #      the GPU kernels' time summed by name. STEP_ARGS / PROFILE_ARGS / GEN_ARGS: extra flags (e.g. --indexer_fp8).
 # Results land in $OUT (bench: dsa_kernels.md/.json, step: train_step.json, gen: generate.json, logs). Stage time
 # limits: BENCH_S, TEST_S, STEP_S, GEN_S seconds; STAGES picks and orders the stages (default "bench tests"), LENGTHS
-# the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags.
+# the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags (TEST_K "a;b": a process per group, TEST_S each).
 set -u
 OUT=${OUT:-/tmp/dsv32_gpu_out}
 mkdir -p "$OUT"
@@ -34,12 +34,22 @@ timeout "${BENCH_S:-330}" python3 bench/kernels.py --lengths "${LENGTHS:-8192,32
 echo "bench rc=$? in $(( $(date +%s) - t0 )) s"; grep -v "^\s*$" "$OUT/bench.log" | grep -v "^|" | tail -40
 }
 
-tests() {
-t0=$(date +%s)
-DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
-  --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '${TEST_K:-not tpu and not benchmark_smoke}' ${TEST_ARGS:--rA}" >"$OUT/${TEST_LOG:-test_kernels_gpu.log}" 2>&1
-echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "PASSED|FAILED|passed|failed|Error|assert" "$OUT/${TEST_LOG:-test_kernels_gpu.log}" | cut -c1-300 | tail -${TEST_TAIL:-25}
+tests() {  # TEST_K "a;b;c": one pytest process per -k group, each with its own TEST_S seconds and log (.N.log), so a
+           # kernel that hangs or faults the device costs its own group, not the groups after it
+local groups log t0 i=0 n k
+IFS=';' read -ra groups <<< "${TEST_K:-not tpu and not benchmark_smoke}"
+n=${#groups[@]}
+for k in "${groups[@]}"; do
+  log="$OUT/${TEST_LOG:-test_kernels_gpu.log}"
+  if [ "$n" -gt 1 ]; then log="${log%.log}.$i.log"; fi
+  t0=$(date +%s)
+  DSV32_TEST_KERNELS_ON_GPU=1 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    timeout "${TEST_S:-150}" bash -c "cd /tmp && python3 -m pytest -q -p no:cacheprovider -c '$PWD/pyproject.toml' \
+    --rootdir '$PWD' '$PWD/tests/test_kernels.py' -k '$k' ${TEST_ARGS:--rA}" >"$log" 2>&1
+  echo "tests [$k] rc=$? in $(( $(date +%s) - t0 )) s"
+  grep -E "PASSED|FAILED|passed|failed|Error|assert" "$log" | cut -c1-300 | tail -${TEST_TAIL:-25}
+  i=$((i + 1))
+done
 }
 
 step() {

@@ -11,7 +11,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY:-$root/.venv/bin/python}
 tmp=$(mktemp -d /tmp/dsv32-mutant-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
-(cd "$root" && tar --exclude=./.venv --exclude=./.venv-cuda --exclude=./.venv-tpu --exclude=./.git --exclude=./runs \
+(cd "$root" && tar --exclude=./.venv --exclude=./.venv-cuda --exclude=./.venv-cuda-lent --exclude=./.venv-tpu --exclude=./.git --exclude=./runs \
   --exclude=./.gpurun -cf - .) | tar -xf - -C "$tmp/"
 "$py" - "$tmp/$file" "$old" "$new" <<'PY' || exit 2
 import sys

@@ -902,6 +902,34 @@ def test_tpu_kernels_lower_at_production_shapes():
 
 # ---------------------------------------------------------------------------------------------- benchmark
 @pytest.mark.heavy
+def test_gpu_session_runs_each_test_group_in_its_own_process(tmp_path):
+    """bench/gpu_session.sh's tests stage with TEST_K "a;b" (what bench/gpu_owed.sh 0 gives it for the kernels never
+    run on a chip): one pytest process per group, each with its own time limit and log, so a group that times out
+    (a hanging kernel) does not stop the groups after it. Here on the CPU (no nvidia-smi; this interpreter as
+    python3): group 0 is given too little time and killed, group 1 still runs its own tests and only those."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OUT=str(tmp_path),
+               STAGES="tests", TEST_LOG="t.log", TEST_ARGS="-rA -vv")
+    env.pop("PYTHONPATH", None)
+
+    def session(test_s, groups):
+        r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=root, capture_output=True, text=True,
+                           env=dict(env, TEST_S=str(test_s), TEST_K=groups), timeout=600)
+        return r.stdout
+
+    out = session(60, "copy_plan_covers;chunk_positions")
+    assert "tests [copy_plan_covers] rc=0" in out and "tests [chunk_positions] rc=0" in out
+    log0, log1 = (open(os.path.join(tmp_path, f"t.{i}.log")).read() for i in (0, 1))
+    assert "test_sparse_mla_mgpu_copy_plan_covers_each_chunk_once PASSED" in log0 and "chunk_positions" not in log0
+    assert log1.count("chunk_positions_are_the_tiled_swizzled_layout[") >= 2 and "copy_plan" not in log1
+    assert "1 passed" in log0 and "2 passed" in log1
+    out = session(1, "copy_plan_covers;chunk_positions")  # too little time to import jax: both killed, both tried
+    assert "tests [copy_plan_covers] rc=124" in out and "tests [chunk_positions] rc=124" in out
+
+
+@pytest.mark.heavy
 def test_benchmark_smoke_runs(tmp_path):
     """bench/kernels.py --smoke: every op at tiny shapes in interpret mode, so the GPU benchmark does not rot."""
     import importlib.util
