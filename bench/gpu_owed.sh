@@ -4,10 +4,10 @@
 # about one call and a half, so call 0 alone should settle the most. 2026-11-28 measured the kernel table at 32K and
 # 128K (one-pass top-k, both backwards) and the 4-layer step at 32K / 64K / 128K with every fast flag on.
 #   bash bench/gpu_owed.sh 0   # the chip tests of the kernels never run on a chip (the Mosaic GPU sparse MLA forward
-#                                and its gathering producer, the Mosaic GPU P / dS kernel, the atomic backward, the
-#                                FP8 indexer under the accumulator model), then the kernel table's sparse MLA rows at
-#                                32K: both forwards, the stored / atomic / Mosaic-P/dS backwards, and each backward cut
-#                                into its kernels (the stage rows: where the backward's time goes)
+#                                and its gathering producer, the Mosaic GPU P / dS and dq / dkv kernels, the atomic
+#                                backward, the FP8 indexer under the accumulator model), then the kernel table's
+#                                sparse MLA rows at 32K: both forwards, the stored / atomic / Mosaic GPU backwards, and
+#                                each backward cut into its kernels (the stage rows: where the backward's time goes)
 #   bash bench/gpu_owed.sh 1   # the tiles at 32K: each Triton forward, P / dS and dq / dkv tile that compiles for
 #                                sm_90a without spills or mma.sync (bench/tile_sweep_h100.json, tools/gpu_compile
 #                                --sweep: 6, 14 and 23 candidates) timed, then both backwards at the fastest
@@ -20,7 +20,7 @@
 #                                the recomputing backward, dense
 #   bash bench/gpu_owed.sh 7   # 4-layer step with remat=full + token_chunk: 64K with the defaults, dense at 128K
 #   bash bench/gpu_owed.sh 8   # the model-level chip tests not reached yet, then the kernels' 32K prefill
-# Call 0's never-run kernels are tested one kernel per process (gpu_session.sh: TEST_K groups split by ';', 40 s each,
+# Call 0's never-run kernels are tested one kernel per process (gpu_session.sh: TEST_K groups split by ';', 35 s each,
 # -vv names each test as it starts), so a kernel that hangs or faults the device costs its own group only.
 # No step call times the Mosaic GPU forward or P / dS kernel: the small config's 16 heads are padded to their 64 (4x
 # the work), so the kernel table's 128-head rows (call 0) are their fair test (BENCHMARKS.md, "Head padding").
@@ -37,8 +37,8 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
-  0) run STAGES=tests TEST_S=40 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" \
-       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;gather_producer"
+  0) run STAGES=tests TEST_S=35 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" \
+       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;sparse_mla_dqkv;gather_producer"
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
   1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \

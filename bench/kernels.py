@@ -253,8 +253,9 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         check = (f"dq rel {rel(dq, rdq):.1e}, dkv rel {rel(dkv, rdkv):.1e} (fp32 reference, {c.stop} queries); "
                  f"fwd+bwd {both_ms:.3f} ms")
         if name is None:
-            name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{', P/dS mosaic_gpu' if kw else ''})")
-            state[("bwd", bwd, kw.get("pds", "triton"))] = bwd_ms
+            mosaic = "".join(f", {label} mosaic_gpu" for key, label in (("pds", "P/dS"), ("dqkv", "dq/dkv")) if key in kw)
+            name = "sparse_mla bwd" + ("" if bwd == "recompute" else f" ({bwd}{mosaic})")
+            state[("bwd", bwd, kw.get("pds", "triton"), kw.get("dqkv", "triton"))] = bwd_ms
         return Row(name, length, bwd_ms, bwd_flops / bwd_ms / 1e9, "TFLOP/s", state["ref_bwd"], check=check)
 
     guarded("sparse_mla fwd", fwd_row)
@@ -269,15 +270,23 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
             # issue 31 item 3: P and dS by the Mosaic GPU kernel (`sparse_mla_pds_mgpu`), the rest as "stored"
             guarded("sparse_mla bwd (stored, P/dS mosaic_gpu)",
                     functools.partial(bwd_row, "stored", pds="mosaic_gpu"))
+            # ... and dq / dkv by the Mosaic GPU kernel (`sparse_mla_dqkv_mgpu`), then both Mosaic GPU kernels
+            guarded("sparse_mla bwd (stored, dq/dkv mosaic_gpu)",
+                    functools.partial(bwd_row, "stored", dqkv="mosaic_gpu"))
+            guarded("sparse_mla bwd (stored, P/dS mosaic_gpu, dq/dkv mosaic_gpu)",
+                    functools.partial(bwd_row, "stored", pds="mosaic_gpu", dqkv="mosaic_gpu"))
 
     # ---- the GPU backward cut into its kernels, each timed alone over all 4096 queries at once (no token chunks):
     # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials;
     # the check column adds the share of the whole backward and the GB/s of the traffic it cannot avoid (`Stage`).
-    def stage_rows(bwd, pds="triton"):
+    def stage_rows(bwd, pds="triton", dqkv="triton"):
         do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
         stages = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
-                                                    bwd=bwd, pds=pds, pds_only=pds != "triton")  # the rest: as Triton's
-        whole = state.get(("bwd", bwd, pds))
+                                                    bwd=bwd, pds=pds, pds_only=pds != "triton",  # the rest: Triton's
+                                                    dqkv=dqkv)
+        if dqkv != "triton":  # the dq / dkv stage alone (the P / dS and segment sum rows are the stored ones)
+            stages = [st for st in stages if st.name.startswith("dq/dkv")]
+        whole = state.get(("bwd", bwd, pds, dqkv))
         rows = []
         for st in stages:
             ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
@@ -288,12 +297,13 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         return rows
 
     if impl in (None, "pallas_gpu", "interpret") and jax.default_backend() != "tpu":
-        cases = [("stored", "triton"), ("atomic", "triton")]
+        cases = [("stored", "triton", "triton"), ("atomic", "triton", "triton")]
         if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
-            cases.append(("stored", "mosaic_gpu"))
-        for bwd, pds in cases:
-            guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})"),
-                         functools.partial(stage_rows, bwd, pds))
+            cases += [("stored", "mosaic_gpu", "triton"), ("stored", "triton", "mosaic_gpu")]
+        for bwd, pds, dqkv in cases:
+            guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})")
+                         + ("" if dqkv == "triton" else f" (dq/dkv {dqkv})"),
+                         functools.partial(stage_rows, bwd, pds, dqkv))
 
     # ---- tiles (issue 31 items 2 and 3): every candidate of the sweep file (tools/gpu_compile --sweep: those that
     # compile for sm_90a without spills or mma.sync) timed: the Triton forward whole, the stored backward's P / dS and
@@ -340,7 +350,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         tuned = kernels.StoredTiles(**best["pds"][1], **best["dqkv"][1])
         for bwd in ("stored", "atomic"):
             r = bwd_row(bwd, name=f"sparse_mla bwd ({bwd}, fastest tiles)", stored_tiles=tuned)
-            default = state.get(("bwd", bwd, "triton"))
+            default = state.get(("bwd", bwd, "triton", "triton"))
             r.check = (f"{tuned.label()}; " + ("" if default is None else f"{default / r.kernel_ms:.2f}x the "
                                                                            "default tiles' row; ") + r.check)
             rows.append(r)

@@ -35,6 +35,9 @@ Kernel design (Pallas, Triton backend; kernels.md section 9):
   * pds="mosaic_gpu" (with "stored" or "atomic"): P and scale * dS from the Mosaic GPU kernel of
     `sparse_mla_pds_mgpu` (two warpgroups, cp.async gather, wgmma N = 32; Dqk 576 / d_v 512, bf16) instead of
     `_pds_kernel`; the dq / dkv kernel is the same.
+  * dqkv="mosaic_gpu" (with "stored"): dq and the dkv partials from the Mosaic GPU kernel of `sparse_mla_dqkv_mgpu`
+    (per token and 64-column slice, two ping-pong warpgroups, cp.async gather of the rows' slice, wgmma N = 64;
+    Dqk 576 / d_v 512, bf16, heads padded to 64 or 128) instead of `_dqkv_kernel`; the same segment sum.
   * bwd="atomic": the stored backward whose second kernel adds its dkv rows ([64 slots, 64 columns] per step) into
     the fp32 [B*S, Dqk] accumulator with relaxed fp32 vector atomics (`red.global.relaxed.add.v4.f32`,
     `triton_atomics`) instead of writing them: no [T, K, Dqk] partials, no segment sum, and token chunks bounded
@@ -67,8 +70,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from dsv32_jax.model import attention
-from dsv32_jax.model.options import MLA_BWDS, MLA_FWDS, MLA_PDS
-from dsv32_jax.kernels import sparse_mla_mgpu, sparse_mla_pds_mgpu, sparse_mla_tpu, triton_atomics
+from dsv32_jax.model.options import MLA_BWDS, MLA_DQKV, MLA_FWDS, MLA_PDS
+from dsv32_jax.kernels import (sparse_mla_dqkv_mgpu, sparse_mla_mgpu, sparse_mla_pds_mgpu, sparse_mla_tpu,
+                               triton_atomics)
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
@@ -136,6 +140,7 @@ class _Cfg:
     stored: StoredTiles = StoredTiles()  # the stored / atomic backward's tiles
     fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
     pds: str = "triton"  # the stored backward's P / dS kernel: "triton" (`_pds_kernel`) | "mosaic_gpu"
+    dqkv: str = "triton"  # the stored backward's dq / dkv kernel: "triton" (`_dqkv_kernel`) | "mosaic_gpu"
 
     @property
     def tpu(self) -> bool:
@@ -460,13 +465,32 @@ def _pds(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
     )(q_c, kvf, idx_c, do_c, lse_c, delta_c)
 
 
+def _dqkv_mgpu(q_c, do_p, kvf, idx_c, p, ds, part_dtype, interpret: bool):
+    """`_dqkv_kernel`'s (dq, dkv partials) by the Mosaic GPU kernel (`sparse_mla_dqkv_mgpu`): heads padded to its
+    64 or 128 (q, dO, P, dS zero there), slots (-1; P, dS 0) to a multiple of its two 64-slot blocks, both cut back."""
+    n, hp, _ = q_c.shape
+    kp = idx_c.shape[1]
+    hm = 64 if hp <= 64 else round_up(hp, 128)
+    km = round_up(kp, 2 * sparse_mla_dqkv_mgpu.BK)
+    _warn_head_padding("dq / dkv kernel", hp, hm)
+    heads, slots = ((0, 0), (0, hm - hp), (0, 0)), ((0, 0), (0, hm - hp), (0, km - kp))
+    dq, parts = sparse_mla_dqkv_mgpu.sparse_mla_dqkv(
+        jnp.pad(q_c, heads), jnp.pad(do_p, heads), kvf, jnp.pad(idx_c, ((0, 0), (0, km - kp)), constant_values=-1),
+        jnp.pad(p, slots), jnp.pad(ds, slots), part_dtype=part_dtype, interpret=interpret)
+    return dq[:, :hp], parts[:, :kp]
+
+
 def _dqkv(q_c, kvf, idx_c, do_c, p, ds, cfg: _Cfg, part_dtype, dkv=None):
     """The stored backward's second kernel over the column slices: (dq, dkv partials [n, kp, Dqk]), or with
-    bwd="atomic" (dq, dkv + these tokens' dkv rows), `dkv` the fp32 [num_keys, Dqk] accumulator aliased in place."""
+    bwd="atomic" (dq, dkv + these tokens' dkv rows), `dkv` the fp32 [num_keys, Dqk] accumulator aliased in place;
+    with dqkv="mosaic_gpu" (stored only) the Mosaic GPU kernel's."""
     n, hp, dp = q_c.shape
     kp = idx_c.shape[1]
     width = cfg.bwd_slice
     do_p = jnp.pad(do_c, ((0, 0), (0, 0), (0, dp - cfg.dv_p)))  # the rope slice gets no P^T dO term
+    if cfg.dqkv == "mosaic_gpu":
+        dq, parts = _dqkv_mgpu(q_c, do_p, kvf, idx_c, p, ds, part_dtype, cfg.backend == "interpret")
+        return dq.astype(q_c.dtype), parts
     slices = pl.BlockSpec((None, hp, width), lambda c, t: (t, 0, c))
     whole = pl.BlockSpec((None, hp, kp), lambda c, t: (t, 0, 0))
     slots = _step_slots(cfg.stored.dqkv_slots, kp)
@@ -625,14 +649,14 @@ def _dqkv_stage(q_c, kvf, idx_c, do_c, p, ds, dkv=None, *, cfg: _Cfg, part_dtype
 
 
 def default_config(q, kv, topk_idx, scale: float, d_v: int, impl: str, *, bwd: str = "stored", pds: str = "triton",
-                   stored_tiles: StoredTiles | None = None) -> _Cfg:
+                   stored_tiles: StoredTiles | None = None, dqkv: str = "triton") -> _Cfg:
     """The kernels' config of `sparse_mla(q, kv, topk_idx, scale, d_v, impl=impl, bwd=, pds=, stored_tiles=)` at
     sparse_mla's default tiles (taken from its signature); q / kv / topk_idx may be ShapeDtypeStructs. For
     `backward_stages` and tools/gpu_compile's tile sweep, which call the backward's kernels one by one."""
     tiles = {name: p.default for name, p in inspect.signature(sparse_mla).parameters.items()}
     return _config(q, kv, topk_idx, scale, d_v, impl, *(tiles[k] for k in (
         "block_h", "block_i", "bwd_block_h", "bwd_block_i", "num_warps", "num_stages", "bwd_partial_bytes")), bwd, pds,
-        stored_tiles)
+        stored_tiles, dqkv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -649,7 +673,7 @@ class Stage:
 
 def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = "pallas_gpu", bwd: str = "stored",
                     pds: str = "triton", pds_only: bool = False,
-                    stored_tiles: StoredTiles | None = None) -> list[Stage]:
+                    stored_tiles: StoredTiles | None = None, dqkv: str = "triton") -> list[Stage]:
     """The GPU backward of `sparse_mla(..., impl=impl, bwd=bwd, pds=pds, stored_tiles=stored_tiles)` (its default
     forward and recompute tiles) cut into its stages, each over all tokens at once (no token chunks), on the inputs
     the custom VJP would see (the forward runs here once; `do` [B, T, H, d_v] is the output's cotangent, dlse = 0):
@@ -659,7 +683,7 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
     if impl not in ("pallas_gpu", "interpret"):
         raise ValueError(f"sparse_mla.backward_stages: impl={impl!r} must be 'pallas_gpu' or 'interpret' (the Triton "
                          "backward's stages)")
-    cfg = default_config(q, kv, topk_idx, scale, d_v, impl, bwd=bwd, pds=pds, stored_tiles=stored_tiles)
+    cfg = default_config(q, kv, topk_idx, scale, d_v, impl, bwd=bwd, pds=pds, stored_tiles=stored_tiles, dqkv=dqkv)
     b, t, h, _ = q.shape
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)
     n, hp, dp = qf.shape
@@ -700,7 +724,7 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
                                rows + 2 * ps + slots * dqk * 4)]
     parts = dqkv_fn(qf, kvf, idxf, dof, p, ds)[1]
     part_bytes = parts.size * parts.dtype.itemsize
-    return stages + [Stage("dq/dkv partials (stored)", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops,
+    return stages + [Stage(f"dq/dkv partials (stored{', ' + dqkv if dqkv != 'triton' else ''})", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops,
                            rows + 2 * ps + part_bytes),
                      Stage("dkv segment sum", reduce, (parts, idxf), bytes=part_bytes)]
 
@@ -757,7 +781,7 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
 
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None):
+            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton"):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -796,13 +820,15 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
             raise ValueError(f"sparse_mla: {name}={size} must be a power of two >= 16")
     dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
     return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
-                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, fwd=fwd, pds=pds, stored=stored, **common)
+                bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, fwd=fwd, pds=pds, dqkv=dqkv, stored=stored,
+                **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
                num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored",
-               fwd: str = "triton", pds: str = "triton", stored_tiles: StoredTiles | None = None):
+               fwd: str = "triton", pds: str = "triton", stored_tiles: StoredTiles | None = None,
+               dqkv: str = "triton"):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -828,8 +854,12 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     None: its defaults). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
     `_pds_kernel`) or "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3; opt-in until a chip times it; raises on
     inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
-    reference impls. Both Mosaic GPU kernels run 64 heads per CTA: fewer heads (per device, under a mesh) are padded
-    to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md "Head padding").
+    reference impls. dqkv: the stored backward's dq and dkv kernel, "triton" (the default, `_dqkv_kernel`) or
+    "mosaic_gpu" (`sparse_mla_dqkv_mgpu`, issue 31 item 3; opt-in until a chip times it; bwd="stored" only, at most
+    128 heads, bf16 q; raises on inputs it cannot serve); for `RunOptions.mla_dqkv`; ignored by the TPU and reference
+    impls. The Mosaic GPU kernels run 64 heads per CTA (dq / dkv: 64 or 128): fewer heads (per device, under a
+    mesh) are padded to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md
+    "Head padding").
     """
     def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:
@@ -843,6 +873,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         raise ValueError(f"sparse_mla: fwd={fwd!r} must be one of {MLA_FWDS}")
     if pds not in MLA_PDS:
         raise ValueError(f"sparse_mla: pds={pds!r} must be one of {MLA_PDS}")
+    if dqkv not in MLA_DQKV:
+        raise ValueError(f"sparse_mla: dqkv={dqkv!r} must be one of {MLA_DQKV}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
                         op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
     if fwd == "mosaic_gpu" and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU forward
@@ -854,10 +886,19 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         if (why := unsupported("mosaic_gpu", "P / dS kernel")) is not None:
             raise ValueError(f"sparse_mla: pds='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
                              f"{why}")
+    if dqkv == "mosaic_gpu" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
+        why = unsupported("mosaic_gpu", "dq / dkv kernel")
+        if why is None and bwd != "stored":
+            why = f"it writes the stored backward's partials: needs bwd='stored' (got {bwd!r})"
+        if why is None and (q.shape[2] > 128 or q.dtype != jnp.bfloat16):
+            why = f"it needs at most 128 heads and a bf16 q (got {q.shape[2]} heads, q {q.dtype})"
+        if why is not None:
+            raise ValueError(f"sparse_mla: dqkv='mosaic_gpu' cannot run on q {q.shape} {q.dtype}, kv {kv.shape} "
+                             f"{kv.dtype}: {why}")
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
-                  num_stages, bwd_partial_bytes, bwd, pds, stored_tiles)
+                  num_stages, bwd_partial_bytes, bwd, pds, stored_tiles, dqkv)
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

@@ -88,10 +88,11 @@ def test_config_indexer_fp8_selects_with_the_fp8_indexer(tmp_path, rng):
                                                      ("mla_bwd", "stored", "recompute", "fused"),
                                                      ("mla_bwd", "stored", "atomic", "fused"),
                                                      ("mla_fwd", "triton", "mosaic_gpu", "cutlass"),
-                                                     ("mla_pds", "triton", "mosaic_gpu", "cutlass")])
+                                                     ("mla_pds", "triton", "mosaic_gpu", "cutlass"),
+                                                     ("mla_dqkv", "triton", "mosaic_gpu", "cutlass")])
 def test_config_run_option_reaches_the_model_and_is_checked(field, default, other, bad):
-    """config.kl_key_grad / mla_bwd / mla_fwd / mla_pds become the RunOptions field of the same name in the sparse stage (with
-    its default when unset); an unknown value is refused by name. Mutation caught: the trainer ignoring the field.
+    """config.kl_key_grad / mla_bwd / mla_fwd / mla_pds / mla_dqkv become the RunOptions field of the same name in the
+    sparse stage (with its default when unset); an unknown value is refused by name. Mutation caught: the trainer ignoring the field.
     What mla_bwd selects is checked in tests/test_kernels.py (test_kernel_attention_stored_mla_backward)."""
     from dsv32_jax import RunOptions
     from dsv32_jax.train.trainer import run_options

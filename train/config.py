@@ -59,6 +59,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.mla_fwd = "triton"
     # The stored backward's P / dS kernel (RunOptions.mla_pds): "triton" | "mosaic_gpu" (not yet timed on a chip)
     c.mla_pds = "triton"
+    # ... and its dq / dkv kernel (RunOptions.mla_dqkv): "triton" | "mosaic_gpu" (with mla_bwd "stored"; not yet timed)
+    c.mla_dqkv = "triton"
     c.attn_chunk = 64
     c.index_chunk = 128
     # Per-block rematerialization (RunOptions.remat): "none" | "full" | "dots" | "dots_no_batch". Query chunks of

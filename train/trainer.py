@@ -42,7 +42,8 @@ def run_options(config) -> RunOptions:
     common = dict(attn_chunk=config.attn_chunk, index_chunk=config.index_chunk, remat=config.get("remat", "none"),
                   scan_layers=config.get("scan_layers", False), indexer_fp8=config.get("indexer_fp8", False),
                   kl_key_grad=config.get("kl_key_grad", "dense"), mla_bwd=config.get("mla_bwd", "stored"),
-                  mla_fwd=config.get("mla_fwd", "triton"), mla_pds=config.get("mla_pds", "triton"))
+                  mla_fwd=config.get("mla_fwd", "triton"), mla_pds=config.get("mla_pds", "triton"),
+                  mla_dqkv=config.get("mla_dqkv", "triton"))
     if stage == "dense":
         return RunOptions(dsa=False, attention="dense", **common)
     if stage == "warmup":

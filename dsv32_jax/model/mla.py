@@ -282,7 +282,8 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
         sparse = functools.partial(attention.sparse_mla, q_chunk=opts.attn_chunk)
     else:
         from dsv32_jax.kernels import sparse_mla
-        sparse = functools.partial(sparse_mla, bwd=opts.mla_bwd, fwd=opts.mla_fwd, pds=opts.mla_pds)
+        sparse = functools.partial(sparse_mla, bwd=opts.mla_bwd, fwd=opts.mla_fwd, pds=opts.mla_pds,
+                                   dqkv=opts.mla_dqkv)
     if opts.indexer_loss == "sparse":
         o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
         kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s,

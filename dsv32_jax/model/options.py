@@ -15,6 +15,7 @@ KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (inde
 MLA_BWDS = ("recompute", "stored", "atomic")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
 MLA_FWDS = ("triton", "mosaic_gpu")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
 MLA_PDS = ("triton", "mosaic_gpu")  # its stored backward's P / dS kernel (dsv32_jax.kernels.sparse_mla, pds=)
+MLA_DQKV = ("triton", "mosaic_gpu")  # its stored backward's dq / dkv kernel (dsv32_jax.kernels.sparse_mla, dqkv=)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,11 @@ class RunOptions:
     # "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3: two warpgroups, cp.async gather, wgmma N = 32; compiled
     # for sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512 only).
     mla_pds: str = "triton"
+    # The stored backward's dq and dkv kernel (`kernels.sparse_mla(dqkv=...)`): "triton" (the default) or "mosaic_gpu"
+    # (`sparse_mla_dqkv_mgpu`, issue 31 item 3: two ping-pong warpgroups, cp.async gather, wgmma N = 64; compiled for
+    # sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512, at most 128 heads per device,
+    # mla_bwd="stored" only).
+    mla_dqkv: str = "triton"
 
     def __post_init__(self):
         if self.attention not in ATTENTION_IMPLS:
@@ -83,6 +89,11 @@ class RunOptions:
             raise ValueError(f"RunOptions.mla_fwd must be one of {MLA_FWDS}, got {self.mla_fwd!r}")
         if self.mla_pds not in MLA_PDS:
             raise ValueError(f"RunOptions.mla_pds must be one of {MLA_PDS}, got {self.mla_pds!r}")
+        if self.mla_dqkv not in MLA_DQKV:
+            raise ValueError(f"RunOptions.mla_dqkv must be one of {MLA_DQKV}, got {self.mla_dqkv!r}")
+        if self.mla_dqkv == "mosaic_gpu" and self.mla_bwd != "stored":
+            raise ValueError(f"RunOptions.mla_dqkv='mosaic_gpu' needs mla_bwd='stored' (got {self.mla_bwd!r}): the "
+                             "Mosaic GPU dq / dkv kernel writes the stored backward's partials")
         if self.kl_key_grad not in KL_KEY_GRADS:
             raise ValueError(f"RunOptions.kl_key_grad must be one of {KL_KEY_GRADS}, got {self.kl_key_grad!r}")
         if self.remat not in REMAT_POLICIES:

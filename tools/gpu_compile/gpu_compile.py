@@ -162,6 +162,13 @@ def all_cases() -> list[Case]:
                       requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
                                 r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x32x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),)))
+    # Issue 31 item 3's dq / dkv kernel (the stored backward's second kernel) in Mosaic GPU: two ping-pong
+    # warpgroups, the selected rows' slice gathered by cp.async, dS^T q + P^T dO and dS K on wgmma N = 64.
+    cases.append(Case("sparse_mla_dqkv_mgpu[prod,L=8192]", "sparse_mla_dqkv_mgpu", "prod", 8192,
+                      smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n64k16\S*bf16",
+                                r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x64x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -290,6 +297,13 @@ def build(case: Case):
             spec((t, sh.heads, sh.d_qk), jnp.bfloat16), spec((t, sh.heads, sh.d_v), jnp.bfloat16),
             spec((l, sh.d_qk), jnp.bfloat16), spec((t, sh.topk), jnp.int32), spec((t, sh.heads), jnp.float32),
             spec((t, sh.heads), jnp.float32)]
+    if case.op == "sparse_mla_dqkv_mgpu":  # the stored backward's dq / dkv kernel in Mosaic GPU, 512 tokens
+        dm = importlib.import_module("dsv32_jax.kernels.sparse_mla_dqkv_mgpu")
+        n = 512  # a chunk of the backward's scan
+        return (lambda *a: dm.sparse_mla_dqkv(*a)), [
+            spec((n, sh.heads, sh.d_qk), jnp.bfloat16), spec((n, sh.heads, sh.d_qk), jnp.bfloat16),
+            spec((l, sh.d_qk), jnp.bfloat16), spec((n, sh.topk), jnp.int32),
+            spec((n, sh.heads, sh.topk), jnp.bfloat16), spec((n, sh.heads, sh.topk), jnp.bfloat16)]
     args = [spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
             spec((1, t, sh.topk), jnp.int32)]
     scale = sh.d_qk ** -0.5
