@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--mla_bwd", default="", help="override config.mla_bwd (recompute | stored | atomic)")
     p.add_argument("--mla_fwd", default="", help="override config.mla_fwd (triton | mosaic_gpu)")
     p.add_argument("--mla_pds", default="", help="override config.mla_pds (triton | mosaic_gpu)")
+    p.add_argument("--mla_dqkv", default="", help="override config.mla_dqkv (triton | mosaic_gpu)")
     p.add_argument("--save_hlo", default="", help="with --compile: write the compiled step's HLO text there")
     p.add_argument("--require_kernels", action="store_true",
                    help="with --compile: exit 1 if the compiled step holds no Pallas kernel")
@@ -165,6 +166,8 @@ def main(argv=None) -> int:
         c.mla_fwd = a.mla_fwd
     if a.mla_pds:
         c.mla_pds = a.mla_pds
+    if a.mla_dqkv:
+        c.mla_dqkv = a.mla_dqkv
     sizes = shd.parse_mesh_spec(c.mesh)
     n = math.prod(sizes.values())
     check_batch_mesh(c, num_devices=n)

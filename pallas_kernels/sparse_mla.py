@@ -724,8 +724,8 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
                                rows + 2 * ps + slots * dqk * 4)]
     parts = dqkv_fn(qf, kvf, idxf, dof, p, ds)[1]
     part_bytes = parts.size * parts.dtype.itemsize
-    return stages + [Stage(f"dq/dkv partials (stored{', ' + dqkv if dqkv != 'triton' else ''})", dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops,
-                           rows + 2 * ps + part_bytes),
+    name = "dq/dkv partials (stored)" if dqkv == "triton" else f"dq/dkv partials (stored, {dqkv})"
+    return stages + [Stage(name, dqkv_fn, (qf, kvf, idxf, dof, p, ds), dqkv_flops, rows + 2 * ps + part_bytes),
                      Stage("dkv segment sum", reduce, (parts, idxf), bytes=part_bytes)]
 
 
