@@ -22,8 +22,9 @@
 #   bash bench/gpu_owed.sh 8   # the model-level chip tests not reached yet, then the kernels' 32K prefill
 # Call 0's never-run kernels are tested one kernel per process (gpu_session.sh: TEST_K groups split by ';', 35 s each,
 # -vv names each test as it starts), so a kernel that hangs or faults the device costs its own group only.
-# No step call times the Mosaic GPU forward or P / dS kernel: the small config's 16 heads are padded to their 64 (4x
-# the work), so the kernel table's 128-head rows (call 0) are their fair test (BENCHMARKS.md, "Head padding").
+# No step call times the Mosaic GPU forward or P / dS kernel: the small config's heads are padded for them (to 32 by
+# their keys-as-M forms), so the kernel table's 128-head rows and its 32-head rows (call 0: `fwd (..., 32 heads)`,
+# the P / dS stage at 32 heads) are their fair test (BENCHMARKS.md, "Head padding").
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u

@@ -222,20 +222,24 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         f = mla(which, **kw)
         return jax.jit(jax.grad(lambda a, c, i: f(a, c, i)[0].astype(jnp.float32).sum(), argnums=(0, 1)))
 
-    def fwd_row(which=impl, name="sparse_mla fwd", **kw):
-        fwd_ms, out = timed(jax.jit(mla(which, **kw)), q, kv, sel, warmup=w, iters=it)
-        if "ref_fwd" not in state:
-            state["ref_fwd"] = timed(jax.jit(mla("reference")), q, kv, sel, warmup=w, iters=it)[0]
-        if which == impl and not kw:
+    def fwd_row(which=impl, name="sparse_mla fwd", heads=None, **kw):
+        """heads: the first `heads` of q only (what one device of a tensor-sharded step sees), its own reference."""
+        qh = q if heads is None else q[:, :, :heads]
+        tag = "" if heads is None else f"@{heads}"
+        fwd_ms, out = timed(jax.jit(mla(which, **kw)), qh, kv, sel, warmup=w, iters=it)
+        if "ref_fwd" + tag not in state:
+            state["ref_fwd" + tag] = timed(jax.jit(mla("reference")), qh, kv, sel, warmup=w, iters=it)[0]
+        if which == impl and not kw and heads is None:
             state["fwd"] = fwd_ms
         c = slice(0, min(t, args.check_rows))  # against the fp32 reference on the first queries (once per length)
-        if "ref32_fwd" not in state:
-            state["ref32_fwd"] = jax.jit(mla("reference"))(q[:, c].astype(jnp.float32), kv.astype(jnp.float32),
-                                                           sel[:, c])
-        ref32 = state["ref32_fwd"]
+        if "ref32_fwd" + tag not in state:
+            state["ref32_fwd" + tag] = jax.jit(mla("reference"))(qh[:, c].astype(jnp.float32),
+                                                                 kv.astype(jnp.float32), sel[:, c])
+        ref32 = state["ref32_fwd" + tag]
         check = (f"out rel {rel(out[0][:, c], ref32[0]):.1e}, lse rel {rel(out[1][:, c], ref32[1]):.1e} "
                  f"(bf16 in; fp32 reference, {c.stop} queries)")
-        return Row(name, length, fwd_ms, fwd_flops / fwd_ms / 1e9, "TFLOP/s", state["ref_fwd"], check=check)
+        flops = fwd_flops * (qh.shape[2] / sh.heads)
+        return Row(name, length, fwd_ms, flops / fwd_ms / 1e9, "TFLOP/s", state["ref_fwd" + tag], check=check)
 
     def bwd_row(bwd, name=None, **kw):
         both_ms, _ = timed(fwd_bwd(impl, bwd=bwd, **kw), q, kv, sel, warmup=w, iters=it)
@@ -262,6 +266,10 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
         # issue 31 item 2: the Mosaic GPU forward (two warpgroups, cp.async gather, wgmma N = 32 / 256), same inputs
         guarded("sparse_mla fwd (mosaic_gpu)", functools.partial(fwd_row, "mosaic_gpu", "sparse_mla fwd (mosaic_gpu)"))
+        if sh.heads > 32:  # 32 heads a device (tensor:4 of 128): Triton's tiles vs the keys-as-M Mosaic GPU form
+            guarded("sparse_mla fwd (32 heads)", functools.partial(fwd_row, impl, "sparse_mla fwd (32 heads)", 32))
+            guarded("sparse_mla fwd (mosaic_gpu, 32 heads)",
+                    functools.partial(fwd_row, "mosaic_gpu", "sparse_mla fwd (mosaic_gpu, 32 heads)", 32))
     if "fwd" in state:
         guarded("sparse_mla bwd", functools.partial(bwd_row, "recompute"))
         guarded("sparse_mla bwd (stored)", functools.partial(bwd_row, "stored"))
@@ -279,31 +287,39 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     # ---- the GPU backward cut into its kernels, each timed alone over all 4096 queries at once (no token chunks):
     # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials;
     # the check column adds the share of the whole backward and the GB/s of the traffic it cannot avoid (`Stage`).
-    def stage_rows(bwd, pds="triton", dqkv="triton"):
-        do = jax.random.normal(ks[6], (1, t, sh.heads, sh.d_v), jnp.bfloat16)
-        stages = sparse_mla_module.backward_stages(q, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
+    def stage_rows(bwd, pds="triton", dqkv="triton", heads=None):
+        """heads: the first `heads` of q (one device of a tensor-sharded step) and only the P / dS stage."""
+        qh = q if heads is None else q[:, :, :heads]
+        do = jax.random.normal(ks[6], (1, t, qh.shape[2], sh.d_v), jnp.bfloat16)
+        stages = sparse_mla_module.backward_stages(qh, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
                                                     bwd=bwd, pds=pds, pds_only=pds != "triton",  # the rest: Triton's
                                                     dqkv=dqkv)
         if dqkv != "triton":  # the dq / dkv stage alone (the P / dS and segment sum rows are the stored ones)
             stages = [st for st in stages if st.name.startswith("dq/dkv")]
-        whole = state.get(("bwd", bwd, pds, dqkv))
+        if heads is not None:
+            stages = [st for st in stages if st.name.startswith("P/dS")]
+        whole = None if heads is not None else state.get(("bwd", bwd, pds, dqkv))
         rows = []
         for st in stages:
             ms, _ = timed(st.fn, *st.args, warmup=w, iters=it)
             rate, unit = (st.flops / ms / 1e9, "TFLOP/s") if st.flops else (st.bytes / ms / 1e6, "GB/s")
             share = "" if whole is None else f"{ms / whole:.0%} of the `{bwd}` backward row's time; "
             share += f"moves >= {st.bytes / 1e9:.3g} GB: {st.bytes / ms / 1e6:.0f} GB/s"
-            rows.append(Row(f"sparse_mla bwd ({bwd}) stage: {st.name}", length, ms, rate, unit, None, check=share))
+            tag = "" if heads is None else f", {heads} heads"
+            rows.append(Row(f"sparse_mla bwd ({bwd}) stage: {st.name}{tag}", length, ms, rate, unit, None,
+                            check=share))
         return rows
 
     if impl in (None, "pallas_gpu", "interpret") and jax.default_backend() != "tpu":
         cases = [("stored", "triton", "triton"), ("atomic", "triton", "triton")]
         if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
             cases += [("stored", "mosaic_gpu", "triton"), ("stored", "triton", "mosaic_gpu")]
-        for bwd, pds, dqkv in cases:
+            if sh.heads > 32:  # the P / dS stage at 32 heads a device: Triton's tiles vs the keys-as-M Mosaic GPU form
+                cases += [("stored", "triton", "triton", 32), ("stored", "mosaic_gpu", "triton", 32)]
+        for bwd, pds, dqkv, *heads in cases:
             guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})")
-                         + ("" if dqkv == "triton" else f" (dq/dkv {dqkv})"),
-                         functools.partial(stage_rows, bwd, pds, dqkv))
+                         + ("" if dqkv == "triton" else f" (dq/dkv {dqkv})") + "".join(f" ({h} heads)" for h in heads),
+                         functools.partial(stage_rows, bwd, pds, dqkv, *heads))
 
     # ---- tiles (issue 31 items 2 and 3): every candidate of the sweep file (tools/gpu_compile --sweep: those that
     # compile for sm_90a without spills or mma.sync) timed: the Triton forward whole, the stored backward's P / dS and

@@ -202,11 +202,11 @@ def _load_q(q_ref, cfg: _Cfg, heads=None):
     return q_ref[h, pl.ds(0, cfg.dv_p)], q_ref[h, pl.ds(cfg.dv_p, cfg.dt_p)]
 
 
-def _warn_head_padding(kernel: str, heads: int, padded: int):
-    """At trace time: a Mosaic GPU kernel (64 heads per CTA) about to run on zero-padded heads."""
+def _warn_head_padding(kernel: str, heads: int, padded: int, per_cta: int | str = 64):
+    """At trace time: a Mosaic GPU kernel (per_cta heads per CTA) about to run on zero-padded heads."""
     if padded > heads:
-        warnings.warn(f"sparse_mla: the Mosaic GPU {kernel} runs 64 heads per CTA; {heads} heads (per device) are "
-                      f"padded to {padded}: {padded / heads:.1f}x its MMA work and q / dO / P / dS memory "
+        warnings.warn(f"sparse_mla: the Mosaic GPU {kernel} runs {per_cta} heads per CTA; {heads} heads (per device) "
+                      f"are padded to {padded}: {padded / heads:.1f}x its MMA work and q / dO / P / dS memory "
                       "(BENCHMARKS.md, 'Head padding'); the Triton kernel tiles them as they are", stacklevel=2)
 
 
@@ -240,8 +240,9 @@ def _forward(qf, kvf, idxf, cfg: _Cfg):
         return out, lse[..., 0]
     if cfg.fwd == "mosaic_gpu":  # heads padded to the kernel's 64, slots (-1) to its 64-key blocks
         n, hp, _ = qf.shape
-        hm, km = round_up(hp, sparse_mla_mgpu.H_BLK), round_up(idxf.shape[1], sparse_mla_mgpu.BK)
-        _warn_head_padding("forward", hp, hm)
+        hm = sparse_mla_mgpu.H_T if hp <= sparse_mla_mgpu.H_T else round_up(hp, sparse_mla_mgpu.H_BLK)
+        km = round_up(idxf.shape[1], sparse_mla_mgpu.BK)
+        _warn_head_padding("forward", hp, hm, min(hm, sparse_mla_mgpu.H_BLK))
         out, lse = sparse_mla_mgpu.sparse_mla_fwd(
             jnp.pad(qf, ((0, 0), (0, hm - hp), (0, 0))), kvf,
             jnp.pad(idxf, ((0, 0), (0, km - idxf.shape[1])), constant_values=-1),
@@ -428,11 +429,13 @@ def _dqkv_kernel(q_ref, kv_ref, idx_ref, do_ref, p_ref, ds_ref, *refs, cfg: _Cfg
 
 def _pds_mgpu(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
     """`_pds_kernel`'s (P, scale * dS) [n, hp, kp] by the Mosaic GPU kernel (`sparse_mla_pds_mgpu`): heads padded to
-    its 64 (lse -inf: P = dS = 0 there), slots (-1) to its 64-key blocks, both cut back."""
+    its 64, or to 32 for its keys-as-M form (lse -inf: P = dS = 0 there), slots (-1) to its 64-key blocks, both cut
+    back."""
     n, hp, _ = q_c.shape
     kp = idx_c.shape[1]
-    hm, km = round_up(hp, sparse_mla_pds_mgpu.H_BLK), round_up(kp, sparse_mla_pds_mgpu.BK)
-    _warn_head_padding("P / dS kernel", hp, hm)
+    hm = sparse_mla_mgpu.H_T if hp <= sparse_mla_mgpu.H_T else round_up(hp, sparse_mla_pds_mgpu.H_BLK)
+    km = round_up(kp, sparse_mla_pds_mgpu.BK)
+    _warn_head_padding("P / dS kernel", hp, hm, min(hm, sparse_mla_pds_mgpu.H_BLK))
     heads = ((0, 0), (0, hm - hp))
     p, ds = sparse_mla_pds_mgpu.sparse_mla_pds(
         jnp.pad(q_c, (*heads, (0, 0))), jnp.pad(do_c, (*heads, (0, 0))), kvf,
@@ -472,7 +475,7 @@ def _dqkv_mgpu(q_c, do_p, kvf, idx_c, p, ds, part_dtype, interpret: bool):
     kp = idx_c.shape[1]
     hm = 64 if hp <= 64 else round_up(hp, 128)
     km = round_up(kp, 2 * sparse_mla_dqkv_mgpu.BK)
-    _warn_head_padding("dq / dkv kernel", hp, hm)
+    _warn_head_padding("dq / dkv kernel", hp, hm, hm)
     heads, slots = ((0, 0), (0, hm - hp), (0, 0)), ((0, 0), (0, hm - hp), (0, km - kp))
     dq, parts = sparse_mla_dqkv_mgpu.sparse_mla_dqkv(
         jnp.pad(q_c, heads), jnp.pad(do_p, heads), kvf, jnp.pad(idx_c, ((0, 0), (0, km - kp)), constant_values=-1),
@@ -859,7 +862,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     128 heads, bf16 q; raises on inputs it cannot serve); for `RunOptions.mla_dqkv`; ignored by the TPU and reference
     impls. The Mosaic GPU kernels run 64 heads per CTA (dq / dkv: 64 or 128): fewer heads (per device, under a
     mesh) are padded to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md
-    "Head padding").
+    "Head padding"); the forward and the P / dS kernel run 32 or fewer heads in their keys-as-M forms (32 per CTA:
+    2x at 16 heads).
     """
     def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:

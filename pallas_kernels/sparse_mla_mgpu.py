@@ -33,6 +33,17 @@ BENCHMARKS.md "Issue 31 item 2"):
     (q is addressed through an index that is always 0 but loop-variant, `slot (slot - 1)`): hoisted, the 36 64-bit
     descriptors stay live across the loop and spill (255 registers, 344 B).
   * the output tile reuses q's shared memory (`RefUnion`; q is dead after the last S) and leaves by TMA.
+32 heads (what one device sees of 128 at tensor:4; the wrapper pads 32 or fewer to 32): `_kernel_t`, the keys as
+the wgmma M dimension. One warpgroup per (token, 32 heads): S^T = K q^T [64 keys, 32 heads] (`wgmma m64n32k16`,
+the same operands as S above with the roles swapped), the softmax over keys as column reductions across the
+warpgroup's 4 warps (the cross-warp step through Mosaic GPU's reduction scratch, which is why it is one warpgroup:
+the scratch is shared by all warpgroups of a CTA), P^T bf16 to shared memory, O^T [512, 32] += V^T P^T as two
+[256, 32] accumulators (A = the key block's value columns read transposed from shared memory; 128 registers a
+thread), key blocks double-buffered by the same cp.async gather (36 copies a thread a block). O^T is stored
+through a transposed view of O's [32, 256] tiles in shared memory, which leave by TMA into out. 192,520 B of shared
+memory (one CTA per SM), 223 registers, no spills. Against padding 32 heads to 64: half the MMA work and q memory
+for the same gathered bytes; at 32 heads a 72 KiB block carries 4.5 MFLOP of MMA (expected to be bound by the
+gather; not measured on a chip).
 Interpret mode (`interpret=True`, what CPU tests run): the same kernel with the gather written as a Pallas row loop
 (Mosaic GPU's interpreter cannot run `inline_mgpu`) and PV accumulated into a fresh accumulator (it has no rule for
 `pl.run_state` over a wgmma accumulator); on the chip the gather is `cp.async` and PV accumulates in place. The
@@ -51,6 +62,8 @@ import jax.numpy as jnp
 from dsv32_jax.kernels import gather_mgpu
 
 H_BLK = 64  # heads per CTA (wgmma M)
+H_T = 32  # heads per CTA of the keys-as-M form (`_kernel_t`: wgmma N = heads), what 32 or fewer heads run
+REDUCTION_SCRATCH = 2048  # bytes: `_kernel_t`'s column max / sum cross the warpgroup's 4 warps through it
 BK = 64  # keys per block
 KW = BK // 2  # keys per warpgroup
 DQK, DV = 576, 512
@@ -70,8 +83,8 @@ def check_shapes(q, kv, idx) -> str | None:
     n, h, d = q.shape
     if d != DQK or kv.shape[1] != DQK:
         return f"needs Dqk = {DQK} (512 value + 64 rope)"
-    if h % H_BLK:
-        return f"needs the head count to be a multiple of {H_BLK}"
+    if h % H_BLK and h != H_T:
+        return f"needs the head count to be {H_T} or a multiple of {H_BLK}"
     if idx.shape[0] != n or idx.shape[1] % BK or idx.shape[1] == 0:
         return f"needs K a positive multiple of {BK} and one index row per token"
     if q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
@@ -110,17 +123,39 @@ def _issue_rows(ctx, kv_gmem, idx_gmem, dst_smem, mask_smem):
     softmax's additive mask: idx[r] >= 0 or not), by `copy_plan`; committed as one cp.async group by the caller.
     idx_gmem: the block's 64 indices (a global-memory view)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax._src.lib.mlir.dialects import arith
     from jax.experimental.mosaic.gpu import utils as mu
 
     del ctx
-    I = gather_mgpu._I
-    i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
-    idx_t = ir.IndexType.get()
+    i32 = ir.IntegerType.get_signless(32)
     thread = mu.thread_idx()
     w = arith.divui(thread, arith.constant(i32, WARPGROUP))
-    tid = I(arith.remui(thread, arith.constant(i32, WARPGROUP)))
-    row0 = I(arith.muli(w, arith.constant(i32, KW)))
+    tid = gather_mgpu._I(arith.remui(thread, arith.constant(i32, WARPGROUP)))
+    _copy_rows(tid, gather_mgpu._I(arith.muli(w, arith.constant(i32, KW))), kv_gmem, idx_gmem, dst_smem, mask_smem)
+
+
+def _issue_block(ctx, kv_gmem, idx_gmem, dst_smem, mask_smem):
+    """inline_mgpu body of the keys-as-M forward (one warpgroup): all 64 rows of the block, as `_issue_rows` with
+    the 32-row plan run for rows [0, 32) and [32, 64) (36 cp.async per thread)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    tid = gather_mgpu._I(arith.remui(mu.thread_idx(), arith.constant(i32, WARPGROUP)))
+    for row0 in range(0, BK, KW):
+        _copy_rows(tid, row0, kv_gmem, idx_gmem, dst_smem, mask_smem)
+
+
+def _copy_rows(tid, row0, kv_gmem, idx_gmem, dst_smem, mask_smem):
+    """Thread tid's share (`copy_plan`) of rows [row0, row0 + 32): its COPIES cp.async and its row's mask entry."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+    idx_t = ir.IndexType.get()
     zero = arith.constant(i32, 0)
     dst_base = mu.memref_ptr(dst_smem)
     src_base = llvm.addrspacecast(llvm.PointerType.get(1), mu.memref_ptr(kv_gmem))
@@ -160,10 +195,10 @@ def _wait_one_pending(ctx):
 
 
 class _ChipGather:
-    def __init__(self, tiles):
+    def __init__(self, tiles, full_block: bool = False):
         plgpu = _plgpu()
         self._issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles),
-                                                   plgpu.RefType()))(_issue_rows)
+                                                   plgpu.RefType()))(_issue_block if full_block else _issue_rows)
         self._commit = plgpu.inline_mgpu()(_commit)
         self._wait = plgpu.inline_mgpu()(_wait_one_pending)
 
@@ -181,16 +216,20 @@ class _ChipGather:
 class _InterpretGather:
     """The same contract as a Pallas-level row loop (synchronous copies)."""
 
+    def __init__(self, full_block: bool = False):
+        self._rows = BK if full_block else KW
+
     def issue(self, w, kv_gmem, idx_blk_gmem, kv_buf, mask_buf):
         import jax.experimental.pallas as pl
+        row0 = 0 if self._rows == BK else w * KW
 
         def row(r, c):
-            i = idx_blk_gmem[w * KW + r]
-            mask_buf[w * KW + r] = jnp.where(i >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+            i = idx_blk_gmem[row0 + r]
+            mask_buf[row0 + r] = jnp.where(i >= 0, 0.0, -jnp.inf).astype(jnp.float32)
             v = kv_gmem[pl.ds(jnp.maximum(i, 0), 1), :]
-            kv_buf[pl.ds(w * KW + r, 1), :] = jnp.where(i >= 0, v, jnp.zeros_like(v))
+            kv_buf[pl.ds(row0 + r, 1), :] = jnp.where(i >= 0, v, jnp.zeros_like(v))
             return c
-        jax.lax.fori_loop(0, KW, row, 0)
+        jax.lax.fori_loop(0, self._rows, row, 0)
 
     def commit(self):
         pass
@@ -313,6 +352,119 @@ def _kernel(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, 
     consumer(wg)
 
 
+def _kernel_t(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, mask_smem, stat_smem, bars, *,
+              scale, nblk, gather, in_place):
+    """The keys-as-M form for 32 heads per CTA (one warpgroup): S^T = K q^T [64 keys, 32 heads] on `wgmma m64n32k16`
+    (A = the gathered key block, B = q^T: the operands of `_kernel`'s S with the roles swapped), the softmax over
+    keys as column reductions (across the warpgroup's 4 warps, through the reduction scratch), P^T [64, 32] bf16 to
+    shared memory, and O^T [512, 32] += V^T P^T as two [256, 32] accumulators (A = the key block's value columns read
+    transposed from shared memory, B = P^T). Key blocks double-buffered: block b + 1's gather is issued before
+    block b's S (its buffer held block b - 1, whose PV this warpgroup has finished). O^T is stored through a
+    transposed view of O's [32, 256] tiles, which leave by TMA."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    q3, o_smem = qo
+    g = jax.lax.axis_index("g")
+    t = jax.lax.axis_index("t")
+    heads = pl.ds(g * H_T, H_T)
+    head_layout = plgpu.Layout.WGMMA.reduce(0)  # a vector over S^T's columns (heads)
+    key_layout = plgpu.Layout.WGMMA.reduce(1)  # a vector over its rows (keys)
+    idx_tok = idx_gmem.at[t]
+
+    def idx_block(b):
+        return idx_tok.at[pl.ds(b * BK, BK)]
+
+    plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q3.at[0], bars.at[0])
+    gather.issue(0, kv_gmem, idx_block(0), kv_smem.at[0], mask_smem.at[0])
+    gather.commit()
+    plgpu.barrier_wait(bars.at[0])
+
+    def step(b, carry):
+        o_lo, o_hi, m, l = carry
+        slot = jax.lax.rem(b, 2)
+
+        @pl.when(b + 1 < nblk)
+        def _():
+            gather.issue(0, kv_gmem, idx_block(b + 1), kv_smem.at[1 - slot], mask_smem.at[1 - slot])
+        gather.commit()
+        gather.wait()  # block b is in shared memory
+        kv = kv_smem.at[slot]
+        q_b = q3.at[slot * (slot - 1)]  # always 0, loop-variant: q's descriptors are formed in the loop (`_kernel`)
+
+        def qk(acc):
+            plgpu.wgmma(acc, kv, q_b.transpose((1, 0)))
+            return acc[...]
+        s = pl.run_scoped(qk, plgpu.ACC((BK, H_T), jnp.float32))
+        mask = plgpu.load(mask_smem.at[slot], layout=key_layout)
+        s2 = s * (scale * LOG2E) + jax.lax.broadcast_in_dim(mask, s.shape, [0])
+        m_new = jnp.maximum(m, s2.max(axis=0))
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s2 - jax.lax.broadcast_in_dim(base, s2.shape, [1]))
+        alpha = jnp.exp2(m - base)
+        l = l * alpha + p.sum(axis=0)
+        p_smem[...] = p.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        o_lo = o_lo * jax.lax.broadcast_in_dim(alpha, o_lo.shape, [1])
+        o_hi = o_hi * jax.lax.broadcast_in_dim(alpha, o_hi.shape, [1])
+        outs = []
+        for half, o in enumerate((o_lo, o_hi)):
+            v_t = kv.at[:, pl.ds(half * HALF, HALF)].transpose((1, 0))  # [256 value columns, 64 keys]
+            if in_place:
+                def pv(acc, v_t=v_t):
+                    plgpu.wgmma(acc, v_t, p_smem)
+                outs.append(pl.run_state(pv)(plgpu.ACC.init(o)))
+            else:
+                def pv(acc, v_t=v_t):
+                    plgpu.wgmma(acc, v_t, p_smem)
+                    return acc[...]
+                outs.append(o + pl.run_scoped(pv, plgpu.ACC((HALF, H_T), jnp.float32)))
+        return outs[0], outs[1], m_new, l
+
+    zero = plgpu.layout_cast(jnp.zeros((HALF, H_T), jnp.float32), plgpu.Layout.WGMMA)
+    init = (zero, zero, plgpu.layout_cast(jnp.full((H_T,), -jnp.inf, jnp.float32), head_layout),
+            plgpu.layout_cast(jnp.zeros((H_T,), jnp.float32), head_layout))
+    o_lo, o_hi, m, l = jax.lax.fori_loop(0, nblk, step, init)
+
+    safe = jnp.where(l > 0, l, 1.0)  # q's memory becomes the output tiles: q is dead after the last S
+    for half, o in enumerate((o_lo, o_hi)):
+        # O^T [256, 32] stored through a transposed view: the tile in shared memory is O's [32, 256]
+        o_smem.at[half].transpose((1, 0))[...] = (o / jax.lax.broadcast_in_dim(safe, o.shape, [1])).astype(
+            jnp.bfloat16)
+    base = jnp.where(m == -jnp.inf, 0.0, m)
+    stat_smem[...] = jnp.where(l > 0, (base + jnp.log2(safe)) / LOG2E, -jnp.inf)
+    plgpu.commit_smem()
+    for half in range(2):
+        plgpu.copy_smem_to_gmem(o_smem.at[half], out_gmem.at[t, heads, pl.ds(half * HALF, HALF)])
+    plgpu.copy_smem_to_gmem(stat_smem, lse_gmem.at[t, heads])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
+    """`_kernel_t` over q [N, 32 g, 576]: (out [N, H, 512] bf16, lse [N, H] f32)."""
+    plgpu = _plgpu()
+    n, h, _ = q.shape
+    tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
+    SM = plgpu.SMEM
+    scratch = [
+        plgpu.RefUnion(SM((1, H_T, DQK), jnp.bfloat16, transforms=tiles),
+                       SM((2, H_T, HALF), jnp.bfloat16, transforms=tiles)),  # q, then O's two [32, 256] tiles
+        SM((2, BK, DQK), jnp.bfloat16, transforms=tiles),  # key blocks, double-buffered
+        SM((BK, H_T), jnp.bfloat16, transforms=tiles),  # P^T
+        SM((2, BK), jnp.float32),  # the key blocks' additive masks
+        SM((H_T,), jnp.float32),  # lse
+        plgpu.Barrier(num_barriers=1),  # q
+    ]
+    gather = _InterpretGather(full_block=True) if interpret else _ChipGather(tiles, full_block=True)
+    body = functools.partial(_kernel_t, scale=float(scale), nblk=idx.shape[1] // BK, gather=gather,
+                             in_place=not interpret)
+    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
+    return plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_T), grid_names=("t", "g"),
+        kernel_name="sparse_mla_fwd_mgpu_h32",
+        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH))(q, kv, idx)
+
+
 def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     """q [N, H, 576] bf16, kv [M, 576] bf16, idx [N, K] int32 (global rows, -1 invalid) -> (out [N, H, 512] bf16,
     lse [N, H] f32). See the module docstring."""
@@ -320,8 +472,10 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     if why is not None:
         raise ValueError(f"sparse_mla_mgpu.sparse_mla_fwd: q {q.shape} {q.dtype}, kv {kv.shape} {kv.dtype}, "
                          f"idx {idx.shape} {idx.dtype}: {why}")
-    plgpu = _plgpu()
     n, h, _ = q.shape
+    if h == H_T:
+        return _fwd_t(q, kv, idx, scale=scale, interpret=interpret)
+    plgpu = _plgpu()
     nblk = idx.shape[1] // BK
     tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
     o_tiles = (plgpu.TilingTransform(gather_mgpu.TILE), plgpu.SwizzleTransform(gather_mgpu.SWIZZLE))

@@ -7,7 +7,7 @@ kv [M, 576] bf16 (value = first 512 columns), idx [N, K] int32 (-1 = invalid), l
 for a row with no valid slot), delta [N, H] f32 (rowsum(O dO) - dlse) ->
   P  [N, H, K] bf16 = exp(scale q kv[idx]^T - lse)            (0 on invalid slots and on rows with lse -inf)
   dS [N, H, K] bf16 = scale * P * (dO kv[idx][:, :512]^T - delta)
-H a multiple of 64, K a multiple of 64.
+H 32 or a multiple of 64, K a multiple of 64.
 
 Structure: grid (N, H / 64), the head groups of a token adjacent in launch order (L2 shares its rows). q [64, 576]
 and dO [64, 512] arrive by TMA and stay in shared memory ((8, 32) tiles, 64-byte swizzle, as the forward's). Two
@@ -21,7 +21,13 @@ there is no running max. Shared memory: q 72 KiB + dO 64 KiB + one 64 x 576 key 
 softmax / dS math and stores, not its MMAs. The 64-entry mask is double-buffered: the gather's mask entries are
 plain stores by the thread that copies the row, which may run ahead of another warp's load of the previous
 block's mask (a race inside one warpgroup, which interpret mode cannot see: it runs a warpgroup as one thread).
-Interpret mode runs the same kernel with `sparse_mla_mgpu`'s Pallas row-loop gather (the interpreter cannot run
+32 heads (one device's share of 128 at tensor:4; the wrapper pads 32 or fewer to 32): `_kernel_t`, the keys as
+wgmma's M as in the forward's `_kernel_t`. One warpgroup per (token, 32 heads): S^T = K q^T and dP^T = V dO^T
+[64 keys, 32 heads] on `wgmma m64n32k16`, P^T and scale dS^T in registers (lse and delta are per head, broadcast
+along the keys: no reduction), stored through transposed views of [32, 64] staging tiles that leave by TMA into
+the same [N, H, K] outputs; key blocks double-buffered (q 36 KiB + dO 32 KiB + 2 x 72 KiB + staging 8 KiB:
+227,360 B, 249 registers, no spills).
+Interpret mode runs the same kernels with `sparse_mla_mgpu`'s Pallas row-loop gather (the interpreter cannot run
 `inline_mgpu`). Not yet run on a chip.
 """
 
@@ -33,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv32_jax.kernels import sparse_mla_mgpu as fwd
-from dsv32_jax.kernels.sparse_mla_mgpu import BK, DQK, DV, H_BLK, KW, LOG2E, SWIZZLE, TILE
+from dsv32_jax.kernels.sparse_mla_mgpu import BK, DQK, DV, H_BLK, H_T, KW, LOG2E, SWIZZLE, TILE
 
 _DETECT_RACES = False  # tests switch the interpreter's happens-before race detector on
 
@@ -63,6 +69,23 @@ class _ChipGather(fwd._ChipGather):
         self._wait = fwd._plgpu().inline_mgpu()(_wait_none_pending)  # one buffer: wait for every group
 
 
+def _issue_token_loads(srcs, t, heads, dsts, bars):
+    """The token's q, dO, lse and delta rows of these heads by TMA, on barriers 0-3."""
+    plgpu = fwd._plgpu()
+    for i, (src, dst) in enumerate(zip(srcs, dsts)):
+        plgpu.copy_gmem_to_smem(src.at[t, heads], dst, bars.at[i])
+
+
+def _token_rows(rows_smem, bars, layout):
+    """After `_issue_token_loads`' four barriers: (lse in base 2, inf for a row with no valid slot, so that
+    exp2(x - inf) = 0 for every slot; delta) in `layout`."""
+    plgpu = fwd._plgpu()
+    for i in range(4):
+        plgpu.barrier_wait(bars.at[i])
+    lse2 = plgpu.load(rows_smem.at[0], layout=layout) * LOG2E
+    return jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), plgpu.load(rows_smem.at[1], layout=layout)
+
+
 def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, lse_gmem, delta_gmem, p_gmem, ds_gmem,
             q_smem, do_smem, kv_smem, stage, rows_smem, bars, *, scale, nblk, gather):
     import jax.experimental.pallas as pl
@@ -77,19 +100,11 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, lse_gmem, delta_gmem, p_gmem, ds
     def idx_block(b):
         return idx_tok.at[pl.ds(b * BK, BK)]
 
-    @pl.when(w == 0)
-    def _():
-        plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q_smem, bars.at[0])
-        plgpu.copy_gmem_to_smem(do_gmem.at[t, heads], do_smem, bars.at[1])
-        plgpu.copy_gmem_to_smem(lse_gmem.at[t, heads], rows_smem.at[0], bars.at[2])
-        plgpu.copy_gmem_to_smem(delta_gmem.at[t, heads], rows_smem.at[1], bars.at[3])
+    pl.when(w == 0)(lambda: _issue_token_loads((q_gmem, do_gmem, lse_gmem, delta_gmem), t, heads,
+                                                (q_smem, do_smem, rows_smem.at[0], rows_smem.at[1]), bars))
     gather.issue(w, kv_gmem, idx_block(0), kv_smem, rows_smem.at[2])  # block b's mask: row 2 + b % 2
     gather.commit()
-    for i in range(4):
-        plgpu.barrier_wait(bars.at[i])
-    lse2 = plgpu.load(rows_smem.at[0], layout=row_layout) * LOG2E
-    lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)  # an empty row: exp2(x - inf) = 0 for every slot
-    delta = plgpu.load(rows_smem.at[1], layout=row_layout)
+    lse2, delta = _token_rows(rows_smem, bars, row_layout)
     kv_w = kv_smem.at[pl.ds(w * KW, KW)]
     p_stage, ds_stage = stage.at[w, 0], stage.at[w, 1]
 
@@ -129,14 +144,99 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, lse_gmem, delta_gmem, p_gmem, ds
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_t(q_gmem, do_gmem, kv_gmem, idx_gmem, lse_gmem, delta_gmem, p_gmem, ds_gmem,
+              q_smem, do_smem, kv_smem, stage, rows_smem, mask_smem, bars, *, scale, nblk, gather):
+    """The keys-as-M form for 32 heads per CTA (one warpgroup; `sparse_mla_mgpu._kernel_t`'s layout): per 64-key
+    block S^T = K q^T and dP^T = V dO^T [64 keys, 32 heads] on `wgmma m64n32k16`, P^T and scale dS^T in registers
+    (lse and delta broadcast along the keys: no reduction), stored through transposed views of [32, 64] staging
+    tiles that leave by TMA into P / dS [N, H, K]. Key blocks double-buffered: block b + 1's gather is issued
+    before block b's MMAs."""
+    import jax.experimental.pallas as pl
+    plgpu = fwd._plgpu()
+    g = jax.lax.axis_index("g")
+    t = jax.lax.axis_index("t")
+    heads = pl.ds(g * H_T, H_T)
+    head_layout = plgpu.Layout.WGMMA.reduce(0)
+    key_layout = plgpu.Layout.WGMMA.reduce(1)
+    idx_tok = idx_gmem.at[t]
+
+    def idx_block(b):
+        return idx_tok.at[pl.ds(b * BK, BK)]
+
+    _issue_token_loads((q_gmem, do_gmem, lse_gmem, delta_gmem), t, heads,
+                       (q_smem, do_smem, rows_smem.at[0], rows_smem.at[1]), bars)
+    gather.issue(0, kv_gmem, idx_block(0), kv_smem.at[0], mask_smem.at[0])
+    gather.commit()
+    lse2, delta = _token_rows(rows_smem, bars, head_layout)
+
+    def step(b, carry):
+        slot = jax.lax.rem(b, 2)
+
+        @pl.when(b + 1 < nblk)
+        def _():  # the other buffer held block b - 1, whose MMAs this warpgroup has completed
+            gather.issue(0, kv_gmem, idx_block(b + 1), kv_smem.at[1 - slot], mask_smem.at[1 - slot])
+        gather.commit()
+        gather.wait()  # block b (and its mask) is in shared memory
+        kv = kv_smem.at[slot]
+
+        def mma(acc_s, acc_dp):
+            plgpu.wgmma(acc_s, kv, q_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_dp, kv.at[:, pl.ds(0, DV)], do_smem.transpose((1, 0)))
+            return acc_s[...], acc_dp[...]
+        s, dp = pl.run_scoped(mma, plgpu.ACC((BK, H_T), jnp.float32), plgpu.ACC((BK, H_T), jnp.float32))
+        mask = plgpu.load(mask_smem.at[slot], layout=key_layout)
+        s2 = s * (scale * LOG2E) + jax.lax.broadcast_in_dim(mask, s.shape, [0])
+        p = jnp.exp2(s2 - jax.lax.broadcast_in_dim(lse2, s.shape, [1]))
+        ds = p * (dp - jax.lax.broadcast_in_dim(delta, s.shape, [1])) * scale
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read the staging tiles
+        stage.at[0].transpose((1, 0))[...] = p.astype(jnp.bfloat16)
+        stage.at[1].transpose((1, 0))[...] = ds.astype(jnp.bfloat16)
+        plgpu.commit_smem()
+        cols = pl.ds(b * BK, BK)
+        plgpu.copy_smem_to_gmem(stage.at[0], p_gmem.at[t, heads, cols])
+        plgpu.copy_smem_to_gmem(stage.at[1], ds_gmem.at[t, heads, cols])
+        return carry
+
+    jax.lax.fori_loop(0, nblk, step, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _pds_t(q, do, kv, idx, lse, delta, *, scale: float, interpret: bool):
+    """`_kernel_t` over 32 heads: (P, scale * dS) [N, 32, K] bf16."""
+    plgpu = fwd._plgpu()
+    n, h, _ = q.shape
+    k = idx.shape[1]
+    tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
+    SM = plgpu.SMEM
+    scratch = [
+        SM((H_T, DQK), jnp.bfloat16, transforms=tiles),  # q
+        SM((H_T, DV), jnp.bfloat16, transforms=tiles),  # dO
+        SM((2, BK, DQK), jnp.bfloat16, transforms=tiles),  # key blocks, double-buffered
+        SM((2, H_T, BK), jnp.bfloat16, transforms=tiles),  # staging: P, dS ([heads, keys], written transposed)
+        SM((2, H_T), jnp.float32),  # lse, delta
+        SM((2, BK), jnp.float32),  # the key blocks' additive masks
+        plgpu.Barrier(num_barriers=4),  # q, dO, lse, delta
+    ]
+    gather = fwd._InterpretGather(full_block=True) if interpret else fwd._ChipGather(tiles, full_block=True)
+    body = functools.partial(_kernel_t, scale=float(scale), nblk=k // BK, gather=gather)
+    out_type = (jax.ShapeDtypeStruct((n, h, k), jnp.bfloat16),) * 2
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_T), grid_names=("t", "g"),
+                        kernel_name="sparse_mla_pds_mgpu_h32",
+                        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+                        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(
+        q, do, kv, idx, lse.astype(jnp.float32), delta.astype(jnp.float32))
+
+
 def sparse_mla_pds(q, do, kv, idx, lse, delta, *, scale: float, interpret: bool = False):
     """(P, scale * dS) [N, H, K] bf16 of the stored backward. See the module docstring."""
     why = check_shapes(q, do, kv, idx)
     if why is not None:
         raise ValueError(f"sparse_mla_pds_mgpu.sparse_mla_pds: q {q.shape} {q.dtype}, do {do.shape} {do.dtype}, "
                          f"kv {kv.shape} {kv.dtype}, idx {idx.shape} {idx.dtype}: {why}")
-    plgpu = fwd._plgpu()
     n, h, _ = q.shape
+    if h == H_T:
+        return _pds_t(q, do, kv, idx, lse, delta, scale=scale, interpret=interpret)
+    plgpu = fwd._plgpu()
     k = idx.shape[1]
     tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
     SM = plgpu.SMEM

@@ -1064,19 +1064,22 @@ def _mgpu_mla_inputs(rng, n, h, m, k):
     return q, kv, jnp.asarray(idx)
 
 
-def test_sparse_mla_mgpu_forward_matches_reference(rng):
-    """`sparse_mla_mgpu.sparse_mla_fwd` (issue 31 item 2: two warpgroups, S split 32 + 32 keys, P exchanged
-    through shared memory, PV split 256 + 256 columns, double-buffered key blocks) in Mosaic GPU interpret mode
-    against the float32 reference on the same bf16 values: out within 6e-3 relative (measured 2.4e-3: P is rounded to
-    bf16 before PV, as in every bf16 attention kernel), lse within 1e-5 absolute (measured 1e-6; 1e-4 compiled on a
-    chip, where exp2 / log2 are the approximate MUFU instructions), the empty row exactly 0 / -inf. Two head groups
-    (H 128), three key blocks (K 192: both key buffers, one reused)."""
+@pytest.mark.parametrize("h", [128, 32])
+def test_sparse_mla_mgpu_forward_matches_reference(rng, h):
+    """`sparse_mla_mgpu.sparse_mla_fwd` in Mosaic GPU interpret mode against the float32 reference on the same bf16
+    values. H 128 (issue 31 item 2: two head groups, two warpgroups, S split 32 + 32 keys, P exchanged through
+    shared memory, PV split 256 + 256 columns, double-buffered key blocks); H 32 (the keys-as-M form `_kernel_t`:
+    one warpgroup, S^T = K q^T, the softmax over keys as column reductions across its 4 warps, O^T = V^T P^T).
+    Out within 6e-3 relative (measured 2.4e-3 / 2.6e-3: P is rounded to bf16 before PV, as in every bf16 attention
+    kernel), lse within 1e-5 absolute (measured 1e-6 / 5e-7; 1e-4 compiled on a chip, where exp2 / log2 are the
+    approximate MUFU instructions), the empty row exactly 0 / -inf; 20% invalid slots, a whole invalid block,
+    repeats; three key blocks (K 192: both key buffers, one reused)."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
-    q, kv, idx = _mgpu_mla_inputs(rng, 3, 128, 500, 192)
+    q, kv, idx = _mgpu_mla_inputs(rng, 3, h, 500, 192)
     scale = 576 ** -0.5
     out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale, interpret=IMPL == "interpret"))(q, kv, idx)
     want, want_lse = sm.sparse_mla_fwd_reference(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale=scale)
-    assert float(jnp.abs(want).max()) > 0.1
+    assert out.shape == want.shape and float(jnp.abs(want).max()) > 0.1
     assert rel_err(out, want) <= 6e-3
     finite = np.isfinite(np.asarray(want_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
@@ -1085,15 +1088,17 @@ def test_sparse_mla_mgpu_forward_matches_reference(rng):
     assert float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]))) <= lse_bound
 
 
-def test_sparse_mla_mgpu_on_chip(rng):
-    """The compiled forward (cp.async gather, in-place PV) at the production shape on a Hopper GPU: 64 tokens, H 128,
-    K 2048 (32 key blocks through the double buffer) over 8192 keys, with the edge cases of `_mgpu_mla_inputs`;
-    the bounds of the interpret-mode test above (out 6e-3, lse 1e-4 with the chip's approximate exp2 / log2).
-    Skipped on CPU (`inline_mgpu` has no interpret mode); owed to a chip (bench/gpu_owed.sh 0)."""
+@pytest.mark.parametrize("h", [128, 32])
+def test_sparse_mla_mgpu_on_chip(rng, h):
+    """The compiled forward (cp.async gather, in-place PV) at the production shape on a Hopper GPU: 64 tokens, H 128
+    (two 64-head CTAs a token) or 32 (the keys-as-M form), K 2048 (32 key blocks through the double buffer) over
+    8192 keys, with the edge cases of `_mgpu_mla_inputs`; the bounds of the interpret-mode tests above (out 6e-3,
+    lse 1e-4 with the chip's approximate exp2 / log2). Skipped on CPU (`inline_mgpu` has no interpret mode); owed
+    to a chip (bench/gpu_owed.sh 0)."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     if IMPL != "pallas_gpu":
         pytest.skip("the compiled Mosaic GPU forward runs only on a Hopper GPU (DSV32_TEST_KERNELS_ON_GPU=1)")
-    q, kv, idx = _mgpu_mla_inputs(rng, 64, 128, 8192, 2048)
+    q, kv, idx = _mgpu_mla_inputs(rng, 64, h, 8192, 2048)
     scale = 576 ** -0.5
     out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale))(q, kv, idx)
     want, want_lse = jax.jit(lambda *a: sm.sparse_mla_fwd_reference(*a, scale=scale))(
@@ -1105,37 +1110,47 @@ def test_sparse_mla_mgpu_on_chip(rng):
     assert float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]))) <= 1e-4
 
 
-def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch):
-    """The same kernel under the interpreter's happens-before race detector (its warpgroups' shared-memory
-    hand-offs: row maxima, the P halves, the key buffers, the output tile over q). Mutations caught (the
-    interpreter raises): the row-maxima exchange's barrier dropped ("RACE DETECTED"), the wait on P being full
-    dropped (a barrier phase no thread observed), the wait on the key buffer being free dropped."""
+@pytest.mark.parametrize("h", [64, 32])
+def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch, h):
+    """The same kernels under the interpreter's happens-before race detector (64 heads: its warpgroups'
+    shared-memory hand-offs: row maxima, the P halves, the key buffers, the output tile over q; 32 heads, the
+    keys-as-M form: the double-buffered key blocks, P^T, the output tiles over q). Mutations caught (the interpreter
+    raises): the row-maxima exchange's barrier dropped ("RACE DETECTED"), the wait on P being full dropped (a
+    barrier phase no thread observed), the wait on the key buffer being free dropped; in the keys-as-M form, the
+    wait for q's TMA dropped and the lse tile not committed before its TMA store ("RACE DETECTED" both). Not
+    caught: P^T's `commit_smem` before PV dropped (the interpreter does not model the generic-to-async proxy fence
+    that it emits on the chip; the compile table shows the fence)."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     if IMPL != "interpret":
         pytest.skip("the race detector is an interpret-mode tool")
     monkeypatch.setattr(sm, "_DETECT_RACES", True)
-    q, kv, idx = _mgpu_mla_inputs(rng, 2, 64, 300, 192)
+    q, kv, idx = _mgpu_mla_inputs(rng, 2, h, 300, 192)
     out, lse = sm.sparse_mla_fwd(q, kv, idx, scale=0.05, interpret=True)
     want, _ = sm.sparse_mla_fwd_reference(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale=0.05)
     assert rel_err(out, want) <= 6e-3
 
 
 def test_mosaic_gpu_kernels_warn_when_they_pad_heads(rng):
-    """The Mosaic GPU forward and P / dS kernel run 64 heads per CTA: 16 heads are padded to 64 (4x the work), which
-    the user is told at trace time (eval_shape: nothing runs); 64 heads are not padded and nothing is said."""
+    """The Mosaic GPU forward and P / dS kernel run 64 heads per CTA, and 32 or fewer in their keys-as-M forms: 16
+    heads are padded to 32 (2x the work). The user is told at trace time (eval_shape: nothing runs); 64 and 32
+    heads are not padded and nothing is said. (Head counts the Triton kernels already pad to their block, e.g. 40
+    to 64, are not reported again.) Mutations caught: the wrapper padding 16 heads to 64 for the forward, and for
+    the P / dS kernel."""
     def traced(h, **kw):
         q = jax.ShapeDtypeStruct((1, 2, h, 576), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((1, 90, 576), jnp.bfloat16)
         idx = jax.ShapeDtypeStruct((1, 2, 64), jnp.int32)
         f = lambda a, c, i: kernels.sparse_mla(a, c, i, 0.04, 512, impl=IMPL, **kw)[0].astype(jnp.float32).sum()  # noqa: E731
         jax.eval_shape(jax.grad(f, argnums=(0, 1)), q, kv, idx)
-    with pytest.warns(UserWarning, match=r"Mosaic GPU forward runs 64 heads per CTA; 16 heads .* padded to 64: 4.0x"):
+    with pytest.warns(UserWarning, match=r"Mosaic GPU forward runs 32 heads per CTA; 16 heads .* padded to 32: 2.0x"):
         traced(16, fwd="mosaic_gpu")
-    with pytest.warns(UserWarning, match=r"Mosaic GPU P / dS kernel .* 16 heads .* padded to 64: 4.0x"):
+    with pytest.warns(UserWarning, match=r"Mosaic GPU P / dS kernel runs 32 heads per CTA; 16 heads .* padded to "
+                                         r"32: 2.0x"):
         traced(16, pds="mosaic_gpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         traced(64, fwd="mosaic_gpu", pds="mosaic_gpu")
+        traced(32, fwd="mosaic_gpu", pds="mosaic_gpu")
 
 
 def _padded_mla_case(rng, b=2, t=2, h=40, s=90, k=72):
@@ -1148,19 +1163,20 @@ def _padded_mla_case(rng, b=2, t=2, h=40, s=90, k=72):
     return q, kv, jnp.asarray(idx)
 
 
-def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng, monkeypatch):
+@pytest.mark.parametrize("h", [40, 24])
+def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng, monkeypatch, h):
     """`kernels.sparse_mla(impl="interpret_mosaic_gpu")`: the Mosaic GPU forward behind the op's custom VJP, the
-    Triton stored backward (interpret) on its residuals. Heads (40) and slots (72) that are not multiples of 64 (the
-    wrapper pads them), a batch of 2 with per-batch indices (some >= S: invalid). Against the float32 reference:
-    out 1e-2, gradients 2e-2 (the bf16 bounds of this file), lse 1e-5 absolute where finite; and the Mosaic GPU
-    forward is what ran (the Triton one would pass the value checks too). Mutation caught: `_forward` ignoring
-    cfg.fwd."""
+    Triton stored backward (interpret) on its residuals. Heads (40: padded to 64; 24: padded to 32, the keys-as-M
+    form) and slots (72) that are not multiples of the kernel's (the wrapper pads them), a batch of 2 with per-batch
+    indices (some >= S: invalid). Against the float32 reference: out 1e-2, gradients 2e-2 (the bf16 bounds of this
+    file), lse 1e-5 absolute where finite; and the Mosaic GPU forward is what ran (the Triton one would pass the
+    value checks too). Mutation caught: `_forward` ignoring cfg.fwd."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     calls = []
     original = sm.sparse_mla_fwd
     monkeypatch.setattr(sm, "sparse_mla_fwd", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    q, kv, idx = _padded_mla_case(rng)
-    b, t, h = q.shape[:3]
+    q, kv, idx = _padded_mla_case(rng, h=h)
+    b, t = q.shape[:2]
     scale = 576 ** -0.5
     impl = "interpret_mosaic_gpu" if IMPL == "interpret" else "mosaic_gpu"
 
@@ -1213,7 +1229,7 @@ def test_sparse_mla_mgpu_argument_checks(rng):
     kv = jnp.zeros((10, 576), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"idx \(2, 100\) int32: needs K a positive multiple of 64"):
         sm.sparse_mla_fwd(q, kv, jnp.zeros((2, 100), jnp.int32), scale=1.0)
-    with pytest.raises(ValueError, match=r"q \(2, 48, 576\).*multiple of 64"):
+    with pytest.raises(ValueError, match=r"q \(2, 48, 576\).*needs the head count to be 32 or a multiple of 64"):
         sm.sparse_mla_fwd(q[:, :48], kv, jnp.zeros((2, 64), jnp.int32), scale=1.0)
     with pytest.raises(ValueError, match="needs bf16 q and kv"):
         sm.sparse_mla_fwd(q.astype(jnp.float32), kv, jnp.zeros((2, 64), jnp.int32), scale=1.0)
@@ -1270,55 +1286,63 @@ def _check_pds(p, ds, q, do, kv, idx, lse, delta):
     assert not np.any(np.asarray(p, np.float32)[invalid]) and not np.any(np.asarray(ds, np.float32)[invalid])
 
 
-def test_sparse_mla_pds_mgpu_matches_reference(rng):
-    """`sparse_mla_pds_mgpu.sparse_mla_pds` (issue 31 item 3: the stored backward's P and scale * dS, two
-    warpgroups, single-buffered key block) in Mosaic GPU interpret mode against its float32 contract on the same
-    bf16 values: P and dS within 6e-3 relative (bf16 outputs; measured 1.7e-3 / 1.5e-3), exactly 0 on invalid slots,
-    the whole invalid block and the token with no valid slot (lse -inf). Two head groups (H 128), three key blocks.
-    Mutations caught: the next block's gather issued before the MMAs read the block (a wrong P), the mask not
-    applied (`+ broadcast(mask)` dropped), dS without the softmax scale."""
+@pytest.mark.parametrize("h", [128, 32])
+def test_sparse_mla_pds_mgpu_matches_reference(rng, h):
+    """`sparse_mla_pds_mgpu.sparse_mla_pds` (issue 31 item 3: the stored backward's P and scale * dS; H 128: two
+    warpgroups, single-buffered key block, two head groups; H 32: the keys-as-M form, one warpgroup, P^T / dS^T
+    stored through transposed staging views, double-buffered key blocks) in Mosaic GPU interpret mode against its
+    float32 contract on the same bf16 values: P and dS within 6e-3 relative (bf16 outputs; measured 1.7e-3 / 1.5e-3
+    at H 128, 1.8e-3 / 1.7e-3 at H 32), exactly 0 on invalid slots, the whole invalid block and the token with no
+    valid slot (lse -inf). Three key blocks. Mutations caught: the next block's gather issued before the MMAs read
+    the block (a wrong P), the mask not applied (`+ broadcast(mask)` dropped), dS without the softmax scale; at
+    H 32: the next block gathered into the buffer being read, the mask not applied, delta dropped from dS."""
     from dsv32_jax.kernels import sparse_mla_pds_mgpu as pm
-    args = _pds_inputs(rng, 3, 128, 500, 192)
+    args = _pds_inputs(rng, 3, h, 500, 192)
     p, ds = jax.jit(lambda *a: pm.sparse_mla_pds(*a, scale=576 ** -0.5, interpret=IMPL == "interpret"))(*args)
     _check_pds(p, ds, *args)
 
 
-def test_sparse_mla_pds_mgpu_on_chip(rng):
-    """The compiled P / dS kernel (cp.async gather) at the production shape on a Hopper GPU: 64 tokens, H 128, K 2048
-    over 8192 keys, the bounds above. Skipped on CPU; owed to a chip (bench/gpu_owed.sh 0)."""
+@pytest.mark.parametrize("h", [128, 32])
+def test_sparse_mla_pds_mgpu_on_chip(rng, h):
+    """The compiled P / dS kernel (cp.async gather) at the production shape on a Hopper GPU: 64 tokens, H 128 (or
+    32: the keys-as-M form), K 2048 over 8192 keys, the bounds above. Skipped on CPU; owed to a chip
+    (bench/gpu_owed.sh 0)."""
     from dsv32_jax.kernels import sparse_mla_pds_mgpu as pm
     if IMPL != "pallas_gpu":
         pytest.skip("the compiled Mosaic GPU P / dS kernel runs only on a Hopper GPU (DSV32_TEST_KERNELS_ON_GPU=1)")
-    args = _pds_inputs(rng, 64, 128, 8192, 2048)
+    args = _pds_inputs(rng, 64, h, 8192, 2048)
     p, ds = jax.jit(lambda *a: pm.sparse_mla_pds(*a, scale=576 ** -0.5))(*args)
     _check_pds(p, ds, *args)
 
 
-def test_sparse_mla_pds_mgpu_has_no_race(rng, monkeypatch):
-    """The P / dS kernel under the interpreter's race detector: each warpgroup overwrites its rows of the single key
+@pytest.mark.parametrize("h", [64, 32])
+def test_sparse_mla_pds_mgpu_has_no_race(rng, monkeypatch, h):
+    """The P / dS kernels under the interpreter's race detector: each warpgroup overwrites its rows of the single key
     buffer (the next block's gather) only after its own MMAs have read them, and rewrites its staging tiles only
-    after their TMA stores have read them. Mutation caught: that wait for the stores dropped ("RACE DETECTED")."""
+    after their TMA stores have read them (H 32, the keys-as-M form: the same for its double-buffered blocks and its
+    transposed staging views). Mutation caught: that wait for the stores dropped ("RACE DETECTED"; in both forms)."""
     from dsv32_jax.kernels import sparse_mla_pds_mgpu as pm
     if IMPL != "interpret":
         pytest.skip("the race detector is an interpret-mode tool")
     monkeypatch.setattr(pm, "_DETECT_RACES", True)
-    args = _pds_inputs(rng, 2, 64, 300, 192)
+    args = _pds_inputs(rng, 2, h, 300, 192)
     p, ds = pm.sparse_mla_pds(*args, scale=576 ** -0.5, interpret=True)
     _check_pds(p, ds, *args)
 
 
-@pytest.mark.parametrize("bwd", ["stored", "atomic"])
-def test_sparse_mla_pds_mosaic_gpu_gradients(rng, monkeypatch, bwd):
+@pytest.mark.parametrize("bwd,h", [("stored", 40), ("atomic", 40), ("stored", 24)])
+def test_sparse_mla_pds_mosaic_gpu_gradients(rng, monkeypatch, bwd, h):
     """`kernels.sparse_mla(pds="mosaic_gpu")`: the stored / atomic backward with its P and dS from the Mosaic GPU
-    kernel (interpret mode on CPU), the rest Triton. Heads (40) and slots (72) that are not multiples of 64 (padded
-    inside), a batch of 2, invalid and out-of-range slots; gradients against float32 autodiff of the reference
+    kernel (interpret mode on CPU), the rest Triton. Heads (40: padded to 64; 24: padded to 32, the keys-as-M form)
+    and slots (72) that are not multiples of the kernel's (padded inside), a batch of 2, invalid and out-of-range
+    slots; gradients against float32 autodiff of the reference
     within this file's bf16 bound (2e-2), and the Mosaic GPU kernel is what ran. Eager, as the forward's test above.
     Mutation caught: `_stored_backward_chunk` ignoring cfg.pds."""
     from dsv32_jax.kernels import sparse_mla_pds_mgpu as pm
     calls = []
     original = pm.sparse_mla_pds
     monkeypatch.setattr(pm, "sparse_mla_pds", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    q, kv, idx = _padded_mla_case(rng)
+    q, kv, idx = _padded_mla_case(rng, h=h)
     w = jnp.asarray(rng.standard_normal((*q.shape[:3], 512)), jnp.float32)
     scale = 576 ** -0.5
 

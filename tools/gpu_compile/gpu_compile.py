@@ -155,10 +155,25 @@ def all_cases() -> list[Case]:
                                 r"wgmma\.mma_async\S*m64n256k16\S*bf16", r"sass:LDGSTS\.\S*128",
                                 r"sass:HGMMA\.64x256x16", r"sass:HGMMA\.64x32x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),), max_registers=(("mosaic", 232),)))  # 213 measured
+    # ... and its keys-as-M form for 32 heads per device (the 671B recipe's tensor:4; 16 heads are padded to 32):
+    # one warpgroup, S^T = K q^T on wgmma N = 32, the softmax over keys across its 4 warps, O^T = V^T P^T with V^T
+    # read transposed from shared memory, the key blocks double-buffered by cp.async.
+    cases.append(Case("sparse_mla_fwd_mgpu[prod,L=8192,heads=32]", "sparse_mla_fwd", "prod", 8192,
+                      options=(("impl", "mosaic_gpu"), ("heads", 32)), smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
+                                r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x32x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
     # Issue 31 item 3's P / dS kernel (the stored backward's first kernel) in Mosaic GPU: both warpgroups gather by
     # cp.async, S and dP on wgmma N = 32 per warpgroup, no mma.sync, no spills; q + dO + one key block + staging.
     cases.append(Case("sparse_mla_pds_mgpu[prod,L=8192]", "sparse_mla_pds_mgpu", "prod", 8192,
                       smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
+                                r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x32x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
+    # ... and its keys-as-M form for 32 heads per device: one warpgroup, S^T and dP^T on wgmma N = 32, P^T and dS^T
+    # stored through transposed views of the staging tiles, the key blocks double-buffered by cp.async.
+    cases.append(Case("sparse_mla_pds_mgpu[prod,L=8192,heads=32]", "sparse_mla_pds_mgpu", "prod", 8192,
+                      options=(("heads", 32),), smem_budget=SMEM_PER_BLOCK,
                       requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
                                 r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x32x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),)))
@@ -293,10 +308,11 @@ def build(case: Case):
         return (lambda *a: smla._dqkv(*a, cfg, jnp.bfloat16)), args + [spec((n, hp, kp), jnp.bfloat16)] * 2
     if case.op == "sparse_mla_pds_mgpu":  # the stored backward's P / dS kernel in Mosaic GPU, flattened tokens
         pm = importlib.import_module("dsv32_jax.kernels.sparse_mla_pds_mgpu")
+        h = o.get("heads", sh.heads)
         return (lambda q, do, kv, i, lse, dl: pm.sparse_mla_pds(q, do, kv, i, lse, dl, scale=sh.d_qk ** -0.5)), [
-            spec((t, sh.heads, sh.d_qk), jnp.bfloat16), spec((t, sh.heads, sh.d_v), jnp.bfloat16),
-            spec((l, sh.d_qk), jnp.bfloat16), spec((t, sh.topk), jnp.int32), spec((t, sh.heads), jnp.float32),
-            spec((t, sh.heads), jnp.float32)]
+            spec((t, h, sh.d_qk), jnp.bfloat16), spec((t, h, sh.d_v), jnp.bfloat16),
+            spec((l, sh.d_qk), jnp.bfloat16), spec((t, sh.topk), jnp.int32), spec((t, h), jnp.float32),
+            spec((t, h), jnp.float32)]
     if case.op == "sparse_mla_dqkv_mgpu":  # the stored backward's dq / dkv kernel in Mosaic GPU, 512 tokens
         dm = importlib.import_module("dsv32_jax.kernels.sparse_mla_dqkv_mgpu")
         n = 512  # a chunk of the backward's scan
@@ -304,7 +320,8 @@ def build(case: Case):
             spec((n, sh.heads, sh.d_qk), jnp.bfloat16), spec((n, sh.heads, sh.d_qk), jnp.bfloat16),
             spec((l, sh.d_qk), jnp.bfloat16), spec((n, sh.topk), jnp.int32),
             spec((n, sh.heads, sh.topk), jnp.bfloat16), spec((n, sh.heads, sh.topk), jnp.bfloat16)]
-    args = [spec((1, t, sh.heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
+    heads = o.pop("heads", sh.heads)  # per device: the production 128 unless the case says (a tensor-sharded step)
+    args = [spec((1, t, heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
             spec((1, t, sh.topk), jnp.int32)]
     scale = sh.d_qk ** -0.5
     if case.op == "sparse_mla_fwd":
