@@ -288,7 +288,7 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     # where its time goes. Rate: the stage's MMA FLOP (all k slots counted) or, for the segment sum, GB/s of partials;
     # the check column adds the share of the whole backward and the GB/s of the traffic it cannot avoid (`Stage`).
     def stage_rows(bwd, pds="triton", dqkv="triton", heads=None):
-        """heads: the first `heads` of q (one device of a tensor-sharded step) and only the P / dS stage."""
+        """heads: the first `heads` of q (one device of a tensor-sharded step): its P / dS and dq / dkv stages."""
         qh = q if heads is None else q[:, :, :heads]
         do = jax.random.normal(ks[6], (1, t, qh.shape[2], sh.d_v), jnp.bfloat16)
         stages = sparse_mla_module.backward_stages(qh, kv, sel, scale, sh.d_v, do, impl=impl or "pallas_gpu",
@@ -296,8 +296,8 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
                                                     dqkv=dqkv)
         if dqkv != "triton":  # the dq / dkv stage alone (the P / dS and segment sum rows are the stored ones)
             stages = [st for st in stages if st.name.startswith("dq/dkv")]
-        if heads is not None:
-            stages = [st for st in stages if st.name.startswith("P/dS")]
+        if heads is not None:  # the segment sum does not depend on the heads
+            stages = [st for st in stages if st.name.startswith(("P/dS", "dq/dkv"))]
         whole = None if heads is not None else state.get(("bwd", bwd, pds, dqkv))
         rows = []
         for st in stages:
@@ -314,8 +314,9 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
         cases = [("stored", "triton", "triton"), ("atomic", "triton", "triton")]
         if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
             cases += [("stored", "mosaic_gpu", "triton"), ("stored", "triton", "mosaic_gpu")]
-            if sh.heads > 32:  # the P / dS stage at 32 heads a device: Triton's tiles vs the keys-as-M Mosaic GPU form
-                cases += [("stored", "triton", "triton", 32), ("stored", "mosaic_gpu", "triton", 32)]
+            if sh.heads > 32:  # the stages at 32 heads a device: Triton's tiles vs the keys-as-M Mosaic GPU forms
+                cases += [("stored", "triton", "triton", 32), ("stored", "mosaic_gpu", "triton", 32),
+                          ("stored", "triton", "mosaic_gpu", 32)]
         for bwd, pds, dqkv, *heads in cases:
             guarded_rows(f"sparse_mla bwd ({bwd}) stages" + ("" if pds == "triton" else f" (P/dS {pds})")
                          + ("" if dqkv == "triton" else f" (dq/dkv {dqkv})") + "".join(f" ({h} heads)" for h in heads),

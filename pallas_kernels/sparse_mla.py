@@ -470,10 +470,11 @@ def _pds(q_c, kvf, idx_c, do_c, lse_c, delta_c, cfg: _Cfg):
 
 def _dqkv_mgpu(q_c, do_p, kvf, idx_c, p, ds, part_dtype, interpret: bool):
     """`_dqkv_kernel`'s (dq, dkv partials) by the Mosaic GPU kernel (`sparse_mla_dqkv_mgpu`): heads padded to its
-    64 or 128 (q, dO, P, dS zero there), slots (-1; P, dS 0) to a multiple of its two 64-slot blocks, both cut back."""
+    32, 64 or 128 (q, dO, P, dS zero there), slots (-1; P, dS 0) to a multiple of its two 64-slot blocks, both cut
+    back."""
     n, hp, _ = q_c.shape
     kp = idx_c.shape[1]
-    hm = 64 if hp <= 64 else round_up(hp, 128)
+    hm = 32 if hp <= 32 else 64 if hp <= 64 else round_up(hp, 128)
     km = round_up(kp, 2 * sparse_mla_dqkv_mgpu.BK)
     _warn_head_padding("dq / dkv kernel", hp, hm, hm)
     heads, slots = ((0, 0), (0, hm - hp), (0, 0)), ((0, 0), (0, hm - hp), (0, km - kp))
@@ -862,8 +863,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     128 heads, bf16 q; raises on inputs it cannot serve); for `RunOptions.mla_dqkv`; ignored by the TPU and reference
     impls. The Mosaic GPU kernels run 64 heads per CTA (dq / dkv: 64 or 128): fewer heads (per device, under a
     mesh) are padded to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md
-    "Head padding"); the forward and the P / dS kernel run 32 or fewer heads in their keys-as-M forms (32 per CTA:
-    2x at 16 heads).
+    "Head padding"); all three run 32 or fewer heads in their keys-as-M forms (32 per CTA: 2x at 16 heads).
     """
     def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:

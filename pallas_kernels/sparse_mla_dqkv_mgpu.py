@@ -8,7 +8,7 @@ Semantics (what `pallas_kernels.sparse_mla._dqkv_kernel` computes with bwd="stor
   dq   [N, H, 576] bf16 = ds kv[idx]                  (summed over the K slots)
   part [N, K, 576] part_dtype = ds^T q + p^T do      (summed over the H heads; reduced into dkv by the segment sum;
                                                       bf16, what the Triton kernel writes for a bf16 cache, or f32)
-H 64 or 128, K a multiple of 128.
+H 32, 64 or 128, K a multiple of 128.
 
 Structure: grid (N, 9) (the slice axis last: CUDA's x, the fastest, so the 9 slices of a token run together and
 share its P, dS and gathered rows in L2). The token's q and dO slices ([H, 64] each) arrive by TMA and stay in
@@ -19,6 +19,11 @@ by 16-byte `cp.async` (4 per thread; invalid slots copy 0 bytes, which zero-fill
   dq [H, 64] += dS k                             (wgmma, B N-major: K = slots; accumulated in registers)
 and the part block leaves by TMA from a staging tile. At the end warpgroup 1 hands its dq to warpgroup 0 through
 shared memory, which adds and stores. All tiles are (8, 64) with the 128-byte swizzle (a slice row is 128 bytes).
+32 heads (one device's share of 128 at tensor:4; the wrapper pads 32 or fewer to 32): dq's product has the heads
+as wgmma's M, below its 64, so it runs transposed, dq^T [64 columns, 32 heads] += k^T dS^T (A = the gathered rows'
+slice read transposed, B = dS^T), stored through a transposed view of the [32, 64] staging tile; and dS^T q +
+P^T dO has K = 32 heads, which wgmma accepts only with the 64-byte swizzle, so every tile is (8, 32) there (the
+gather's destination chunks by `gather_mgpu.chunk_position` with that swizzle). 65,592 B, 82 registers, no spills.
 Interpret mode runs the gather as a Pallas row loop (the interpreter cannot run `inline_mgpu`) and accumulates dq
 into a fresh accumulator each block; on the chip dq accumulates in place.
 Why Mosaic GPU beside `_dqkv_kernel` (Triton, the same work): wgmma N = 64 for every product (Triton's mixes
@@ -56,8 +61,8 @@ def check_shapes(q, do, kv, idx, p, ds) -> str | None:
     n, h, d = q.shape
     if d != DQK or kv.shape[1] != DQK:
         return f"needs Dqk = {DQK}"
-    if h not in (64, 128):
-        return "needs 64 or 128 heads"
+    if h not in (32, 64, 128):
+        return "needs 32, 64 or 128 heads"
     k = idx.shape[1]
     if idx.shape[0] != n or k % (2 * BK) or k == 0:
         return f"needs K a positive multiple of {2 * BK} and one index row per token"
@@ -68,7 +73,7 @@ def check_shapes(q, do, kv, idx, p, ds) -> str | None:
     return None
 
 
-def _issue_slice(ctx, kv_cols, idx_blk, dst_smem):
+def _issue_slice(ctx, kv_cols, idx_blk, dst_smem, *, swizzle=SWIZZLE):
     """inline_mgpu body (lane semantics): the warpgroup's block of 64 selected rows' 64-column slice, dst row r <-
     kv_cols[idx_blk[r]] (kv_cols: a column view of kv, its offset in the pointer, rows DQK apart), zeros where
     idx_blk[r] < 0; 16-byte cp.async, consecutive threads on consecutive chunks of a row (coalesced)."""
@@ -93,17 +98,18 @@ def _issue_slice(ctx, kv_cols, idx_blk, dst_smem):
                           arith.extui(i64, (j * gather_mgpu.CHUNK).v))
         src = llvm.getelementptr(src_base.type, src_base, [arith.muli(elem, arith.constant(i64, 2))],
                                  [-2147483648], i8, llvm.GEPNoWrapFlags.none)
-        dst = llvm.getelementptr(dst_base.type, dst_base, [(gather_mgpu.chunk_position(r, j, 1, SWIZZLE) * 16).v],
-                                 [-2147483648], i8, llvm.GEPNoWrapFlags.none)
+        chunk = gather_mgpu.chunk_position(r, j, W * 2 // swizzle, swizzle)  # (8, swizzle / 2) tiles
+        dst = llvm.getelementptr(dst_base.type, dst_base, [(chunk * 16).v], [-2147483648], i8,
+                                 llvm.GEPNoWrapFlags.none)
         nvvm.cp_async_shared_global(dst, src, 16, nvvm.LoadCacheModifierKind.CG,
                                     cp_size=arith.select(valid, arith.constant(i32, 16), zero))
 
 
 class _ChipGather:
-    def __init__(self, tiles):
+    def __init__(self, tiles, swizzle=SWIZZLE):
         plgpu = fwd._plgpu()
         self._issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles)))(
-            _issue_slice)
+            functools.partial(_issue_slice, swizzle=swizzle))
         self._commit = plgpu.inline_mgpu()(fwd._commit)
         self._wait = plgpu.inline_mgpu()(pds._wait_none_pending)
 
@@ -134,6 +140,8 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, p_gmem, ds_gmem, dq_gmem, part_g
     c = jax.lax.axis_index("c")
     w = jax.lax.axis_index("wg")
     h = q_smem.shape[0]
+    keys_as_m = h < 64  # 32 heads: dq^T [64 columns, 32 heads] += k^T dS^T (wgmma M = columns, N = heads)
+    dq_shape = (W, h) if keys_as_m else (h, W)
     cols = pl.ds(c * W, W)
     kv_cols = kv_gmem.at[:, cols]
     idx_tok = idx_gmem.at[t]
@@ -160,22 +168,23 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, p_gmem, ds_gmem, dq_gmem, part_g
             plgpu.wgmma(acc, p_w.transpose((1, 0)), do_smem)
             return acc[...]
         part = pl.run_scoped(dkv, plgpu.ACC((BK, W), jnp.float32))
+        a, b = (k_w.transpose((1, 0)), ds_w.transpose((1, 0))) if keys_as_m else (ds_w, k_w)
         if in_place:
             def dq_mma(acc):
-                plgpu.wgmma(acc, ds_w, k_w)
+                plgpu.wgmma(acc, a, b)
             dq = pl.run_state(dq_mma)(plgpu.ACC.init(dq))
         else:
             def dq_mma(acc):
-                plgpu.wgmma(acc, ds_w, k_w)
+                plgpu.wgmma(acc, a, b)
                 return acc[...]
-            dq = dq + pl.run_scoped(dq_mma, plgpu.ACC((h, W), jnp.float32))
+            dq = dq + pl.run_scoped(dq_mma, plgpu.ACC(dq_shape, jnp.float32))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has read the staging tile
         stage_w[...] = part.astype(stage_w.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage_w, part_gmem.at[t, blk, cols])
         return dq
 
-    zero = plgpu.layout_cast(jnp.zeros((h, W), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros(dq_shape, jnp.float32), plgpu.Layout.WGMMA)
     dq = jax.lax.fori_loop(0, nblk // 2, step, zero)
 
     @pl.when(w == 1)
@@ -187,8 +196,9 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, p_gmem, ds_gmem, dq_gmem, part_g
     @pl.when(w == 0)
     def _():
         plgpu.barrier_wait(dq_ready)
-        total = dq + plgpu.load(dq_smem, layout=plgpu.Layout.WGMMA)
-        p_w[...] = total.astype(jnp.bfloat16)  # this warpgroup's P buffer is free: its last MMAs have completed
+        total = (dq + plgpu.load(dq_smem, layout=plgpu.Layout.WGMMA)).astype(jnp.bfloat16)
+        # this warpgroup's P buffer [h, 64] is free (its last MMAs have completed); dq^T through a transposed view
+        (p_w.transpose((1, 0)) if keys_as_m else p_w)[...] = total
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(p_w, dq_gmem.at[t, :, cols])
     plgpu.wait_smem_to_gmem(0)
@@ -207,7 +217,9 @@ def sparse_mla_dqkv(q, do, kv, idx, p, ds, *, part_dtype=jnp.bfloat16, interpret
     plgpu = fwd._plgpu()
     n, h, _ = q.shape
     k = idx.shape[1]
-    tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
+    # 32 heads: the 64-byte swizzle ((8, 32) tiles), as wgmma's K = 32 heads of dS^T q needs
+    swizzle = SWIZZLE if h >= 64 else fwd.SWIZZLE
+    tiles = (plgpu.TilingTransform(TILE if swizzle == SWIZZLE else fwd.TILE), plgpu.SwizzleTransform(swizzle))
     SM = plgpu.SMEM
     scratch = [
         SM((h, W), jnp.bfloat16, transforms=tiles),  # q slice
@@ -216,11 +228,11 @@ def sparse_mla_dqkv(q, do, kv, idx, p, ds, *, part_dtype=jnp.bfloat16, interpret
         SM((2, h, BK), jnp.bfloat16, transforms=tiles),  # P block, per warpgroup (warpgroup 0's: dq's staging)
         SM((2, h, BK), jnp.bfloat16, transforms=tiles),  # dS block, per warpgroup
         SM((2, BK, W), part_dtype, transforms=tiles if part_dtype == jnp.bfloat16 else ()),  # part staging
-        SM((h, W), jnp.float32),  # warpgroup 1's dq, handed to warpgroup 0
+        SM((W, h) if h < 64 else (h, W), jnp.float32),  # warpgroup 1's dq (dq^T at 32 heads), to warpgroup 0
         plgpu.Barrier(num_barriers=6),  # q, dO, P (per warpgroup), dS (per warpgroup)
         plgpu.Barrier(num_arrivals=1),  # dq_ready
     ]
-    gather = _InterpretGather() if interpret else _ChipGather(tiles)
+    gather = _InterpretGather() if interpret else _ChipGather(tiles, swizzle)
     body = functools.partial(_kernel, nblk=k // BK, gather=gather, in_place=not interpret)
     out_type = (jax.ShapeDtypeStruct((n, h, DQK), jnp.bfloat16), jax.ShapeDtypeStruct((n, k, DQK), part_dtype))
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, DQK // W), grid_names=("t", "c"),

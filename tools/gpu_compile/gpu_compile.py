@@ -184,6 +184,14 @@ def all_cases() -> list[Case]:
                       requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n64k16\S*bf16",
                                 r"sass:LDGSTS\.\S*128", r"sass:HGMMA\.64x64x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),)))
+    # ... at 32 heads per device: dq^T = k^T dS^T (wgmma M = the 64 columns, N = the 32 heads), dS^T q + P^T dO
+    # with K = 32 heads, dq^T stored through a transposed view.
+    cases.append(Case("sparse_mla_dqkv_mgpu[prod,L=8192,heads=32]", "sparse_mla_dqkv_mgpu", "prod", 8192,
+                      options=(("heads", 32),), smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n32k16\S*bf16",
+                                r"wgmma\.mma_async\S*m64n64k16\S*bf16", r"sass:LDGSTS\.\S*128",
+                                r"sass:HGMMA\.64x32x16", r"sass:HGMMA\.64x64x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -315,11 +323,11 @@ def build(case: Case):
             spec((t, h), jnp.float32)]
     if case.op == "sparse_mla_dqkv_mgpu":  # the stored backward's dq / dkv kernel in Mosaic GPU, 512 tokens
         dm = importlib.import_module("dsv32_jax.kernels.sparse_mla_dqkv_mgpu")
-        n = 512  # a chunk of the backward's scan
+        n, h = 512, o.get("heads", sh.heads)  # a chunk of the backward's scan
         return (lambda *a: dm.sparse_mla_dqkv(*a)), [
-            spec((n, sh.heads, sh.d_qk), jnp.bfloat16), spec((n, sh.heads, sh.d_qk), jnp.bfloat16),
+            spec((n, h, sh.d_qk), jnp.bfloat16), spec((n, h, sh.d_qk), jnp.bfloat16),
             spec((l, sh.d_qk), jnp.bfloat16), spec((n, sh.topk), jnp.int32),
-            spec((n, sh.heads, sh.topk), jnp.bfloat16), spec((n, sh.heads, sh.topk), jnp.bfloat16)]
+            spec((n, h, sh.topk), jnp.bfloat16), spec((n, h, sh.topk), jnp.bfloat16)]
     heads = o.pop("heads", sh.heads)  # per device: the production 128 unless the case says (a tensor-sharded step)
     args = [spec((1, t, heads, sh.d_qk), jnp.bfloat16), spec((1, l, sh.d_qk), jnp.bfloat16),
             spec((1, t, sh.topk), jnp.int32)]
