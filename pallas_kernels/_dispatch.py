@@ -125,6 +125,42 @@ def tpu_interpret_params():
     return pltpu.InterpretParams(**TPU_INTERPRET_OPTIONS)
 
 
+# Mosaic GPU's interpret mode runs a kernel's warpgroups (num_threads) as Python threads, each executing its own XLA
+# computation, from inside a host callback of the calling computation; a warpgroup waiting at a simulated barrier
+# blocks the XLA:CPU thread that runs its callback. Those threads come from one pool sized by PJRT_NPROC / NPROC or,
+# unset, the CPUs this process may use: with fewer threads than the callback plus the warpgroups, the warpgroup that
+# would release the barrier never gets one and the run hangs (measured 2026-11-29, jax 0.12.0.1: the dq / dkv
+# gradient test hangs at NPROC=1 every time and sometimes at 2, the CI machine's cores; passes at 3 and 8).
+def mgpu_interpret_min_pool(warpgroups: int) -> int:
+    """Pool threads a kernel of `warpgroups` needs in interpret mode: 0 for one (it runs inline, no threads), else
+    the calling callback + the warpgroups + 1 spare."""
+    return 0 if warpgroups <= 1 else warpgroups + 2
+
+
+def xla_cpu_pool_size() -> int:
+    """The XLA:CPU client's thread pool size as XLA computes it (PJRT_NPROC, then NPROC, then the usable CPUs)."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(name, "")
+        if value.strip().lstrip("-").isdigit():
+            return max(0, int(value))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def mosaic_gpu_interpret_params(kernel: str, warpgroups: int, detect_races: bool = False):
+    """`plgpu.InterpretGPUParams` for `kernel` (of `warpgroups` = its num_threads), refusing (instead of hanging)
+    when XLA:CPU's thread pool is too small for the interpreter's warpgroup threads. The pool is created with the CPU
+    client, so NPROC must be set before jax first runs anything."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    need, pool = mgpu_interpret_min_pool(warpgroups), xla_cpu_pool_size()
+    if pool < need:
+        raise RuntimeError(
+            f"{kernel}: Mosaic GPU interpret mode needs an XLA:CPU thread pool of at least {need} threads for "
+            f"{warpgroups} warpgroups (it has {pool}: PJRT_NPROC / NPROC, else the usable CPUs): each warpgroup runs "
+            f"as a thread that holds a pool thread at every barrier, and with fewer the run can hang. Set NPROC={need} "
+            "(or more) in the environment before jax starts")
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     n = max(int(n), minimum)
     return 1 << (n - 1).bit_length()

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dsv32_jax.kernels._dispatch import mosaic_gpu_interpret_params
 from dsv32_jax.kernels._dispatch import round_up
 
 E4M3 = jnp.float8_e4m3fn
@@ -223,7 +224,7 @@ def indexer_logits_mgpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, block_q
         scratch_types=scratch,
         grid=grid,
         grid_names=("q", "k"),
-        interpret=mgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+        interpret=mosaic_gpu_interpret_params("indexer_logits_mgpu", 1, _DETECT_RACES) if interpret else None,
         # the head sums reduce within warps (no cross-warp scratch): the loop kernel fits two CTAs per SM without it
         compiler_params=mgpu.CompilerParams(**({} if k_steps is None else {"reduction_scratch_bytes": 0})),
     )

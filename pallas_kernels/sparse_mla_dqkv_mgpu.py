@@ -41,6 +41,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsv32_jax.kernels._dispatch import mosaic_gpu_interpret_params
 from dsv32_jax.kernels import gather_mgpu
 from dsv32_jax.kernels import sparse_mla_mgpu as fwd
 from dsv32_jax.kernels import sparse_mla_pds_mgpu as pds
@@ -237,7 +238,8 @@ def sparse_mla_dqkv(q, do, kv, idx, p, ds, *, part_dtype=jnp.bfloat16, interpret
     out_type = (jax.ShapeDtypeStruct((n, h, DQK), jnp.bfloat16), jax.ShapeDtypeStruct((n, k, DQK), part_dtype))
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, DQK // W), grid_names=("t", "c"),
                         num_threads=2, thread_name="wg", kernel_name="sparse_mla_dqkv_mgpu",
-                        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+                        interpret=mosaic_gpu_interpret_params("sparse_mla_dqkv_mgpu", 2, _DETECT_RACES)
+                        if interpret else None,
                         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))(q, do, kv, idx, p, ds)
 
 

@@ -59,6 +59,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dsv32_jax.kernels._dispatch import mosaic_gpu_interpret_params
 from dsv32_jax.kernels import gather_mgpu
 
 H_BLK = 64  # heads per CTA (wgmma M)
@@ -461,7 +462,7 @@ def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
     return plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_T), grid_names=("t", "g"),
         kernel_name="sparse_mla_fwd_mgpu_h32",
-        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu_h32", 1, _DETECT_RACES) if interpret else None,
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH))(q, kv, idx)
 
 
@@ -496,7 +497,8 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
                         num_threads=2, thread_name="wg", kernel_name="sparse_mla_fwd_mgpu",
-                        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+                        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu", 2, _DETECT_RACES)
+                        if interpret else None,
                         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)
 
 

@@ -38,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsv32_jax.kernels._dispatch import mosaic_gpu_interpret_params
 from dsv32_jax.kernels import sparse_mla_mgpu as fwd
 from dsv32_jax.kernels.sparse_mla_mgpu import BK, DQK, DV, H_BLK, H_T, KW, LOG2E, SWIZZLE, TILE
 
@@ -222,7 +223,8 @@ def _pds_t(q, do, kv, idx, lse, delta, *, scale: float, interpret: bool):
     out_type = (jax.ShapeDtypeStruct((n, h, k), jnp.bfloat16),) * 2
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_T), grid_names=("t", "g"),
                         kernel_name="sparse_mla_pds_mgpu_h32",
-                        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+                        interpret=mosaic_gpu_interpret_params("sparse_mla_pds_mgpu_h32", 1, _DETECT_RACES)
+                        if interpret else None,
                         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(
         q, do, kv, idx, lse.astype(jnp.float32), delta.astype(jnp.float32))
 
@@ -253,7 +255,8 @@ def sparse_mla_pds(q, do, kv, idx, lse, delta, *, scale: float, interpret: bool 
     out_type = (jax.ShapeDtypeStruct((n, h, k), jnp.bfloat16),) * 2
     return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
                         num_threads=2, thread_name="wg", kernel_name="sparse_mla_pds_mgpu",
-                        interpret=plgpu.InterpretGPUParams(detect_races=_DETECT_RACES) if interpret else None,
+                        interpret=mosaic_gpu_interpret_params("sparse_mla_pds_mgpu", 2, _DETECT_RACES)
+                        if interpret else None,
                         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(
         q, do, kv, idx, lse.astype(jnp.float32), delta.astype(jnp.float32))
 

@@ -4,6 +4,10 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# XLA:CPU's thread pool (NPROC; else the usable CPUs, 2 on CI): Mosaic GPU's interpret mode runs a kernel's two
+# warpgroups as threads that each hold a pool thread at a barrier, and with 2 the dq / dkv gradient test hung CI
+# (pallas_kernels/_dispatch.py: mosaic_gpu_interpret_params refuses a pool under 4 for such kernels).
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 4)))
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 # Expensive shared fixtures (a training run, a converted checkpoint, an install) are session-scoped, not module-
@@ -13,8 +17,34 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
-@pytest.hookimpl(trylast=True)
+# The longest heavy tests, longest first (seconds in the fresh-clone CI run at f907acf, 2 cores shared with the
+# compiles):
+# collected first, so `-n 2` starts them first and the shorter ones fill in around them, instead of one of them
+# starting last and running alone at the end (longest-processing-time-first scheduling). A group (xdist_group) is
+# scheduled where its first test is collected, so naming one test moves its whole group.
+LONGEST_FIRST = (
+    "tests/test_multiprocess.py::test_one_device_eight_devices",  # 905 s
+    "tests/test_agent_grpo.py::test_grpo_over_trajectories_beats",  # 741 s
+    "tests/test_agent_grpo.py::test_agent_resume_after_sigkill",  # 705 s
+    "tests/test_docs.py::test_runnable_blocks_heavy[docs/training.md]",  # 245 s
+    "tests/test_grpo.py::test_learns_map_a_digit_from_chance",  # its group's fixture: 202 s, then 79 s and more
+    "tests/test_agent_grpo.py::test_cold_start_then_one_grpo_step",  # 177 s
+)
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Before the other implementations: collects LONGEST_FIRST's tests first, in that order (a stable sort: every
+    other test keeps its place). After them (xdist's included): `_warn_lost_groups`."""
+    def rank(item):
+        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
+    items.sort(key=rank)
+    result = yield
+    _warn_lost_groups(config, items)
+    return result
+
+
+def _warn_lost_groups(config, items):
     """Warn when `--dist loadgroup` did not take an `xdist_group` mark. xdist groups by appending "@<group>" to the
     node ids on each worker; from pytest 9.2 that no longer takes effect (pytest-xdist#1386), the tests of a group
     are spread over the workers and their shared session fixture is computed on each (test_grpo's map run, twice).

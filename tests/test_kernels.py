@@ -1451,6 +1451,27 @@ def test_sparse_mla_dqkv_mosaic_gpu_gradients(rng, monkeypatch, h):
     assert rel_err(dq, rdq) <= 2e-2 and rel_err(dkv, rdkv) <= 2e-2
 
 
+def test_mosaic_gpu_interpret_mode_refuses_a_thread_pool_that_can_hang(monkeypatch):
+    """Mosaic GPU's interpret mode runs a kernel's warpgroups as threads that hold XLA:CPU pool threads at barriers;
+    the dq / dkv gradient test hung at NPROC=1 every time (and hung CI, 2 cores, once), so a two-warpgroup kernel is
+    refused under a pool of 4, naming the kernel and NPROC; one warpgroup runs inline and needs none. The pool size
+    follows XLA: PJRT_NPROC, then NPROC, then the usable CPUs. Mutation: the check removed -> no error raised."""
+    from dsv32_jax.kernels import _dispatch as d
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("NPROC", "2")
+    assert d.xla_cpu_pool_size() == 2
+    with pytest.raises(RuntimeError, match=r"sparse_mla_dqkv_mgpu: .* at least 4 threads for 2 warpgroups "
+                                           r"\(it has 2.*Set NPROC=4"):
+        d.mosaic_gpu_interpret_params("sparse_mla_dqkv_mgpu", 2)
+    monkeypatch.setenv("NPROC", "1")
+    assert d.mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu_h32", 1).detect_races is False
+    monkeypatch.setenv("PJRT_NPROC", "6")
+    assert d.xla_cpu_pool_size() == 6 and d.mosaic_gpu_interpret_params("k", 2, True).detect_races is True
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.delenv("NPROC")
+    assert d.xla_cpu_pool_size() == len(os.sched_getaffinity(0))
+
+
 def test_sparse_mla_dqkv_argument_checks(rng):
     from dsv32_jax.kernels import sparse_mla_dqkv_mgpu as dm
     q = jnp.zeros((2, 64, 576), jnp.bfloat16)

@@ -117,5 +117,5 @@ def test_cases_cover_every_kernel_forward_and_backward_on_both_chips_and_ci_subs
     ci = tc.select(cases, "ci", "")
     assert {c.op for c in ci if c.gen == "v5p" and c.shapes == "prod"} >= set(tc.KERNEL_OPS)
     assert {c.op for c in ci if c.gen == "v6e" and c.shapes == "tiny"} >= set(tc.KERNEL_OPS)
-    assert sum(bool(c.expect_fail) for c in ci) == 2
+    assert [c.name for c in ci if c.expect_fail] == [f"v5p/topk[8 x L={1 << 21}: exceeds VMEM]"]
     assert tc.select(cases, "all", "") == cases

@@ -1,7 +1,7 @@
 """Deviceless compile of every Pallas GPU kernel for an H100 (sm_90a), on a machine with no GPU.
 
-    make test-gpu-compile                     # builds .venv-cuda (jax[cuda13]) and runs --check on every case
-    .venv-cuda/bin/python tools/gpu_compile/gpu_compile.py --check [--cases REGEX] [--jobs 2]
+    make test-gpu-compile                     # builds .venv-cuda (jax[cuda13]) and runs --check on the CI subset
+    .venv-cuda/bin/python tools/gpu_compile/gpu_compile.py --check [--subset ci|all] [--cases REGEX] [--jobs 2]
         [--json runs/gpu_compile.json] [--benchmarks BENCHMARKS.md]
 
 How: `jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=<XLA's H100 target config>)`
@@ -19,6 +19,10 @@ cases that claim an instruction (the FP8 indexer: e4m3 wgmma) show it in the PTX
 one kernel show it there: an instruction (top-k's streaming pass: 16-byte vector loads, `ld.global.v4`) or a
 register bound (the same pass: <= 128 registers at 256 threads, so two blocks share an SM). A case marked expect_fail
 (a deliberately oversized tile) must FAIL one of those checks, which proves the checks can fail.
+
+Subsets (--subset): "ci" = every case but the model's train step with mla_bwd="atomic" (about 100 s of a 2-core
+CI's compile time; the atomic accumulation keeps its kernel-level claim, sparse_mla_bwd_atomic[prod,L=8192], in CI);
+"all" (the default, `make gpu-compile-table`) = every case.
 
 A compile proves the kernels are valid for the chip and fit its limits; it says nothing about speed or results.
 """
@@ -85,6 +89,7 @@ class Case:
     kernel_forbids: tuple = ()  # (kernel name regex, instruction regex): no matching kernel shows the instruction
     smem_budget: int | None = None  # bytes of shared memory per kernel (None: SMEM_BUDGET)
     expect_fail: bool = False
+    ci: bool = True  # in the CI subset (--subset ci, `make test-gpu-compile`)
 
     def opts(self):
         return dict(self.options)
@@ -198,7 +203,7 @@ def all_cases() -> list[Case]:
     # ... with mla_bwd="atomic": the model's gradient step reaches the in-place dkv accumulation (relaxed atomics)
     cases.append(Case("model_kernel_train_step[tiny,T=64,mla_bwd=atomic]", "model_kernel", "tiny", 64,
                       options=(("mla_bwd", "atomic"),), requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",),
-                      kernel_requires=(("_dqkv_kernel", r"red\.global\S*\.relaxed\S*\.add\S*\.f32"),)))
+                      kernel_requires=(("_dqkv_kernel", r"red\.global\S*\.relaxed\S*\.add\S*\.f32"),), ci=False))
     # The checks must be able to fail: a 128 x 128 forward tile does not fit the H100's shared memory (the compile
     # fails); 64 x 64 (the former default) compiles but needs 95% of it and spills; 4 warps spill.
     cases += [
@@ -674,6 +679,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 when a case fails its checks")
     p.add_argument("--cases", default="", help="regex: run the cases whose name matches")
+    p.add_argument("--subset", default="all", choices=("ci", "all"), help="ci: the cases CI compiles (Case.ci)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default="", help="write the records here")
     p.add_argument("--benchmarks", default="", help="replace the gpu-compile section of this file (BENCHMARKS.md)")
@@ -690,12 +696,13 @@ def main(argv=None) -> int:
                                              tuple(v) if isinstance(v, list) else v
                                              for k, v in json.loads(a.one).items()}))))
         return 0
-    cases = [c for c in (sweep_cases() if a.sweep else all_cases()) if re.search(a.cases, c.name)]
+    cases = [c for c in (sweep_cases() if a.sweep else all_cases())
+             if re.search(a.cases, c.name) and (a.subset == "all" or c.ci)]
     if a.list:
         print("\n".join(c.name for c in cases))
         return 0
     if not cases:
-        raise SystemExit(f"--cases={a.cases!r} matches no case (see --list)")
+        raise SystemExit(f"--subset={a.subset} --cases={a.cases!r} match no case (see --list)")
     records = []
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as pool:
         for rec in pool.map(lambda c: run_case(c, a.keep or None), cases):

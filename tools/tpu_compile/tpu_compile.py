@@ -23,8 +23,10 @@ rows of 2M keys needs ~128 MiB of VMEM (the compile fails on both chips), and on
 use more than the budget (768K keys on v5p, 1.5M on v6e: 75% of the VMEM) -- so a check that cannot fail is caught.
 
 Subsets (--subset): "ci" = every kernel at the tiny shapes on both chips, every kernel at the production shapes on
-v5p, the negative controls on v5p (`make test-tpu-compile`, CI); "all" = also production on v6e, the 32K-key sparse
-MLA, the float32 sparse MLA and the tiny model's train step with attention="kernel" (`make tpu-compile-table`).
+v5p, the negative control that must fail to compile on v5p (`make test-tpu-compile`, CI); "all" = also production on
+v6e, the 32K-key sparse MLA, the float32 sparse MLA, the tiny model's train step with attention="kernel" and the
+over-budget controls, which compile in full (about 280 s of a 2-core CI's time: their judgement is unit-tested in
+tests/test_tpu_compile_tool.py) (`make tpu-compile-table`).
 
 A compile proves the kernels are valid Mosaic programs for the chip and fit its VMEM; nothing here ran on a TPU.
 """
@@ -113,7 +115,7 @@ def all_cases() -> list[Case]:
             Case(f"{gen}/topk[8 x L={1 << 21}: exceeds VMEM]", gen, "topk_rows", "prod", 1 << 21,
                  expect_fail=r"(?i)out of memory.*vmem|vmem.*exceed", ci=gen == "v5p"),
             Case(f"{gen}/topk[8 x L={over}: over budget]", gen, "topk_rows", "prod", over,
-                 expect_fail=r"scoped VMEM .* > budget", ci=gen == "v5p"),
+                 expect_fail=r"scoped VMEM .* > budget"),
         ]
     return cases
 
