@@ -18,10 +18,10 @@ _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
 # The longest heavy tests, longest first (seconds in the fresh-clone CI run at f907acf, 2 cores shared with the
-# compiles):
-# collected first, so `-n 2` starts them first and the shorter ones fill in around them, instead of one of them
-# starting last and running alone at the end (longest-processing-time-first scheduling). A group (xdist_group) is
-# scheduled where its first test is collected, so naming one test moves its whole group.
+# compiles; at 8373abd, with this order: 461, 905, 219, 156, 342 + 103, 128 s), collected first, so `-n 2` starts
+# them first and the shorter ones fill in around them, instead of one of them starting last and running alone at
+# the end (longest-processing-time-first scheduling). A group (xdist_group) is scheduled where its first test is
+# collected, so naming one test moves its whole group.
 LONGEST_FIRST = (
     "tests/test_multiprocess.py::test_one_device_eight_devices",  # 905 s
     "tests/test_agent_grpo.py::test_grpo_over_trajectories_beats",  # 741 s
