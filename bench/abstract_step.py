@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--token_chunk", type=int, default=-1, help="override config.loss.token_chunk (0: off)")
     p.add_argument("--kl_key_grad", default="", help="override config.kl_key_grad (dense | segment_sum | scatter)")
     p.add_argument("--mla_bwd", default="", help="override config.mla_bwd (recompute | stored | atomic)")
-    p.add_argument("--mla_fwd", default="", help="override config.mla_fwd (triton | mosaic_gpu)")
+    p.add_argument("--mla_fwd", default="", help="override config.mla_fwd (triton | mosaic_gpu | mosaic_gpu_pingpong)")
     p.add_argument("--mla_pds", default="", help="override config.mla_pds (triton | mosaic_gpu)")
     p.add_argument("--mla_dqkv", default="", help="override config.mla_dqkv (triton | mosaic_gpu)")
     p.add_argument("--save_hlo", default="", help="with --compile: write the compiled step's HLO text there")

@@ -6,7 +6,8 @@
 #   bash bench/gpu_owed.sh 0   # the chip tests of the kernels never run on a chip (the Mosaic GPU sparse MLA forward
 #                                and its gathering producer, the Mosaic GPU P / dS and dq / dkv kernels, the atomic
 #                                backward, the FP8 indexer under the accumulator model), then the kernel table's
-#                                sparse MLA rows at 32K: both forwards, the stored / atomic / Mosaic GPU backwards, and
+#                                sparse MLA rows at 32K: the forwards (Triton, Mosaic GPU split and ping-pong), the
+#                                stored / atomic / Mosaic GPU backwards, and
 #                                each backward cut into its kernels (the stage rows: where the backward's time goes)
 #   bash bench/gpu_owed.sh 1   # the tiles at 32K: each Triton forward, P / dS and dq / dkv tile that compiles for
 #                                sm_90a without spills or mma.sync (bench/tile_sweep_h100.json, tools/gpu_compile

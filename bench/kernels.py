@@ -266,6 +266,9 @@ def bench_length(length, sh: Shapes, args, key, emit) -> None:
     if impl in (None, "pallas_gpu") and jax.default_backend() == "gpu" and (sh.d_qk, sh.d_v) == (576, 512):
         # issue 31 item 2: the Mosaic GPU forward (two warpgroups, cp.async gather, wgmma N = 32 / 256), same inputs
         guarded("sparse_mla fwd (mosaic_gpu)", functools.partial(fwd_row, "mosaic_gpu", "sparse_mla fwd (mosaic_gpu)"))
+        # ... its ping-pong form (a key block per warpgroup, S on wgmma N = 64, blocks refilled in two parts)
+        guarded("sparse_mla fwd (mosaic_gpu pingpong)", functools.partial(
+            fwd_row, "mosaic_gpu", "sparse_mla fwd (mosaic_gpu pingpong)", fwd="mosaic_gpu_pingpong"))
         if sh.heads > 32:  # 32 heads a device (tensor:4 of 128): Triton's tiles vs the keys-as-M Mosaic GPU form
             guarded("sparse_mla fwd (32 heads)", functools.partial(fwd_row, impl, "sparse_mla fwd (32 heads)", 32))
             guarded("sparse_mla fwd (mosaic_gpu, 32 heads)",

@@ -139,6 +139,7 @@ class _Cfg:
     bwd: str = "recompute"  # "recompute" | "stored" | "atomic" (GPU backward, see the module docstring)
     stored: StoredTiles = StoredTiles()  # the stored / atomic backward's tiles
     fwd: str = "triton"  # "triton" | "mosaic_gpu" (the forward of `sparse_mla_mgpu`; backward as `backend` says)
+    mgpu_form: str = "split"  # that forward's 64-head form (`sparse_mla_mgpu.FORMS`)
     pds: str = "triton"  # the stored backward's P / dS kernel: "triton" (`_pds_kernel`) | "mosaic_gpu"
     dqkv: str = "triton"  # the stored backward's dq / dkv kernel: "triton" (`_dqkv_kernel`) | "mosaic_gpu"
 
@@ -246,7 +247,7 @@ def _forward(qf, kvf, idxf, cfg: _Cfg):
         out, lse = sparse_mla_mgpu.sparse_mla_fwd(
             jnp.pad(qf, ((0, 0), (0, hm - hp), (0, 0))), kvf,
             jnp.pad(idxf, ((0, 0), (0, km - idxf.shape[1])), constant_values=-1),
-            scale=cfg.scale, interpret=cfg.backend == "interpret")
+            scale=cfg.scale, interpret=cfg.backend == "interpret", form=cfg.mgpu_form)
         return out[:, :hp], lse[:, :hp]
     n, hp, dp = qf.shape
     kp = idxf.shape[1]
@@ -785,7 +786,7 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
 
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton"):
+            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton", mgpu_form="split"):
     h, dqk = q.shape[2], q.shape[3]
     if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -825,7 +826,7 @@ def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bw
     dv_p, dt_p = next_pow2(d_v, 16), next_pow2(max(d_tail, 1), 16)
     return _Cfg(dv_p=dv_p, dt_p=dt_p, block_h=block_h, block_i=block_i, bwd_block_h=min(bwd_block_h, block_h),
                 bwd_block_i=min(bwd_block_i, block_i), bwd=bwd, fwd=fwd, pds=pds, dqkv=dqkv, stored=stored,
-                **common)
+                mgpu_form=mgpu_form, **common)
 
 
 def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = False, impl: str | None = None,
@@ -854,7 +855,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     "recompute" (the dq and dkv kernels above, each recomputing S and dP; 62-64 TFLOP/s in the same run).
     fwd: "triton" (the default) or "mosaic_gpu" (with impl pallas_gpu / interpret: the same as impl mosaic_gpu /
     interpret_mosaic_gpu, for `RunOptions.mla_fwd`; ignored by the TPU and reference impls; raises on inputs the
-    Mosaic GPU forward cannot serve). stored_tiles: the stored / atomic backward's Triton tiles (`StoredTiles`;
+    Mosaic GPU forward cannot serve) or "mosaic_gpu_pingpong" (the same kernel module in its ping-pong form at 64
+    heads per CTA: a key block per warpgroup, S on wgmma N = 64; `sparse_mla_mgpu._kernel_pp`). stored_tiles: the stored / atomic backward's Triton tiles (`StoredTiles`;
     None: its defaults). pds: the stored / atomic backward's P and dS kernel, "triton" (the default,
     `_pds_kernel`) or "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3; opt-in until a chip times it; raises on
     inputs it cannot serve, like fwd); for `RunOptions.mla_pds`; ignored by bwd="recompute" and by the TPU and
@@ -881,11 +883,10 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         raise ValueError(f"sparse_mla: dqkv={dqkv!r} must be one of {MLA_DQKV}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MGPU_BACKENDS),
                         op="sparse_mla", shapes={"q": q, "kv": kv, "topk_idx": topk_idx}, unsupported=unsupported)
-    if fwd == "mosaic_gpu" and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU forward
-        impl = {triton: mgpu for mgpu, triton in MGPU_BACKENDS.items()}[impl]
+    if fwd.startswith("mosaic_gpu") and impl in ("pallas_gpu", "interpret"):  # the Triton impls, with the Mosaic GPU
+        impl = {triton: mgpu for mgpu, triton in MGPU_BACKENDS.items()}[impl]  # forward
         if (why := unsupported(impl)) is not None:
-            raise ValueError(f"sparse_mla: fwd='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
-                             f"{why}")
+            raise ValueError(f"sparse_mla: fwd={fwd!r} cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: {why}")
     if pds == "mosaic_gpu" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
         if (why := unsupported("mosaic_gpu", "P / dS kernel")) is not None:
             raise ValueError(f"sparse_mla: pds='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
@@ -902,7 +903,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     if impl == "reference":
         return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
-                  num_stages, bwd_partial_bytes, bwd, pds, stored_tiles, dqkv)
+                  num_stages, bwd_partial_bytes, bwd, pds, stored_tiles, dqkv,
+                  "pingpong" if fwd == "mosaic_gpu_pingpong" else "split")
     b, t, h, _ = q.shape
     k = topk_idx.shape[-1]
     qf, kvf, idxf = _prepare(q, kv, topk_idx, cfg)

@@ -33,6 +33,19 @@ BENCHMARKS.md "Issue 31 item 2"):
     (q is addressed through an index that is always 0 but loop-variant, `slot (slot - 1)`): hoisted, the 36 64-bit
     descriptors stay live across the loop and spill (255 registers, 344 B).
   * the output tile reuses q's shared memory (`RefUnion`; q is dead after the last S) and leaves by TMA.
+The ping-pong form (`form="pingpong"`, `kernels.sparse_mla(fwd="mosaic_gpu_pingpong")`; `_kernel_pp`), FlashMLA's
+split of the work: each warpgroup takes a whole 64-key block (blocks 2 i and 2 i + 1 of step i; an odd block count
+is padded with an invalid block), S_w = q kv_w^T on `wgmma m64n64k16` (N = 64: a 2 KiB q tile and a 2 KiB key tile
+per 131,072 FLOP, against 3 KiB per 65,536 above), the two exchange row maxima, and warpgroup w computes its 256
+output columns from both blocks, O_w += P_w kv_w[:, cols_w] + P_o kv_o[:, cols_w] (`m64n256k16`, K = 64 keys, both
+P tiles through shared memory). Shared memory: q 72 KiB + two [64, 512] value blocks + two [64, 64] rope tiles,
+each of which becomes its block's P tile once S is done (223,272 B with the rest): no room for a second pair of
+key blocks, so each block is refilled in two `cp.async` groups as its readers finish: the early part (value columns
+cols_w, read only by w) while w runs its PV of the other block, the late part (the other half and the rope / P
+tile) once the other warpgroup's PV of this block is done (mbarrier late_free); the next S reads the early part
+first. 212 registers, no spills (sm_90a; every shared-memory operand addressed through a loop-variant zero, as q
+above: hoisted, the descriptors spill 300 B at 255 registers). Not run on a chip; which form is faster there is
+owed (`bench/gpu_owed.sh 0`: the row `sparse_mla fwd (mosaic_gpu pingpong)` beside `(mosaic_gpu)`).
 32 heads (what one device sees of 128 at tensor:4; the wrapper pads 32 or fewer to 32): `_kernel_t`, the keys as
 the wgmma M dimension. One warpgroup per (token, 32 heads): S^T = K q^T [64 keys, 32 heads] (`wgmma m64n32k16`,
 the same operands as S above with the roles swapped), the softmax over keys as column reductions across the
@@ -74,6 +87,7 @@ WARPGROUP = 128
 SWIZZLE = 64  # bytes: the key block's and P's layout, (8, 32) tiles; wgmma needs one swizzle for A and B and
 # K a multiple of swizzle / 2, so 64 (not 128) lets PV run as two K = 32 halves, one per warpgroup's P
 TILE = (8, SWIZZLE // 2)
+FORMS = ("split", "pingpong")  # the 64-head forms of `sparse_mla_fwd`
 _DETECT_RACES = False  # tests switch the interpreter's happens-before race detector on
 
 
@@ -239,6 +253,153 @@ class _InterpretGather:
         _plgpu().commit_smem()
 
 
+# ---- the ping-pong form's gather: each warpgroup its own whole key block, in two parts ------------------------
+
+NOPE_TILES = DV // TILE[1]  # column tiles of a key block's value / nope part [64, 512]: 16
+ROPE = DQK - DV  # 64 rope columns, kept in their own [64, 64] buffer (it doubles as the block's P tile)
+HALF_COPIES = HALF // 8 // PER_ROW  # cp.async per thread and 32 rows for 256 columns: 8
+ROPE_COPIES = ROPE // 8 // PER_ROW  # ... for the 64 rope columns: 2
+
+
+def pp_copy_plan(tid, row0, half):
+    """The ping-pong form's gather (`_issue_part`), thread tid (0..127) of the warpgroup, rows [row0, row0 + 32):
+    (row r, first chunk j0, [(source chunk, destination buffer, destination chunk) of each copy]) for the value
+    columns [256 half, 256 half + 256) (`half` an int; buffer "nope", [64, 512] tiled (8, 32)) or, with half None,
+    the rope columns (buffer "rope", [64, 64]). Python ints only: the kernel's MLIR form is affine in the copy index
+    with the same steps, and the CPU test checks that these destinations are where `chunk_position` puts them and
+    that the parts cover each chunk once."""
+    r, j0 = row0 + tid // PER_ROW, tid % PER_ROW
+    if half is None:
+        d0 = gather_mgpu.chunk_position(r, j0, ROPE // TILE[1], SWIZZLE)
+        return r, j0, [(DV // 8 + j0 + PER_ROW * k, "rope", d0 + COPY_STRIDE * k) for k in range(ROPE_COPIES)]
+    d0 = gather_mgpu.chunk_position(r, j0, NOPE_TILES, SWIZZLE)
+    return r, j0, [(j0 + PER_ROW * (HALF_COPIES * half + k), "nope", d0 + COPY_STRIDE * (HALF_COPIES * half + k))
+                   for k in range(HALF_COPIES)]
+
+
+def _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, *, late):
+    """inline_mgpu body (lane semantics) of the ping-pong form: part of this warpgroup's [64, 576] key block,
+    dst row r <- kv[idx[r]] by 16-byte cp.async (0 bytes for idx < 0: zero-fill). Warpgroup w's early part is the
+    value columns only it reads (its own half of the output: [256 w, 256 w + 256)) and writes the block's additive
+    mask; the late part is the other half and the rope columns (read by the other warpgroup's PV, and the rope
+    buffer is the block's P tile). Each thread serves rows r and r + 32 (`pp_copy_plan`)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    i32, i64, i8, f32 = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+                         ir.IntegerType.get_signless(8), ir.F32Type.get())
+    idx_t = ir.IndexType.get()
+    zero = arith.constant(i32, 0)
+    thread = mu.thread_idx()
+    w = arith.divui(thread, arith.constant(i32, WARPGROUP))
+    half = arith.subi(arith.constant(i32, 1), w) if late else w
+    tid = gather_mgpu._I(arith.remui(thread, arith.constant(i32, WARPGROUP)))
+    nope_base, rope_base = mu.memref_ptr(nope_smem), mu.memref_ptr(rope_smem)
+    src_base = llvm.addrspacecast(llvm.PointerType.get(1), mu.memref_ptr(kv_gmem))
+
+    def gep(base, dyn=None, const=0):  # base + a dynamic or a constant byte offset
+        if dyn is not None:
+            return llvm.getelementptr(base.type, base, [dyn], [-2147483648], i8, llvm.GEPNoWrapFlags.none)
+        return llvm.getelementptr(base.type, base, [], [const], i8, llvm.GEPNoWrapFlags.none) if const else base
+
+    for row0 in range(0, BK, KW):
+        r = row0 + tid // PER_ROW
+        j0 = tid % PER_ROW
+        r_ix = arith.index_cast(idx_t, r.v)
+        row = memref.load(idx_gmem, [r_ix])
+        valid = arith.cmpi(arith.CmpIPredicate.sge, row, zero)
+        if not late:  # the row's mask entry (its PER_ROW threads write the same value)
+            memref.store(arith.select(valid, arith.constant(f32, 0.0), arith.constant(f32, float("-inf"))),
+                         mask_smem, [r_ix])
+        size = arith.select(valid, arith.constant(i32, 16), zero)
+        src_row = gep(src_base, arith.muli(arith.addi(arith.muli(
+            arith.extui(i64, arith.select(valid, row, zero)), arith.constant(i64, DQK)),
+            arith.extui(i64, (j0 * gather_mgpu.CHUNK).v)), arith.constant(i64, 2)))
+        # the value half: chunk j0 + PER_ROW (8 half + k), destination + COPY_STRIDE (8 half + k) chunks
+        hb = arith.muli(half, arith.constant(i32, HALF_COPIES))
+        src_h = gep(src_row, arith.extui(i64, arith.muli(hb, arith.constant(i32, PER_ROW * 16))))
+        dst_h = gep(nope_base, arith.addi(
+            (gather_mgpu.chunk_position(r, j0, NOPE_TILES, SWIZZLE) * 16).v,
+            arith.muli(hb, arith.constant(i32, COPY_STRIDE * 16))))
+        for k in range(HALF_COPIES):
+            nvvm.cp_async_shared_global(gep(dst_h, const=k * COPY_STRIDE * 16), gep(src_h, const=k * PER_ROW * 16),
+                                        16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+        if late:
+            dst_r = gep(rope_base, (gather_mgpu.chunk_position(r, j0, ROPE // TILE[1], SWIZZLE) * 16).v)
+            for k in range(ROPE_COPIES):
+                nvvm.cp_async_shared_global(gep(dst_r, const=k * COPY_STRIDE * 16),
+                                            gep(src_row, const=(DV // 8 + PER_ROW * k) * 16),
+                                            16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
+
+
+def _issue_early(ctx, kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem):
+    del ctx
+    _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, late=False)
+
+
+def _issue_late(ctx, kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem):
+    del ctx
+    _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, late=True)
+
+
+def _wait_all(ctx):
+    """This thread's copies have all landed; fenced for wgmma, the warpgroup synchronized (`_wait_one_pending`)."""
+    from jax._src.lib.mlir.dialects import nvvm
+    from jax.experimental.mosaic.gpu import utils as mu
+    del ctx
+    nvvm.cp_async_wait_group(0)
+    mu.commit_shared()
+
+
+class _ChipGatherPP:
+    def __init__(self, tiles):
+        plgpu = _plgpu()
+        types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles), plgpu.RefType(tiles), plgpu.RefType())
+        self._early = plgpu.inline_mgpu(arg_types=types)(_issue_early)
+        self._late = plgpu.inline_mgpu(arg_types=types)(_issue_late)
+        self._commit = plgpu.inline_mgpu()(_commit)
+        self._wait = {1: plgpu.inline_mgpu()(_wait_one_pending), 0: plgpu.inline_mgpu()(_wait_all)}
+
+    def issue(self, w, late, kv_gmem, idx_blk_gmem, nope, rope, mask):
+        del w  # the inline body reads its warpgroup from the thread index
+        (self._late if late else self._early)(kv_gmem, idx_blk_gmem, nope, rope, mask)
+
+    def commit(self):
+        self._commit()
+
+    def wait(self, pending):
+        self._wait[pending]()
+
+
+class _InterpretGatherPP:
+    """The same contract as a Pallas-level row loop (synchronous copies)."""
+
+    def issue(self, w, late, kv_gmem, idx_blk_gmem, nope, rope, mask):
+        import jax.experimental.pallas as pl
+        cols = pl.ds((1 - w if late else w) * HALF, HALF)
+
+        def row(r, c):
+            i = idx_blk_gmem[r]
+            if not late:
+                mask[r] = jnp.where(i >= 0, 0.0, -jnp.inf).astype(jnp.float32)
+            src = pl.ds(jnp.maximum(i, 0), 1)
+            v = kv_gmem[src, cols]
+            nope[pl.ds(r, 1), cols] = jnp.where(i >= 0, v, jnp.zeros_like(v))
+            if late:
+                v = kv_gmem[src, pl.ds(DV, ROPE)]
+                rope[pl.ds(r, 1), :] = jnp.where(i >= 0, v, jnp.zeros_like(v))
+            return c
+        jax.lax.fori_loop(0, BK, row, 0)
+
+    def commit(self):
+        pass
+
+    def wait(self, pending):
+        del pending
+        _plgpu().commit_smem()
+
+
 # ---- the kernel ------------------------------------------------------------------------------------------------
 
 def _kernel(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, stat_smem, bars,
@@ -331,26 +492,37 @@ def _kernel(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, 
 
         # both warpgroups past their last S (q's memory becomes the output tile); add the two row-sum halves
         plgpu.barrier_wait(kv_free.at[(nblk - 1) % 2])
-        stat_smem.at[2 + w][...] = l
-        plgpu.barrier_arrive(m_full)
-        plgpu.barrier_wait(m_full)
-        l = l + plgpu.load(stat_smem.at[3 - w], layout=row_layout)
-        safe = jnp.where(l > 0, l, 1.0)
-        o_smem.at[w][...] = (o / jax.lax.broadcast_in_dim(safe, o.shape, [0])).astype(jnp.bfloat16)
-
-        @pl.when(w == 0)
-        def _():
-            base = jnp.where(m == -jnp.inf, 0.0, m)
-            stat_smem.at[0][...] = jnp.where(l > 0, (base + jnp.log2(safe)) / LOG2E, -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[w], out_gmem.at[t, heads, pl.ds(w * HALF, HALF)])
-
-        @pl.when(w == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_gmem.at[t, heads])
-        plgpu.wait_smem_to_gmem(0)
+        _store_out(w, o, m, l, o_smem, stat_smem, m_full, out_gmem.at[t, heads], lse_gmem.at[t, heads])
 
     consumer(wg)
+
+
+def _store_out(w, o, m, l, o_smem, stat_smem, m_full, out_rows, lse_rows):
+    """The 64-head forms' epilogue, warpgroup w with its [64, 256] output columns o, the common row maxima m and its
+    row-sum part l: the two parts added through stat_smem rows 2-3 (mbarrier m_full), O / l in bf16 through the
+    output tile (over q's memory: the caller guarantees both warpgroups are past their last S), lse by warpgroup 0;
+    both leave by TMA into out_rows [64, 512] / lse_rows [64]."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    stat_smem.at[2 + w][...] = l
+    plgpu.barrier_arrive(m_full)
+    plgpu.barrier_wait(m_full)
+    l = l + plgpu.load(stat_smem.at[3 - w], layout=row_layout)
+    safe = jnp.where(l > 0, l, 1.0)
+    o_smem.at[w][...] = (o / jax.lax.broadcast_in_dim(safe, o.shape, [0])).astype(jnp.bfloat16)
+
+    @pl.when(w == 0)
+    def _():
+        base = jnp.where(m == -jnp.inf, 0.0, m)
+        stat_smem.at[0][...] = jnp.where(l > 0, (base + jnp.log2(safe)) / LOG2E, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[w], out_rows.at[:, pl.ds(w * HALF, HALF)])
+
+    @pl.when(w == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(stat_smem.at[0], lse_rows)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel_t(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem, mask_smem, stat_smem, bars, *,
@@ -440,6 +612,141 @@ def _kernel_t(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, kv_smem, p_smem
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_pp(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, nope_smem, rope_p, mask_smem, stat_smem, bars,
+               m_full, p_full, late_free, *, scale, nit, gather, in_place):
+    """The ping-pong form (64 heads a CTA, two warpgroups): per step warpgroup w takes the whole key block 2 i + w,
+    S_w = q kv_w^T on `wgmma m64n64k16` (N = the block's 64 keys), the two exchange row maxima, and each computes
+    its 256 output columns from both blocks: O_w += P_w kv_w[:, cols_w] + P_o kv_o[:, cols_w] (o = 1 - w; N = 256).
+    The rope buffer of block w is its P tile once S_w is done (q + two 64 x 512 value blocks + two 64 x 64 rope / P
+    tiles: 221,184 B). Refills, in two cp.async groups a block: the early part (value columns cols_w, which only w
+    reads) is issued as soon as w's own PV is done, during its PV of the other block; the late part (the other
+    half and the rope / P tile) once the other warpgroup's PV of this block is done (mbarrier late_free[w]); the
+    next S reads the early part first."""
+    import jax.experimental.pallas as pl
+    plgpu = _plgpu()
+    q3, o_smem = qo
+    g = jax.lax.axis_index("g")
+    t = jax.lax.axis_index("t")
+    w = jax.lax.axis_index("wg")
+    o_ = 1 - w
+    heads = pl.ds(g * H_BLK, H_BLK)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    idx_tok = idx_gmem.at[t]
+    own, oth = pl.ds(w * HALF, HALF), pl.ds(o_ * HALF, HALF)
+
+    def issue(b, late):
+        gather.issue(w, late, kv_gmem, idx_tok.at[pl.ds(b * BK, BK)], nope_smem.at[w], rope_p.at[w],
+                     mask_smem.at[w])
+        gather.commit()
+
+    @pl.when(w == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(q_gmem.at[t, heads], q3.at[0], bars.at[0])
+    issue(w, False)
+    issue(w, True)
+    plgpu.barrier_wait(bars.at[0])
+
+    def step(i, carry):
+        o, m, l = carry
+        # every shared-memory operand through an index offset z that is always 0 but loop-variant (as q in
+        # `_kernel`): the wgmma descriptors are formed in the loop, not hoisted and held live (spilled) across it
+        par = jax.lax.rem(i, 2)
+        z = par * (par - 1)
+        q_b = q3.at[z]
+        wz, oz = w + z, o_ + z
+        kv = nope_smem.at[wz]
+
+        def qk(acc):
+            gather.wait(1)  # the early part: value columns cols_w
+            plgpu.wgmma(acc, q_b.at[:, own], kv.at[:, own].transpose((1, 0)))
+            gather.wait(0)  # the late part
+            plgpu.wgmma(acc, q_b.at[:, oth], kv.at[:, oth].transpose((1, 0)))
+            plgpu.wgmma(acc, q_b.at[:, pl.ds(DV, ROPE)], rope_p.at[wz].transpose((1, 0)))
+            return acc[...]
+        s = pl.run_scoped(qk, plgpu.ACC((H_BLK, BK), jnp.float32))
+        mask = plgpu.load(mask_smem.at[w], layout=plgpu.Layout.WGMMA.reduce(0))
+        s2 = s * (scale * LOG2E) + jax.lax.broadcast_in_dim(mask, s.shape, [1])
+        stat_smem.at[w][...] = s2.max(axis=1)
+        plgpu.barrier_arrive(m_full)
+        plgpu.barrier_wait(m_full)
+        m_new = jnp.maximum(m, jnp.maximum(plgpu.load(stat_smem.at[w], layout=row_layout),
+                                           plgpu.load(stat_smem.at[o_], layout=row_layout)))
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s2 - jax.lax.broadcast_in_dim(base, s2.shape, [0]))
+        alpha = jnp.exp2(m - base)
+        l = l * alpha + p.sum(axis=1)
+        rope_p.at[w][...] = p.astype(jnp.bfloat16)  # S_w is done: block w's rope buffer becomes its P tile
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_full)
+        plgpu.barrier_wait(p_full)  # both P tiles are in shared memory (and both S are done)
+        o = o * jax.lax.broadcast_in_dim(alpha, o.shape, [0])
+
+        def pv(o, blk):
+            if in_place:
+                def body(acc):
+                    plgpu.wgmma(acc, rope_p.at[blk], nope_smem.at[blk, :, own])
+                return pl.run_state(body)(plgpu.ACC.init(o))
+
+            def body(acc):
+                plgpu.wgmma(acc, rope_p.at[blk], nope_smem.at[blk, :, own])
+                return acc[...]
+            return o + pl.run_scoped(body, plgpu.ACC((H_BLK, HALF), jnp.float32))
+
+        o = pv(o, wz)  # this block's columns cols_w are now free: refill them
+
+        @pl.when(i + 1 < nit)
+        def _():
+            issue(2 * (i + 1) + w, False)
+        o = pv(o, oz)
+        plgpu.barrier_arrive(late_free.at[o_])  # done with the other block's late part and its P tile
+        plgpu.barrier_wait(late_free.at[w])
+
+        @pl.when(i + 1 < nit)
+        def _():
+            issue(2 * (i + 1) + w, True)
+        return o, m_new, l
+
+    zero = plgpu.layout_cast(jnp.zeros((H_BLK, HALF), jnp.float32), plgpu.Layout.WGMMA)
+    init = (zero, plgpu.layout_cast(jnp.full((H_BLK,), -jnp.inf, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.zeros((H_BLK,), jnp.float32), row_layout))
+    o, m, l = jax.lax.fori_loop(0, nit, step, init)
+
+    # both warpgroups are past their last S (p_full): q's memory becomes the output tile
+    _store_out(w, o, m, l, o_smem, stat_smem, m_full, out_gmem.at[t, heads], lse_gmem.at[t, heads])
+
+
+def _fwd_pp(q, kv, idx, *, scale: float, interpret: bool):
+    """`_kernel_pp` over q [N, 64 g, 576] (key blocks padded with -1 to an even count)."""
+    plgpu = _plgpu()
+    n, h, _ = q.shape
+    if (idx.shape[1] // BK) % 2:
+        idx = jnp.pad(idx, ((0, 0), (0, BK)), constant_values=-1)
+    tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
+    o_tiles = (plgpu.TilingTransform(gather_mgpu.TILE), plgpu.SwizzleTransform(gather_mgpu.SWIZZLE))
+    SM = plgpu.SMEM
+    scratch = [
+        plgpu.RefUnion(SM((1, H_BLK, DQK), jnp.bfloat16, transforms=tiles),
+                       SM((2, H_BLK, HALF), jnp.bfloat16, transforms=o_tiles)),  # q, then the output tile
+        SM((2, BK, DV), jnp.bfloat16, transforms=tiles),  # the two blocks' value (nope) columns
+        SM((2, BK, ROPE), jnp.bfloat16, transforms=tiles),  # their rope columns, then their P tiles [64, 64]
+        SM((2, BK), jnp.float32),  # the blocks' additive key masks
+        SM((4, H_BLK), jnp.float32),  # rows 0-1: the blocks' row maxima (then lse), 2-3: row sums
+        plgpu.Barrier(num_barriers=1),  # q
+        plgpu.Barrier(num_arrivals=2),  # m_full
+        plgpu.Barrier(num_arrivals=2),  # p_full
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # late_free[w]: the other warpgroup is done with block w
+    ]
+    gather = _InterpretGatherPP() if interpret else _ChipGatherPP(tiles)
+    body = functools.partial(_kernel_pp, scale=float(scale), nit=idx.shape[1] // (2 * BK), gather=gather,
+                             in_place=not interpret)
+    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
+                        num_threads=2, thread_name="wg", kernel_name="sparse_mla_fwd_mgpu_pp",
+                        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu_pp", 2, _DETECT_RACES)
+                        if interpret else None,
+                        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)
+
+
 def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
     """`_kernel_t` over q [N, 32 g, 576]: (out [N, H, 512] bf16, lse [N, H] f32)."""
     plgpu = _plgpu()
@@ -466,9 +773,13 @@ def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH))(q, kv, idx)
 
 
-def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
+def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False, form: str = "split"):
     """q [N, H, 576] bf16, kv [M, 576] bf16, idx [N, K] int32 (global rows, -1 invalid) -> (out [N, H, 512] bf16,
-    lse [N, H] f32). See the module docstring."""
+    lse [N, H] f32). See the module docstring. form (H a multiple of 64): "split" (`_kernel`: the warpgroups split
+    each key block, S on N = 32, key blocks double-buffered) or "pingpong" (`_kernel_pp`: a block each, S on
+    N = 64, refilled in two parts)."""
+    if form not in FORMS:
+        raise ValueError(f"sparse_mla_mgpu.sparse_mla_fwd: form={form!r} must be one of {FORMS}")
     why = check_shapes(q, kv, idx)
     if why is not None:
         raise ValueError(f"sparse_mla_mgpu.sparse_mla_fwd: q {q.shape} {q.dtype}, kv {kv.shape} {kv.dtype}, "
@@ -476,6 +787,8 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False):
     n, h, _ = q.shape
     if h == H_T:
         return _fwd_t(q, kv, idx, scale=scale, interpret=interpret)
+    if form == "pingpong":
+        return _fwd_pp(q, kv, idx, scale=scale, interpret=interpret)
     plgpu = _plgpu()
     nblk = idx.shape[1] // BK
     tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))

@@ -1065,20 +1065,27 @@ def _mgpu_mla_inputs(rng, n, h, m, k):
     return q, kv, jnp.asarray(idx)
 
 
-@pytest.mark.parametrize("h", [128, 32])
-def test_sparse_mla_mgpu_forward_matches_reference(rng, h):
+MGPU_FWD_FORMS = pytest.mark.parametrize("h,form", [(128, "split"), (32, "split"), (64, "pingpong")],
+                                         ids=["128", "32", "64-pingpong"])
+
+
+@MGPU_FWD_FORMS
+def test_sparse_mla_mgpu_forward_matches_reference(rng, h, form):
     """`sparse_mla_mgpu.sparse_mla_fwd` in Mosaic GPU interpret mode against the float32 reference on the same bf16
     values. H 128 (issue 31 item 2: two head groups, two warpgroups, S split 32 + 32 keys, P exchanged through
     shared memory, PV split 256 + 256 columns, double-buffered key blocks); H 32 (the keys-as-M form `_kernel_t`:
-    one warpgroup, S^T = K q^T, the softmax over keys as column reductions across its 4 warps, O^T = V^T P^T).
-    Out within 6e-3 relative (measured 2.4e-3 / 2.6e-3: P is rounded to bf16 before PV, as in every bf16 attention
-    kernel), lse within 1e-5 absolute (measured 1e-6 / 5e-7; 1e-4 compiled on a chip, where exp2 / log2 are the
-    approximate MUFU instructions), the empty row exactly 0 / -inf; 20% invalid slots, a whole invalid block,
-    repeats; three key blocks (K 192: both key buffers, one reused)."""
+    one warpgroup, S^T = K q^T, the softmax over keys as column reductions across its 4 warps, O^T = V^T P^T);
+    H 64 ping-pong (`_kernel_pp`: a key block per warpgroup, S on N = 64, both P tiles exchanged, each block
+    refilled in an early and a late part; K 192 is padded to 4 blocks, so the second step's second block is all
+    invalid). Out within 6e-3 relative (measured 2.4e-3 / 2.6e-3 / 2.1e-3: P is rounded to bf16 before PV, as in
+    every bf16 attention kernel), lse within 1e-5 absolute (measured 1e-6 / 5e-7 / 5e-7; 1e-4 compiled on a chip,
+    where exp2 / log2 are the approximate MUFU instructions), the empty row exactly 0 / -inf; 20% invalid slots, a
+    whole invalid block, repeats; three key blocks (K 192: both key buffers, one reused)."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     q, kv, idx = _mgpu_mla_inputs(rng, 3, h, 500, 192)
     scale = 576 ** -0.5
-    out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale, interpret=IMPL == "interpret"))(q, kv, idx)
+    out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale, interpret=IMPL == "interpret", form=form))(
+        q, kv, idx)
     want, want_lse = sm.sparse_mla_fwd_reference(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale=scale)
     assert out.shape == want.shape and float(jnp.abs(want).max()) > 0.1
     assert rel_err(out, want) <= 6e-3
@@ -1089,10 +1096,10 @@ def test_sparse_mla_mgpu_forward_matches_reference(rng, h):
     assert float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]))) <= lse_bound
 
 
-@pytest.mark.parametrize("h", [128, 32])
-def test_sparse_mla_mgpu_on_chip(rng, h):
+@pytest.mark.parametrize("h,form", [(128, "split"), (32, "split"), (128, "pingpong")], ids=["128", "32", "128-pingpong"])
+def test_sparse_mla_mgpu_on_chip(rng, h, form):
     """The compiled forward (cp.async gather, in-place PV) at the production shape on a Hopper GPU: 64 tokens, H 128
-    (two 64-head CTAs a token) or 32 (the keys-as-M form), K 2048 (32 key blocks through the double buffer) over
+    (two 64-head CTAs a token; split or ping-pong) or 32 (the keys-as-M form), K 2048 (32 key blocks) over
     8192 keys, with the edge cases of `_mgpu_mla_inputs`; the bounds of the interpret-mode tests above (out 6e-3,
     lse 1e-4 with the chip's approximate exp2 / log2). Skipped on CPU (`inline_mgpu` has no interpret mode); owed
     to a chip (bench/gpu_owed.sh 0)."""
@@ -1101,7 +1108,7 @@ def test_sparse_mla_mgpu_on_chip(rng, h):
         pytest.skip("the compiled Mosaic GPU forward runs only on a Hopper GPU (DSV32_TEST_KERNELS_ON_GPU=1)")
     q, kv, idx = _mgpu_mla_inputs(rng, 64, h, 8192, 2048)
     scale = 576 ** -0.5
-    out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale))(q, kv, idx)
+    out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=scale, form=form))(q, kv, idx)
     want, want_lse = jax.jit(lambda *a: sm.sparse_mla_fwd_reference(*a, scale=scale))(
         q.astype(jnp.float32), kv.astype(jnp.float32), idx)
     assert rel_err(out, want) <= 6e-3
@@ -1111,22 +1118,28 @@ def test_sparse_mla_mgpu_on_chip(rng, h):
     assert float(np.max(np.abs(np.asarray(lse)[finite] - np.asarray(want_lse)[finite]))) <= 1e-4
 
 
-@pytest.mark.parametrize("h", [64, 32])
-def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch, h):
+@pytest.mark.parametrize("h,form", [(64, "split"), (32, "split"), (64, "pingpong")], ids=["64", "32", "64-pingpong"])
+def test_sparse_mla_mgpu_forward_has_no_race(rng, monkeypatch, h, form):
     """The same kernels under the interpreter's happens-before race detector (64 heads: its warpgroups'
     shared-memory hand-offs: row maxima, the P halves, the key buffers, the output tile over q; 32 heads, the
-    keys-as-M form: the double-buffered key blocks, P^T, the output tiles over q). Mutations caught (the interpreter
-    raises): the row-maxima exchange's barrier dropped ("RACE DETECTED"), the wait on P being full dropped (a
-    barrier phase no thread observed), the wait on the key buffer being free dropped; in the keys-as-M form, the
-    wait for q's TMA dropped and the lse tile not committed before its TMA store ("RACE DETECTED" both). Not
-    caught: P^T's `commit_smem` before PV dropped (the interpreter does not model the generic-to-async proxy fence
-    that it emits on the chip; the compile table shows the fence)."""
+    keys-as-M form: the double-buffered key blocks, P^T, the output tiles over q; the ping-pong form: both P tiles
+    over the rope buffers, the early refill during the other block's PV, the late refill after late_free).
+    Mutations caught (the interpreter raises): the row-maxima exchange's barrier dropped ("RACE DETECTED"), the
+    wait on P being full dropped (a barrier phase no thread observed), the wait on the key buffer being free
+    dropped; in the keys-as-M form, the wait for q's TMA dropped and the lse tile not committed before its TMA store
+    ("RACE DETECTED" both); in the ping-pong form, the wait on late_free dropped (a barrier phase no thread
+    observed). Not caught here: P^T's `commit_smem` before PV dropped (the interpreter does not model the
+    generic-to-async proxy fence that it emits on the chip; the compile table shows the fence); in the ping-pong
+    form, a refill issued before the PVs that read its buffer are done (the early part before the warpgroup's own
+    PV, the late part before the wait on late_free): the interpreter does not enter wgmma's shared-memory reads in
+    its vector clocks, so these are caught by the values instead (`test_sparse_mla_mgpu_forward_matches_reference`
+    [64-pingpong] fails both: rel 0.81 and 1.7)."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     if IMPL != "interpret":
         pytest.skip("the race detector is an interpret-mode tool")
     monkeypatch.setattr(sm, "_DETECT_RACES", True)
     q, kv, idx = _mgpu_mla_inputs(rng, 2, h, 300, 192)
-    out, lse = sm.sparse_mla_fwd(q, kv, idx, scale=0.05, interpret=True)
+    out, lse = sm.sparse_mla_fwd(q, kv, idx, scale=0.05, interpret=True, form=form)
     want, _ = sm.sparse_mla_fwd_reference(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale=0.05)
     assert rel_err(out, want) <= 6e-3
 
@@ -1224,6 +1237,57 @@ def test_sparse_mla_mgpu_copy_plan_covers_each_chunk_once():
         assert sorted(seen) == [(r, j) for r in range(w * sm.KW, (w + 1) * sm.KW) for j in range(sm.DQK // 8)]
 
 
+def test_sparse_mla_mgpu_pingpong_copy_plan_covers_each_chunk_once():
+    """The ping-pong form's gather (`_issue_part`, chip only) in `pp_copy_plan`'s terms: for both 32-row halves of a
+    block, the early / late parts of either warpgroup (value columns [256 w, +256), then the other half and the
+    rope columns) put every (row, 16-byte chunk) of the 64 x 576 block exactly once, where `chunk_position` puts it
+    in its buffer ([64, 512] value columns, 16 column tiles; [64, 64] rope columns, 2), and each part reads only
+    its own columns. Mutations caught: the half's copy offset without the 8 half term, rope chunks from column 0."""
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    from dsv32_jax.kernels.gather_mgpu import chunk_position
+    for w in range(2):
+        placed = {}
+        for part, halves in (("early", (w,)), ("late", (1 - w, None))):
+            for row0 in (0, sm.KW):
+                for tid in range(sm.WARPGROUP):
+                    for half in halves:
+                        r, _, copies = sm.pp_copy_plan(tid, row0, half)
+                        for j, buf, dst in copies:
+                            if buf == "nope":
+                                assert j // 32 == half and dst == chunk_position(r, j, sm.NOPE_TILES, sm.SWIZZLE)
+                            else:
+                                assert half is None and j >= 64 and dst == chunk_position(r, j - 64, 2, sm.SWIZZLE)
+                            assert (r, j) not in placed
+                            placed[(r, j)] = (part, buf, dst)
+        assert sorted(placed) == [(r, j) for r in range(sm.BK) for j in range(sm.DQK // 8)]
+        for buf, size in (("nope", sm.BK * sm.DV // 8), ("rope", sm.BK * sm.ROPE // 8)):  # destinations: a bijection
+            assert sorted(d for _, b, d in placed.values() if b == buf) == list(range(size))
+
+
+def test_sparse_mla_pingpong_forward_through_the_op(rng, monkeypatch):
+    """`kernels.sparse_mla(impl="interpret", fwd="mosaic_gpu_pingpong")` (`RunOptions.mla_fwd`) reaches the ping-pong
+    form (a spy on `_fwd_pp`; the split form would pass the value checks too): 40 heads (padded to 64), 72 slots
+    (padded to 128: one step of two blocks), a batch of 2 with per-batch indices (some >= S: invalid); out within
+    1e-2 of the float32 reference, lse within 1e-5 where finite. Mutation caught: `_config` not given the form."""
+    from dsv32_jax import RunOptions
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    calls = []
+    original = sm._fwd_pp
+    monkeypatch.setattr(sm, "_fwd_pp", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    q, kv, idx = _padded_mla_case(rng)
+    scale = 576 ** -0.5
+    out, lse = kernels.sparse_mla(q, kv, idx, scale, 512, impl="interpret", fwd="mosaic_gpu_pingpong")
+    assert calls == [1]
+    rout, rlse = ref_sparse_mla(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale, 512)
+    assert rel_err(out, rout) <= 1e-2
+    fin = np.isfinite(np.asarray(rlse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    assert float(np.max(np.abs(np.asarray(lse)[fin] - np.asarray(rlse)[fin]))) <= 1e-5
+    assert RunOptions(mla_fwd="mosaic_gpu_pingpong").mla_fwd == "mosaic_gpu_pingpong"
+    with pytest.raises(ValueError, match=r"form='pp' must be one of \('split', 'pingpong'\)"):
+        sm.sparse_mla_fwd(q[0], kv[0], idx[0], scale=scale, form="pp")
+
+
 def test_sparse_mla_mgpu_argument_checks(rng):
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     q = jnp.zeros((2, 64, 576), jnp.bfloat16)
@@ -1261,7 +1325,7 @@ def test_run_option_mla_mosaic_gpu_reaches_the_kernel(rng, monkeypatch, field, k
     with pytest.raises(ValueError, match=rf"sparse_mla: {field}='mosaic_gpu' cannot run.*{kernel} needs Dqk 576, "
                                          r"d_v 512"):
         model(toks)
-    with pytest.raises(ValueError, match=rf"RunOptions.mla_{field} must be one of \('triton', 'mosaic_gpu'\)"):
+    with pytest.raises(ValueError, match=rf"RunOptions.mla_{field} must be one of \('triton', 'mosaic_gpu'"):
         RunOptions(**{f"mla_{field}": "cutlass"})
     model.options = RunOptions()
 

@@ -55,7 +55,8 @@ def default_config() -> ml_collections.ConfigDict:
     # The sparse MLA kernel's GPU backward (RunOptions.mla_bwd, attention="kernel"): "stored" (1.36-1.38x faster on
     # an H200) | "recompute" | "atomic" (stored, dkv added in place by fp32 atomics; not yet timed on a chip)
     c.mla_bwd = "stored"
-    # Its GPU forward (RunOptions.mla_fwd): "triton" | "mosaic_gpu" (issue 31's Hopper kernel; not yet timed on a chip)
+    # Its GPU forward (RunOptions.mla_fwd): "triton" | "mosaic_gpu" | "mosaic_gpu_pingpong" (issue 31's Hopper kernel,
+    # and its form with a key block per warpgroup; not yet timed on a chip)
     c.mla_fwd = "triton"
     # The stored backward's P / dS kernel (RunOptions.mla_pds): "triton" | "mosaic_gpu" (not yet timed on a chip)
     c.mla_pds = "triton"

@@ -13,7 +13,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 MLA_MODES = ("mqa", "mha")
 KL_KEY_GRADS = ("dense", "segment_sum", "scatter")  # eq. 4's key gradient (indexer_loss.selected_scores)
 MLA_BWDS = ("recompute", "stored", "atomic")  # the sparse MLA kernel's GPU backward (dsv32_jax.kernels.sparse_mla, bwd=)
-MLA_FWDS = ("triton", "mosaic_gpu")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
+MLA_FWDS = ("triton", "mosaic_gpu", "mosaic_gpu_pingpong")  # the sparse MLA kernel's GPU forward (dsv32_jax.kernels.sparse_mla, fwd=)
 MLA_PDS = ("triton", "mosaic_gpu")  # its stored backward's P / dS kernel (dsv32_jax.kernels.sparse_mla, pds=)
 MLA_DQKV = ("triton", "mosaic_gpu")  # its stored backward's dq / dkv kernel (dsv32_jax.kernels.sparse_mla, dqkv=)
 
@@ -64,7 +64,8 @@ class RunOptions:
     # The GPU forward of the sparse MLA kernel (attention="kernel"; `kernels.sparse_mla(fwd=...)`): "triton" (the
     # default, measured: 158-165 TFLOP/s on an H200) or "mosaic_gpu" (issue 31 item 2's FlashMLA-shaped Hopper kernel,
     # `sparse_mla_mgpu`: compiled for sm_90a and tested in interpret mode, not yet run on a chip; Dqk 576 / d_v 512
-    # only). TPU and reference runs ignore it.
+    # only) or "mosaic_gpu_pingpong" (its ping-pong form at 64 heads per CTA: a key block per warpgroup, S on wgmma
+    # N = 64; the same status). TPU and reference runs ignore it.
     mla_fwd: str = "triton"
     # The stored / atomic backward's P and dS kernel (`kernels.sparse_mla(pds=...)`): "triton" (the default) or
     # "mosaic_gpu" (`sparse_mla_pds_mgpu`, issue 31 item 3: two warpgroups, cp.async gather, wgmma N = 32; compiled

@@ -160,6 +160,16 @@ def all_cases() -> list[Case]:
                                 r"wgmma\.mma_async\S*m64n256k16\S*bf16", r"sass:LDGSTS\.\S*128",
                                 r"sass:HGMMA\.64x256x16", r"sass:HGMMA\.64x32x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),), max_registers=(("mosaic", 232),)))  # 213 measured
+    # ... its ping-pong form (fwd="mosaic_gpu_pingpong", issue 31 item 2's "N >= 64 for QK^T"): a key block per
+    # warpgroup, S on wgmma N = 64 (m64n32k16 must not appear), PV on N = 256, each block refilled by cp.async in
+    # two parts; q + two 64 x 512 value blocks + two 64 x 64 rope / P tiles.
+    cases.append(Case("sparse_mla_fwd_mgpu_pingpong[prod,L=8192]", "sparse_mla_fwd", "prod", 8192,
+                      options=(("impl", "mosaic_gpu"), ("fwd", "mosaic_gpu_pingpong")), smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"cp\.async\.cg\.shared\.global", r"wgmma\.mma_async\S*m64n64k16\S*bf16",
+                                r"wgmma\.mma_async\S*m64n256k16\S*bf16", r"sass:LDGSTS\.\S*128",
+                                r"sass:HGMMA\.64x256x16", r"sass:HGMMA\.64x64x16"),
+                      kernel_forbids=(("mosaic", r"mma\.sync"), ("mosaic", r"m64n32k16")),
+                      max_registers=(("mosaic", 232),)))  # 212 measured
     # ... and its keys-as-M form for 32 heads per device (the 671B recipe's tensor:4; 16 heads are padded to 32):
     # one warpgroup, S^T = K q^T on wgmma N = 32, the softmax over keys across its 4 warps, O^T = V^T P^T with V^T
     # read transposed from shared memory, the key blocks double-buffered by cp.async.
