@@ -262,19 +262,18 @@ ROPE_COPIES = ROPE // 8 // PER_ROW  # ... for the 64 rope columns: 2
 
 
 def pp_copy_plan(tid, row0, half):
-    """The ping-pong form's gather (`_issue_part`), thread tid (0..127) of the warpgroup, rows [row0, row0 + 32):
-    (row r, first chunk j0, [(source chunk, destination buffer, destination chunk) of each copy]) for the value
-    columns [256 half, 256 half + 256) (`half` an int; buffer "nope", [64, 512] tiled (8, 32)) or, with half None,
-    the rope columns (buffer "rope", [64, 64]). Python ints only: the kernel's MLIR form is affine in the copy index
-    with the same steps, and the CPU test checks that these destinations are where `chunk_position` puts them and
-    that the parts cover each chunk once."""
+    """The ping-pong form's gather (`_issue_part`), thread tid (0..127) of the warpgroup, rows [row0, row0 + 32), for
+    the value columns [256 half, 256 half + 256) (half 0 or 1; buffer [64, 512] tiled (8, 32)) or, with half None,
+    the rope columns (buffer [64, 64]): (row r, first chunk j0, source chunk s0 and destination chunk d0 of the first
+    copy, number of copies n). Copy k < n reads chunk s0 + PER_ROW k of row r and writes chunk d0 + COPY_STRIDE k of
+    the buffer: the same column of the next (8, 32) tile. Works on Python ints and on `gather_mgpu._I` (half too):
+    the kernel runs this formula, and the CPU test checks that the destinations are where `chunk_position` puts
+    them and that the parts cover each chunk once."""
     r, j0 = row0 + tid // PER_ROW, tid % PER_ROW
     if half is None:
-        d0 = gather_mgpu.chunk_position(r, j0, ROPE // TILE[1], SWIZZLE)
-        return r, j0, [(DV // 8 + j0 + PER_ROW * k, "rope", d0 + COPY_STRIDE * k) for k in range(ROPE_COPIES)]
-    d0 = gather_mgpu.chunk_position(r, j0, NOPE_TILES, SWIZZLE)
-    return r, j0, [(j0 + PER_ROW * (HALF_COPIES * half + k), "nope", d0 + COPY_STRIDE * (HALF_COPIES * half + k))
-                   for k in range(HALF_COPIES)]
+        return r, j0, j0 + DV // 8, gather_mgpu.chunk_position(r, j0, ROPE // TILE[1], SWIZZLE), ROPE_COPIES
+    return (r, j0, j0 + PER_ROW * HALF_COPIES * half,
+            gather_mgpu.chunk_position(r, j0, NOPE_TILES, SWIZZLE) + COPY_STRIDE * HALF_COPIES * half, HALF_COPIES)
 
 
 def _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, *, late):
@@ -293,9 +292,8 @@ def _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, *, late):
     zero = arith.constant(i32, 0)
     thread = mu.thread_idx()
     w = arith.divui(thread, arith.constant(i32, WARPGROUP))
-    half = arith.subi(arith.constant(i32, 1), w) if late else w
+    half = gather_mgpu._I(arith.subi(arith.constant(i32, 1), w) if late else w)
     tid = gather_mgpu._I(arith.remui(thread, arith.constant(i32, WARPGROUP)))
-    nope_base, rope_base = mu.memref_ptr(nope_smem), mu.memref_ptr(rope_smem)
     src_base = llvm.addrspacecast(llvm.PointerType.get(1), mu.memref_ptr(kv_gmem))
 
     def gep(base, dyn=None, const=0):  # base + a dynamic or a constant byte offset
@@ -304,32 +302,22 @@ def _issue_part(kv_gmem, idx_gmem, nope_smem, rope_smem, mask_smem, *, late):
         return llvm.getelementptr(base.type, base, [], [const], i8, llvm.GEPNoWrapFlags.none) if const else base
 
     for row0 in range(0, BK, KW):
-        r = row0 + tid // PER_ROW
-        j0 = tid % PER_ROW
-        r_ix = arith.index_cast(idx_t, r.v)
-        row = memref.load(idx_gmem, [r_ix])
-        valid = arith.cmpi(arith.CmpIPredicate.sge, row, zero)
-        if not late:  # the row's mask entry (its PER_ROW threads write the same value)
-            memref.store(arith.select(valid, arith.constant(f32, 0.0), arith.constant(f32, float("-inf"))),
-                         mask_smem, [r_ix])
-        size = arith.select(valid, arith.constant(i32, 16), zero)
-        src_row = gep(src_base, arith.muli(arith.addi(arith.muli(
-            arith.extui(i64, arith.select(valid, row, zero)), arith.constant(i64, DQK)),
-            arith.extui(i64, (j0 * gather_mgpu.CHUNK).v)), arith.constant(i64, 2)))
-        # the value half: chunk j0 + PER_ROW (8 half + k), destination + COPY_STRIDE (8 half + k) chunks
-        hb = arith.muli(half, arith.constant(i32, HALF_COPIES))
-        src_h = gep(src_row, arith.extui(i64, arith.muli(hb, arith.constant(i32, PER_ROW * 16))))
-        dst_h = gep(nope_base, arith.addi(
-            (gather_mgpu.chunk_position(r, j0, NOPE_TILES, SWIZZLE) * 16).v,
-            arith.muli(hb, arith.constant(i32, COPY_STRIDE * 16))))
-        for k in range(HALF_COPIES):
-            nvvm.cp_async_shared_global(gep(dst_h, const=k * COPY_STRIDE * 16), gep(src_h, const=k * PER_ROW * 16),
-                                        16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
-        if late:
-            dst_r = gep(rope_base, (gather_mgpu.chunk_position(r, j0, ROPE // TILE[1], SWIZZLE) * 16).v)
-            for k in range(ROPE_COPIES):
-                nvvm.cp_async_shared_global(gep(dst_r, const=k * COPY_STRIDE * 16),
-                                            gep(src_row, const=(DV // 8 + PER_ROW * k) * 16),
+        parts = [(half, nope_smem)] + ([(None, rope_smem)] if late else [])
+        for part_half, dst_smem in parts:
+            r, _, s0, d0, n = pp_copy_plan(tid, row0, part_half)
+            r_ix = arith.index_cast(idx_t, r.v)
+            row = memref.load(idx_gmem, [r_ix])
+            valid = arith.cmpi(arith.CmpIPredicate.sge, row, zero)
+            if not late:  # the row's mask entry (its PER_ROW threads write the same value)
+                memref.store(arith.select(valid, arith.constant(f32, 0.0), arith.constant(f32, float("-inf"))),
+                             mask_smem, [r_ix])
+            size = arith.select(valid, arith.constant(i32, 16), zero)
+            src = gep(src_base, arith.addi(
+                arith.muli(arith.extui(i64, arith.select(valid, row, zero)), arith.constant(i64, DQK * 2)),
+                arith.extui(i64, (s0 * 16).v)))
+            dst = gep(mu.memref_ptr(dst_smem), (d0 * 16).v)
+            for k in range(n):
+                nvvm.cp_async_shared_global(gep(dst, const=k * COPY_STRIDE * 16), gep(src, const=k * PER_ROW * 16),
                                             16, nvvm.LoadCacheModifierKind.CG, cp_size=size)
 
 

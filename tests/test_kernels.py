@@ -1238,11 +1238,12 @@ def test_sparse_mla_mgpu_copy_plan_covers_each_chunk_once():
 
 
 def test_sparse_mla_mgpu_pingpong_copy_plan_covers_each_chunk_once():
-    """The ping-pong form's gather (`_issue_part`, chip only) in `pp_copy_plan`'s terms: for both 32-row halves of a
-    block, the early / late parts of either warpgroup (value columns [256 w, +256), then the other half and the
-    rope columns) put every (row, 16-byte chunk) of the 64 x 576 block exactly once, where `chunk_position` puts it
-    in its buffer ([64, 512] value columns, 16 column tiles; [64, 64] rope columns, 2), and each part reads only
-    its own columns. Mutations caught: the half's copy offset without the 8 half term, rope chunks from column 0."""
+    """The ping-pong form's gather (`_issue_part`, chip only: it runs `pp_copy_plan` on MLIR values) in Python ints:
+    for both 32-row halves of a block, the early / late parts of either warpgroup (value columns [256 w, +256), then
+    the other half and the rope columns) put every (row, 16-byte chunk) of the 64 x 576 block exactly once, where
+    `chunk_position` puts it in its buffer ([64, 512] value columns, 16 column tiles; [64, 64] rope columns, 2), and
+    each part reads only its own columns. Mutations caught: the half's destination without its COPY_STRIDE term,
+    rope chunks read from column 0."""
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     from dsv32_jax.kernels.gather_mgpu import chunk_position
     for w in range(2):
@@ -1251,12 +1252,15 @@ def test_sparse_mla_mgpu_pingpong_copy_plan_covers_each_chunk_once():
             for row0 in (0, sm.KW):
                 for tid in range(sm.WARPGROUP):
                     for half in halves:
-                        r, _, copies = sm.pp_copy_plan(tid, row0, half)
-                        for j, buf, dst in copies:
-                            if buf == "nope":
-                                assert j // 32 == half and dst == chunk_position(r, j, sm.NOPE_TILES, sm.SWIZZLE)
+                        r, _, s0, d0, n = sm.pp_copy_plan(tid, row0, half)
+                        for k in range(n):
+                            j, dst = s0 + sm.PER_ROW * k, d0 + sm.COPY_STRIDE * k
+                            if half is None:
+                                assert j >= 64 and dst == chunk_position(r, j - 64, 2, sm.SWIZZLE)
+                                buf = "rope"
                             else:
-                                assert half is None and j >= 64 and dst == chunk_position(r, j - 64, 2, sm.SWIZZLE)
+                                assert j // 32 == half and dst == chunk_position(r, j, sm.NOPE_TILES, sm.SWIZZLE)
+                                buf = "nope"
                             assert (r, j) not in placed
                             placed[(r, j)] = (part, buf, dst)
         assert sorted(placed) == [(r, j) for r in range(sm.BK) for j in range(sm.DQK // 8)]
@@ -1265,10 +1269,11 @@ def test_sparse_mla_mgpu_pingpong_copy_plan_covers_each_chunk_once():
 
 
 def test_sparse_mla_pingpong_forward_through_the_op(rng, monkeypatch):
-    """`kernels.sparse_mla(impl="interpret", fwd="mosaic_gpu_pingpong")` (`RunOptions.mla_fwd`) reaches the ping-pong
-    form (a spy on `_fwd_pp`; the split form would pass the value checks too): 40 heads (padded to 64), 72 slots
-    (padded to 128: one step of two blocks), a batch of 2 with per-batch indices (some >= S: invalid); out within
-    1e-2 of the float32 reference, lse within 1e-5 where finite. Mutation caught: `_config` not given the form."""
+    """`kernels.sparse_mla(impl="interpret", fwd="mosaic_gpu_pingpong")` (`RunOptions.mla_fwd`; impl "pallas_gpu" on a
+    chip) reaches the ping-pong form (a spy on `_fwd_pp`; the split form would pass the value checks too): 40 heads
+    (padded to 64), 72 slots (padded to 128: one step of two blocks), a batch of 2 with per-batch indices (some >= S:
+    invalid); out within 1e-2 of the float32 reference, lse within 1e-5 where finite (1e-4 on a chip). Mutation
+    caught: `_config` not given the form."""
     from dsv32_jax import RunOptions
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     calls = []
@@ -1276,13 +1281,15 @@ def test_sparse_mla_pingpong_forward_through_the_op(rng, monkeypatch):
     monkeypatch.setattr(sm, "_fwd_pp", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     q, kv, idx = _padded_mla_case(rng)
     scale = 576 ** -0.5
-    out, lse = kernels.sparse_mla(q, kv, idx, scale, 512, impl="interpret", fwd="mosaic_gpu_pingpong")
+    impl = "interpret" if IMPL == "interpret" else "pallas_gpu"  # on a chip (gpu_owed.sh 0): the compiled form
+    out, lse = kernels.sparse_mla(q, kv, idx, scale, 512, impl=impl, fwd="mosaic_gpu_pingpong")
     assert calls == [1]
     rout, rlse = ref_sparse_mla(q.astype(jnp.float32), kv.astype(jnp.float32), idx, scale, 512)
     assert rel_err(out, rout) <= 1e-2
     fin = np.isfinite(np.asarray(rlse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
-    assert float(np.max(np.abs(np.asarray(lse)[fin] - np.asarray(rlse)[fin]))) <= 1e-5
+    lse_bound = 1e-5 if IMPL == "interpret" else 1e-4  # the chip's exp2 / log2 are approximate (MUFU)
+    assert float(np.max(np.abs(np.asarray(lse)[fin] - np.asarray(rlse)[fin]))) <= lse_bound
     assert RunOptions(mla_fwd="mosaic_gpu_pingpong").mla_fwd == "mosaic_gpu_pingpong"
     with pytest.raises(ValueError, match=r"form='pp' must be one of \('split', 'pingpong'\)"):
         sm.sparse_mla_fwd(q[0], kv[0], idx[0], scale=scale, form="pp")
