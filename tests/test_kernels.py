@@ -919,14 +919,14 @@ def test_gpu_session_runs_each_test_group_in_its_own_process(tmp_path):
                            env=dict(env, TEST_S=str(test_s), TEST_K=groups), timeout=600)
         return r.stdout
 
-    out = session(60, "copy_plan_covers;chunk_positions")
-    assert "tests [copy_plan_covers] rc=0" in out and "tests [chunk_positions] rc=0" in out
+    out = session(60, "mgpu_copy_plan_covers;chunk_positions")  # the split form's copy plan test only
+    assert "tests [mgpu_copy_plan_covers] rc=0" in out and "tests [chunk_positions] rc=0" in out
     log0, log1 = (open(os.path.join(tmp_path, f"t.{i}.log")).read() for i in (0, 1))
     assert "test_sparse_mla_mgpu_copy_plan_covers_each_chunk_once PASSED" in log0 and "chunk_positions" not in log0
     assert log1.count("chunk_positions_are_the_tiled_swizzled_layout[") >= 4 and "copy_plan" not in log1
     assert "1 passed" in log0 and "4 passed" in log1  # the layout test's 4 (swizzle, width) cases
-    out = session(1, "copy_plan_covers;chunk_positions")  # too little time to import jax: both killed, both tried
-    assert "tests [copy_plan_covers] rc=124" in out and "tests [chunk_positions] rc=124" in out
+    out = session(1, "mgpu_copy_plan_covers;chunk_positions")  # too little time to import jax: both killed, both tried
+    assert "tests [mgpu_copy_plan_covers] rc=124" in out and "tests [chunk_positions] rc=124" in out
 
 
 @pytest.mark.heavy
