@@ -68,9 +68,9 @@ for name, stage, scan in RUNS:
     gerr = max(float(jnp.linalg.norm((a - c).ravel()) / max(jnp.linalg.norm(c.ravel()), 1e-30))
                for a, c in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)))
     print(name, float(l1), lerr, gerr)
-    # the KL of an untrained indexer is ~1e-4: fp32 summation-order noise (~1e-9 absolute) is ~1e-5 of it, and of
-    # the indexer's gradients (which come from that KL only); a sharding bug gives O(1) errors
-    assert lerr <= (1e-4 if stage == "warmup" else 1e-5) and gerr <= 1e-4, (stage, lerr, gerr)
+    # the warm-up loss is the untrained indexer's ~1e-4 KL: measured <= 2e-7 over seeds 0-2 (like the LM losses;
+    # `indexer_loss._kl` is insensitive to float32 normalization error); a sharding bug gives O(1) errors
+    assert lerr <= 1e-5 and gerr <= 1e-4, (stage, lerr, gerr)
 """
 
 

