@@ -703,18 +703,38 @@ def _kernel_pp(q_gmem, kv_gmem, idx_gmem, out_gmem, lse_gmem, qo, nope_smem, rop
     _store_out(w, o, m, l, o_smem, stat_smem, m_full, out_gmem.at[t, heads], lse_gmem.at[t, heads])
 
 
+def _q_out_union(plgpu, rows: int, q_tiles, out_tiles):
+    """Shared memory for q [rows, 576], then (after the last S) the output's two [rows, 256] tiles."""
+    SM = plgpu.SMEM
+    return plgpu.RefUnion(SM((1, rows, DQK), jnp.bfloat16, transforms=q_tiles),
+                          SM((2, rows, HALF), jnp.bfloat16, transforms=out_tiles))
+
+
+def _launch(body, scratch, q, kv, idx, *, rows: int, name: str, warpgroups: int, reduction_bytes: int,
+            interpret: bool):
+    """One CTA per (token, `rows` heads) running `body` on `warpgroups` warpgroups: (out [N, H, 512] bf16,
+    lse [N, H] f32)."""
+    plgpu = _plgpu()
+    n, h, _ = q.shape
+    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
+    threads = dict(num_threads=warpgroups, thread_name="wg") if warpgroups > 1 else {}
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // rows), grid_names=("t", "g"),
+                        kernel_name=name, **threads,
+                        interpret=mosaic_gpu_interpret_params(name, warpgroups, _DETECT_RACES) if interpret else None,
+                        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                             reduction_scratch_bytes=reduction_bytes))(q, kv, idx)
+
+
 def _fwd_pp(q, kv, idx, *, scale: float, interpret: bool):
     """`_kernel_pp` over q [N, 64 g, 576] (key blocks padded with -1 to an even count)."""
     plgpu = _plgpu()
-    n, h, _ = q.shape
     if (idx.shape[1] // BK) % 2:
         idx = jnp.pad(idx, ((0, 0), (0, BK)), constant_values=-1)
     tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
     o_tiles = (plgpu.TilingTransform(gather_mgpu.TILE), plgpu.SwizzleTransform(gather_mgpu.SWIZZLE))
     SM = plgpu.SMEM
     scratch = [
-        plgpu.RefUnion(SM((1, H_BLK, DQK), jnp.bfloat16, transforms=tiles),
-                       SM((2, H_BLK, HALF), jnp.bfloat16, transforms=o_tiles)),  # q, then the output tile
+        _q_out_union(plgpu, H_BLK, tiles, o_tiles),
         SM((2, BK, DV), jnp.bfloat16, transforms=tiles),  # the two blocks' value (nope) columns
         SM((2, BK, ROPE), jnp.bfloat16, transforms=tiles),  # their rope columns, then their P tiles [64, 64]
         SM((2, BK), jnp.float32),  # the blocks' additive key masks
@@ -727,23 +747,17 @@ def _fwd_pp(q, kv, idx, *, scale: float, interpret: bool):
     gather = _InterpretGatherPP() if interpret else _ChipGatherPP(tiles)
     body = functools.partial(_kernel_pp, scale=float(scale), nit=idx.shape[1] // (2 * BK), gather=gather,
                              in_place=not interpret)
-    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
-                        num_threads=2, thread_name="wg", kernel_name="sparse_mla_fwd_mgpu_pp",
-                        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu_pp", 2, _DETECT_RACES)
-                        if interpret else None,
-                        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)
+    return _launch(body, scratch, q, kv, idx, rows=H_BLK, name="sparse_mla_fwd_mgpu_pp", warpgroups=2,
+                   reduction_bytes=0, interpret=interpret)
 
 
 def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
     """`_kernel_t` over q [N, 32 g, 576]: (out [N, H, 512] bf16, lse [N, H] f32)."""
     plgpu = _plgpu()
-    n, h, _ = q.shape
     tiles = (plgpu.TilingTransform(TILE), plgpu.SwizzleTransform(SWIZZLE))
     SM = plgpu.SMEM
     scratch = [
-        plgpu.RefUnion(SM((1, H_T, DQK), jnp.bfloat16, transforms=tiles),
-                       SM((2, H_T, HALF), jnp.bfloat16, transforms=tiles)),  # q, then O's two [32, 256] tiles
+        _q_out_union(plgpu, H_T, tiles, tiles),  # q, then O's two [32, 256] tiles
         SM((2, BK, DQK), jnp.bfloat16, transforms=tiles),  # key blocks, double-buffered
         SM((BK, H_T), jnp.bfloat16, transforms=tiles),  # P^T
         SM((2, BK), jnp.float32),  # the key blocks' additive masks
@@ -753,12 +767,8 @@ def _fwd_t(q, kv, idx, *, scale: float, interpret: bool):
     gather = _InterpretGather(full_block=True) if interpret else _ChipGather(tiles, full_block=True)
     body = functools.partial(_kernel_t, scale=float(scale), nblk=idx.shape[1] // BK, gather=gather,
                              in_place=not interpret)
-    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
-    return plgpu.kernel(
-        body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_T), grid_names=("t", "g"),
-        kernel_name="sparse_mla_fwd_mgpu_h32",
-        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu_h32", 1, _DETECT_RACES) if interpret else None,
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH))(q, kv, idx)
+    return _launch(body, scratch, q, kv, idx, rows=H_T, name="sparse_mla_fwd_mgpu_h32", warpgroups=1,
+                   reduction_bytes=REDUCTION_SCRATCH, interpret=interpret)
 
 
 def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False, form: str = "split"):
@@ -772,7 +782,7 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False, form: s
     if why is not None:
         raise ValueError(f"sparse_mla_mgpu.sparse_mla_fwd: q {q.shape} {q.dtype}, kv {kv.shape} {kv.dtype}, "
                          f"idx {idx.shape} {idx.dtype}: {why}")
-    n, h, _ = q.shape
+    h = q.shape[1]
     if h == H_T:
         return _fwd_t(q, kv, idx, scale=scale, interpret=interpret)
     if form == "pingpong":
@@ -783,8 +793,7 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False, form: s
     o_tiles = (plgpu.TilingTransform(gather_mgpu.TILE), plgpu.SwizzleTransform(gather_mgpu.SWIZZLE))
     SM = plgpu.SMEM
     scratch = [
-        plgpu.RefUnion(SM((1, H_BLK, DQK), jnp.bfloat16, transforms=tiles),
-                       SM((2, H_BLK, HALF), jnp.bfloat16, transforms=o_tiles)),  # q, then the output tile
+        _q_out_union(plgpu, H_BLK, tiles, o_tiles),
         SM((2, BK, DQK), jnp.bfloat16, transforms=tiles),  # key blocks, double-buffered
         SM((2, H_BLK, KW), jnp.bfloat16, transforms=tiles),  # P, one [64, 32] half per warpgroup
         SM((6, H_BLK), jnp.float32),  # rows 0-1: the halves' row maxima (then lse), 2-3: row sums, 4-5: key masks
@@ -795,12 +804,8 @@ def sparse_mla_fwd(q, kv, idx, *, scale: float, interpret: bool = False, form: s
     ]
     gather = _InterpretGather() if interpret else _ChipGather(tiles)
     body = functools.partial(_kernel, scale=float(scale), nblk=nblk, gather=gather, in_place=not interpret)
-    out_type = (jax.ShapeDtypeStruct((n, h, DV), jnp.bfloat16), jax.ShapeDtypeStruct((n, h), jnp.float32))
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n, h // H_BLK), grid_names=("t", "g"),
-                        num_threads=2, thread_name="wg", kernel_name="sparse_mla_fwd_mgpu",
-                        interpret=mosaic_gpu_interpret_params("sparse_mla_fwd_mgpu", 2, _DETECT_RACES)
-                        if interpret else None,
-                        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0))(q, kv, idx)
+    return _launch(body, scratch, q, kv, idx, rows=H_BLK, name="sparse_mla_fwd_mgpu", warpgroups=2,
+                   reduction_bytes=0, interpret=interpret)
 
 
 def sparse_mla_fwd_reference(q, kv, idx, *, scale: float):
