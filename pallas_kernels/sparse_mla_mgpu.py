@@ -8,8 +8,9 @@ idx [N, K] int32 (rows of kv; -1 = invalid slot, the wrapper maps every out-of-r
 out [N, H, 512] bf16 = softmax(scale q kv[idx]^T) kv[idx][:, :512], lse [N, H] f32 (natural log; a row with no valid
 slot gives out 0 and lse -inf). H a multiple of 64, K a multiple of 64.
 
-Structure (FlashMLA's SM90 sparse prefill without its register rebalancing, which this compile path drops; see
-BENCHMARKS.md "Issue 31 item 2"):
+Structure (FlashMLA's SM90 sparse prefill without its producer warpgroup and register rebalancing: jax 0.12's
+compile path drops `setmaxnreg`, and under jax 0.11.2, which keeps it, a 384-thread kernel still spills at 168
+registers; see BENCHMARKS.md "Issue 31 item 2"):
   * grid (N, H / 64): Mosaic GPU launches the last grid axis as CUDA's x, the fastest (the compile table shows
     2 x 4096), so the two head groups of a token run together and meet its gathered rows in L2. q's [64, 576] tile
     arrives by TMA and stays in shared memory.
