@@ -16,6 +16,13 @@ def np_scores(q, k, w):
     return np.einsum("bths,bth->bts", np.maximum(np.einsum("bthd,bsd->bths", q, k), 0), w)
 
 
+def np_selected_scores(q, k, w, idx):
+    """The indexer scores of the selected keys: q [B, T, H, D], k [B, S, D], w [B, T, H], idx [B, T, K] (-1 slots
+    score key 0; callers mask them) -> [B, T, K]."""
+    k_sel = np.take_along_axis(k[:, None], np.maximum(idx, 0)[..., None], 2)
+    return np.einsum("btkh,bth->btk", np.maximum(np.einsum("bthd,btkd->btkh", q, k_sel), 0), w)
+
+
 def np_softmax(x, valid):
     x = np.where(valid, x, -np.inf)
     e = np.where(valid, np.exp(x - x.max(-1, keepdims=True)), 0)
@@ -57,8 +64,7 @@ def test_sparse_kl_matches_numpy(rng):
     probs = rng.uniform(0.1, 1, idx.shape) * (idx >= 0)
     probs = probs / probs.sum(-1, keepdims=True) * 3  # summed over 3 heads
     valid = idx >= 0
-    k_sel = np.take_along_axis(ki[:, None], np.maximum(idx, 0)[..., None], 2)
-    scores = np.einsum("btkh,bth->btk", np.maximum(np.einsum("bthd,btkd->btkh", qi, k_sel), 0), wi)
+    scores = np_selected_scores(qi, ki, wi, idx)
     p = probs / 3
     q = np_softmax(scores, valid)
     kl_ref = np.sum(np.where(valid, p * (np.log(np.where(valid, p, 1)) - np.log(np.where(valid, q, 1))), 0), -1)
@@ -80,8 +86,7 @@ def test_small_kl_is_accurate_despite_float32_normalization(rng):
     idx = np.stack([np.stack([rng.permutation(200)[:k] for _ in range(t)]) for _ in range(b)])
     idx[0, 3, 40:] = -1
     valid = idx >= 0
-    k_sel = np.take_along_axis(ki[:, None], np.maximum(idx, 0)[..., None], 2)
-    q = np_softmax(np.einsum("btkh,bth->btk", np.maximum(np.einsum("bthd,btkd->btkh", qi, k_sel), 0), wi), valid)
+    q = np_softmax(np_selected_scores(qi, ki, wi, idx), valid)
     p = np.where(valid, q * np.exp(0.02 * rng.standard_normal(q.shape)), 0)
     probs = (p / p.sum(-1, keepdims=True) * 3).astype(np.float32)  # summed over 3 heads
     p64 = probs.astype(np.float64) / probs.astype(np.float64).sum(-1, keepdims=True)
@@ -90,6 +95,24 @@ def test_small_kl_is_accurate_despite_float32_normalization(rng):
     j = lambda a: jnp.asarray(a, jnp.float32)
     kl = sparse_indexer_kl(jnp.asarray(probs), jnp.asarray(idx, jnp.int32), j(qi), j(ki), j(wi), q_chunk=8)
     assert rel_err(kl, kl_ref) < 5e-5
+
+
+def test_kl_is_finite_where_the_indexer_softmax_underflows():
+    """A trained indexer scores far keys ~100+ below a row's top: q = softmax(scores) underflows to 0 there (log q
+    < -87) while the teacher may still give them mass, or exactly 0. The KL (eq. 3 / eq. 4's `_kl`) and its gradient
+    w.r.t. the scores (q - p) against float64. Mutant, caught (NaN value and gradients): q expm1(r) taken at every r
+    (0 * inf); the old form sum p (log p - log q) passes this test (it fails the accuracy test above)."""
+    from dsv32_jax.model.indexer_loss import _kl
+    scores = np.array([[0., -150., -150., 10., 3.], [1., 2., -200., 0., 0.]])
+    p = np.array([[0.2, 1e-3, 0.0, 0.5, 0.299], [0.5, 0.5, 0.0, 0.0, 0.0]])
+    valid = np.array([[True] * 5, [True, True, True, True, False]])
+    q = np_softmax(scores, valid)
+    log_q = np.where(valid, scores - np.log(np.sum(np.where(valid, np.exp(scores), 0), -1, keepdims=True)), 0)
+    kl_ref = np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - log_q), 0), -1)
+    j = lambda a: jnp.asarray(a, jnp.float32)
+    kl, grad = jax.value_and_grad(lambda s: jnp.sum(_kl(j(p), s, jnp.asarray(valid))))(j(scores))
+    assert rel_err(kl, kl_ref.sum()) < 1e-6
+    np.testing.assert_allclose(np.asarray(grad), np.where(valid, q - p, 0), atol=1e-6)
 
 
 @pytest.mark.parametrize("key_grad,key_block,recent", [("dense", 4, False), ("dense", 4, True), ("dense", 4096, False),

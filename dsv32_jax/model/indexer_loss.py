@@ -27,13 +27,17 @@ def _kl(p: jnp.ndarray, scores: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
     either's normalization error. A float32 p sums to 1 only to ~1e-7, which moves sum p log(p/q) by ~1e-7 per query,
     of the order of the KL itself once the indexer tracks the attention (~1e-4 over a row): measured against a
     float64 oracle at KL ~2e-4, 1.2e-3 to 1.8e-3 relative error that way, 3e-6 to 6e-6 this way (one term: p log p -
-    p + q = q when p = 0). Its gradient w.r.t. the scores is q - p - q (sum q - sum p)."""
+    p + q = q when p = 0). Its gradient w.r.t. the scores is q - p - q (sum q - sum p).
+    q expm1(r) (= p - q) is taken as p - q where r > 1 (no cancellation there): q underflows to 0 far below the
+    row's top scores (log q < -87) while expm1(r) overflows, and their product would be NaN (in the value, or in the
+    gradient of the branch not taken where p = 0)."""
     _, log_z = masked_softmax(scores, valid)
     log_q = jnp.where(valid, scores - log_z[..., None], 0.0)
     pos = valid & (p > 0)
     r = jnp.log(jnp.where(pos, p, 1.0)) - log_q
     q = jnp.where(valid, jnp.exp(log_q), 0.0)
-    return jnp.sum(jnp.where(pos, p * r - q * jnp.expm1(r), q), axis=-1)
+    p_minus_q = jnp.where(r > 1.0, p - q, q * jnp.expm1(jnp.minimum(r, 1.0)))
+    return jnp.sum(jnp.where(pos, p * r - p_minus_q, q), axis=-1)
 
 
 def dense_indexer_kl(q_lat, kv_lat, scale: float, q_idx, k_idx, w_idx, q_index, q_segment, kv_segment, topk: int,
