@@ -189,8 +189,8 @@ def main():
         for t in row["top"]:
             print(f"  {t['ms']:9.2f} ms  x{t['count']:<5d} {t['name']}")
         if args.out:
-            from dsv32_jax.train.eval import write_atomic
-            write_atomic(args.out, json.dumps(rows, indent=1))
+            from dsv32_jax.checkpoint.io_utils import write_text_atomic
+            write_text_atomic(args.out, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

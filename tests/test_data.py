@@ -444,6 +444,27 @@ def test_error_messages(tmp_path):
         make_dataset(finite("jsonl", [str(tmp_path / "empty.jsonl")]), vocab_size=256)
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_stream_with_no_usable_document_raises_instead_of_hanging(tmp_path, shuffle):
+    """Documents that are all empty, or all shorter than data.min_doc_tokens, on an endless stream: an error after
+    two passes that names the source and the field (an endless stream of rejected documents never yields a batch)."""
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["  ", "\n", ""])
+    with pytest.raises(ValueError, match=r"6 documents in a row of data source 'jsonl' .*blank\.jsonl.*min_doc_tokens"):
+        next(make_iterator(finite("jsonl", [blank], num_epochs=None, shuffle=shuffle), vocab_size=256))
+    short = write_jsonl(tmp_path / "short.jsonl", ["abc", "defgh", "ij"])
+    with pytest.raises(ValueError, match=r"documents in a row .*short\.jsonl.*min_doc_tokens"):
+        next(make_iterator(finite("jsonl", [short], num_epochs=None, shuffle=shuffle, min_doc_tokens=6),
+                           vocab_size=256))
+    with pytest.raises(ValueError, match="built-in corpus's 'heldout' split"):
+        next(make_iterator(DataConfig(split="heldout", seq_len=16, batch_size=1, min_doc_tokens=1 << 20),
+                           vocab_size=256))
+    # one usable document in the pass is enough, however many empty ones surround it
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", ["", " ", "abcdefgh", "", "ab"])
+    rows = take(make_iterator(finite("jsonl", [mixed], num_epochs=None, shuffle=shuffle, min_doc_tokens=6),
+                              vocab_size=256), 3)
+    assert all(set(np.unique(r["tokens"])) == set(b"abcdefgh") for r in rows)
+
+
 def test_window_shuffle_permutes_rows_within_windows_only():
     """grain's WindowShuffleIterDataset gives the training signal of an unshuffled stream: the same rows, each
     window of `shuffle_window` rows permuted in place (rows of one long document spread over batches, no row lost)."""

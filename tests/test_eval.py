@@ -37,6 +37,9 @@ def test_heldout_split_is_disjoint_and_the_long_split_keeps_long_documents():
     with pytest.raises(ValueError, match="config.eval.paths"):
         eval_lib.eval_data_config({"source": "jsonl", "paths": ("a.jsonl",), "seq_len": 8, "batch_size": 2},
                                   {"batch_size": 0})
+    with pytest.raises(ValueError, match=r"config.eval.paths is set but data.source='builtin' reads no files"):
+        eval_lib.eval_data_config({"source": "builtin", "seq_len": 8, "batch_size": 2},
+                                  {"batch_size": 0, "paths": ("held.jsonl",)})
 
 
 def _numpy_loss(model, batches) -> float:

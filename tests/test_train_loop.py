@@ -221,3 +221,63 @@ def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert "done: 20 steps of stage sparse in runs/quickstart" in res.stdout
     assert "orbax" not in res.stderr  # orbax's INFO chatter stays off the console
+
+
+def test_checkpoint_fields_are_checked_by_name(tmp_path):
+    """every = 0 used to fail after a whole step with a bare ZeroDivisionError; keep = 0 kept no checkpoint at all
+    (a restart began again at step 0)."""
+    for every, keep, field in ((0, 3, "every"), (1, 0, "keep"), (2.5, 3, "every")):
+        cfg = ml_collections.ConfigDict(dict(every=every, keep=keep, use_async=False))
+        with pytest.raises(ValueError, match=rf"config\.checkpoint\.{field} must be an integer >= 1"):
+            checkpointing.manager(str(tmp_path), cfg)
+    with checkpointing.manager(str(tmp_path), ml_collections.ConfigDict(dict(every=1, keep=None, use_async=False))):
+        pass
+
+
+def test_resume_with_another_worker_count_is_refused_by_name(tmp_path):
+    """The iterator state's format depends on data.worker_count (grain's worker processes keep their own): a
+    resume with another count names the field instead of failing in grain with a bare KeyError; with the same
+    count the run resumes."""
+    from dsv32_jax.train import data as data_lib
+    from dsv32_jax.train.trainer import DATA_STATE_KEY, Trainer
+
+    overrides = {"steps": 1, "data.seq_len": 16, "data.batch_size": 2, "checkpoint.every": 1,
+                 "checkpoint.use_async": False, "log_every": 1000}
+    workdir = str(tmp_path / "run")
+
+    def fit(**kw):
+        config = load_config("dense_tiny", **{**overrides, **kw})
+        trainer = Trainer(config, workdir)
+        # (the iterator itself without worker processes: the check reads config.data, before the iterator is used)
+        it = data_lib.make_iterator(data_lib.DataConfig(**{**config.data.to_dict(), "worker_count": 0}),
+                                    vocab_size=trainer.cfg.vocab_size)
+        try:
+            return trainer.fit(it)
+        finally:
+            getattr(it, "close", lambda: None)()
+
+    assert [h["step"] for h in fit()] == [1]
+    with checkpointing.manager(workdir, load_config("dense_tiny", **overrides).checkpoint) as mngr:
+        saved = mngr.restore(1, args=checkpointing.ocp.args.Composite(
+            data=checkpointing.ocp.args.JsonRestore()))["data"]
+    assert saved[DATA_STATE_KEY] == {"worker_count": 0}
+    with pytest.raises(ValueError, match=r"step 1: its data state was saved with data\.worker_count=0 and this run "
+                                         r"has 1"):
+        fit(**{"steps": 2, "data.worker_count": 1})
+    assert [h["step"] for h in fit(steps=2)] == [2]
+
+
+def test_metrics_writer_drops_a_partial_last_line_before_appending(tmp_path):
+    """A kill inside a write leaves a line without its newline; the resumed run's rows were appended to it, and
+    metrics.jsonl no longer read back."""
+    writer = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+    writer.write(1, {"loss": 2.5})
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "lo')
+    for step in (2, 3):
+        writer = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+        writer.write(step, {"loss": 1.5})
+        writer.close()
+    assert metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) == [
+        {"step": 1, "loss": 2.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.5}]

@@ -27,6 +27,13 @@ CHECKPOINTS_DIR = "checkpoints"
 def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
     """The CheckpointManager of `workdir` configured by config.checkpoint (every, keep, use_async)."""
     c = checkpoint_cfg
+    for field in ("every", "keep"):
+        v = c.get(field) if hasattr(c, "get") else getattr(c, field)
+        if field == "keep" and v is None:  # orbax: keep every checkpoint
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.checkpoint.{field} must be an integer >= 1"
+                             + (" (None keeps every checkpoint)" if field == "keep" else "") + f", got {v!r}")
     options = ocp.CheckpointManagerOptions(save_interval_steps=c.every, max_to_keep=c.keep,
                                            enable_async_checkpointing=c.use_async)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINTS_DIR)), options=options)

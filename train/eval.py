@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv32_jax.checkpoint.io_utils import write_text_atomic
 from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.losses import token_nll
@@ -43,6 +44,10 @@ def eval_data_config(data_cfg: dict, eval_cfg, seq_len: int | None = None, long:
     eval.seq_len / eval.batch_size; long=True keeps only documents of at least seq_len tokens."""
     d = dict(data_cfg)
     if eval_cfg.get("paths"):
+        if d.get("source", "builtin") == "builtin":
+            raise ValueError("config.eval.paths is set but data.source='builtin' reads no files: set data.source "
+                             "to the held-out files' format (jsonl, parquet, arrayrecord, text), or leave "
+                             "config.eval.paths empty for the built-in corpus's held-out split")
         d["paths"] = tuple(eval_cfg.paths)
     else:
         if d.get("source", "builtin") != "builtin":
@@ -181,13 +186,6 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     import argparse
 
@@ -211,8 +209,8 @@ def main(argv=None) -> int:
     print(text, flush=True)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        write_atomic(a.out + ".md", text + "\n")
-        write_atomic(a.out + ".json", json.dumps(table, indent=1))
+        write_text_atomic(a.out + ".md", text + "\n")
+        write_text_atomic(a.out + ".json", json.dumps(table, indent=1))
     return 0
 
 

@@ -36,22 +36,24 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
     main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=main)
     history = []
-    with checkpointing.manager(workdir, config.checkpoint) as mngr, checkpointing.StopSignal() as stop:
-        latest = checkpointing.latest_step(mngr)
-        if latest is not None:
-            stage.restore_checkpoint(mngr, latest)
-            logging.info("resumed from %s step %d", mngr.directory, latest)
-        step = stage.step
-        with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
-            while step < config.steps and not stop.requested:
-                metrics = stage.run_step()
-                step += 1
-                writer.write(step, metrics)
-                history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
-                bar.update(step, metrics, force_line=show(metrics))
-                stage.save_checkpoint(mngr, step, force=stop.requested or step == config.steps)
-        mngr.wait_until_finished()
-        if stop.requested:
-            logging.info("stopped by a signal at step %d (checkpoint saved in %s)", step, mngr.directory)
-    writer.close()
+    try:
+        with checkpointing.manager(workdir, config.checkpoint) as mngr, checkpointing.StopSignal() as stop:
+            latest = checkpointing.latest_step(mngr)
+            if latest is not None:
+                stage.restore_checkpoint(mngr, latest)
+                logging.info("resumed from %s step %d", mngr.directory, latest)
+            step = stage.step
+            with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
+                while step < config.steps and not stop.requested:
+                    metrics = stage.run_step()
+                    step += 1
+                    writer.write(step, metrics)
+                    history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+                    bar.update(step, metrics, force_line=show(metrics))
+                    stage.save_checkpoint(mngr, step, force=stop.requested or step == config.steps)
+            mngr.wait_until_finished()
+            if stop.requested:
+                logging.info("stopped by a signal at step %d (checkpoint saved in %s)", step, mngr.directory)
+    finally:  # (a failed restore or step closes the metrics files too)
+        writer.close()
     return history

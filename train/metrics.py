@@ -30,6 +30,24 @@ def _summary_writer(logdir: str):
     return SummaryWriter(logdir)
 
 
+def _drop_partial_last_line(path: str) -> None:
+    """A run killed inside a write leaves a last line without its newline; the resumed run's first row would be
+    appended to it (one line that is not JSON). Cut the file back to its last complete line."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+        cut = tail.rfind(b"\n")
+        f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+
+
 class MetricsWriter:
     """Appends one JSON object per step to <workdir>/metrics.jsonl and, if tensorboardX is importable, writes the
     same scalars as TensorBoard events under <workdir>/tb. enabled=False (non-zero processes) writes nothing."""
@@ -41,6 +59,7 @@ class MetricsWriter:
             return
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
+        _drop_partial_last_line(self.path)
         self._jsonl = open(self.path, "a")
         if tensorboard:
             self._tb = _summary_writer(os.path.join(workdir, "tb"))

@@ -23,6 +23,7 @@ from flax import nnx
 
 import dsv32_jax
 from dsv32_jax.checkpoint import orbax_io
+from dsv32_jax.checkpoint.io_utils import write_text_atomic
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
@@ -227,7 +228,19 @@ class Trainer:
         return None
 
     def restore_checkpoint(self, mngr, step: int) -> None:
-        self._data_iter.set_state(self.restore(mngr, step))
+        state = dict(self.restore(mngr, step))
+        saved = state.pop(DATA_STATE_KEY, None)  # (absent in checkpoints written before it was recorded)
+        workers = self.config.data.get("worker_count", 0)
+        if saved is not None and saved.get("worker_count") != workers:
+            raise ValueError(f"checkpoint step {step}: its data state was saved with data.worker_count="
+                             f"{saved.get('worker_count')} and this run has {workers}; the iterator state's format "
+                             "depends on it (the rows do not): resume with the checkpoint's data.worker_count")
+        try:
+            self._data_iter.set_state(state)
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"checkpoint step {step}: its data state does not fit this run's data pipeline ({e!r}); "
+                             "resume with the data config the checkpoint was written with (data.worker_count, "
+                             "data.shards)") from None
 
     def save_checkpoint(self, mngr, step: int, force: bool) -> bool:
         if not force and not mngr.should_save(step):
@@ -235,6 +248,7 @@ class Trainer:
         data_state = self._data_iter.get_state()
         if jax.process_count() > 1:  # each process holds its own shards' positions: the checkpoint keeps them all
             data_state = data_lib.merge_states(checkpointing.allgather_json(data_state))
+        data_state = {**data_state, DATA_STATE_KEY: {"worker_count": self.config.data.get("worker_count", 0)}}
         return self.save(mngr, step, data_state, force=force)
 
     def run_step(self) -> dict:
@@ -280,11 +294,13 @@ class Trainer:
         return run_loop(self, workdir=self.workdir, config=self.config, keys=LM_KEYS, desc=self.stage)
 
 
+DATA_STATE_KEY = "dsv32_data"  # beside the iterator's state in a checkpoint's data item: the pipeline it fits
+
+
 def write_summary(workdir: str, history: list[dict]) -> None:
     if not history or jax.process_index() != 0:
         return
     keys = [k for k in history[-1] if k != "step"]
     summary = {"steps": history[-1]["step"], "first": {k: history[0].get(k) for k in keys},
                "last": {k: history[-1].get(k) for k in keys}}
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_text_atomic(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=1))

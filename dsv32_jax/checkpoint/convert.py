@@ -295,8 +295,8 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
     """
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {EXPORT_DTYPES} for orbax-to-hf (use --fp8 for FP8), got {dtype!r}")
-    if not shard_size_gb > 0:
-        raise ValueError(f"--shard_size_gb must be > 0, got {shard_size_gb}")
+    if not 0 < shard_size_gb < 1e9:  # (inf and nan refused: the byte count is an int)
+        raise ValueError(f"--shard_size_gb must be a finite number of GB > 0, got {shard_size_gb}")
     ckpt = os.fspath(ckpt)
     source = orbax_io.open_params(ckpt, step)
     cfg, include_mtp, reader = source.cfg, source.has_mtp, source.reader

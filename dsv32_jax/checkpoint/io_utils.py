@@ -62,6 +62,20 @@ def _same_or_nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes `text` to `path` through `<path>.tmp-<pid>` and a rename: a reader sees the old file or the new one,
+    never a partial one (a full disk or a kill leaves the old file in place)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] = ()):
     """Yields a fresh `<out>.tmp-<pid>` directory; renamed to `out` only if the block completes. An existing
@@ -72,8 +86,11 @@ def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] =
             raise OutputExistsError(f"{out}: the output must not be, contain, or lie inside the input {src}")
     if os.path.lexists(out):
         if not os.path.isdir(out):
-            raise OutputExistsError(f"{out}: exists and is not a directory; pass --overwrite to replace it")
-        content = sorted(os.listdir(out))
+            if not overwrite:
+                raise OutputExistsError(f"{out}: exists and is not a directory; pass --overwrite to replace it")
+            content = []
+        else:
+            content = sorted(os.listdir(out))
         if content and not overwrite:
             kind = ("an orbax checkpoint" if os.path.exists(os.path.join(out, ORBAX_META_FILE)) else
                     "an HF checkpoint" if os.path.exists(os.path.join(out, INDEX_FILE)) or
@@ -95,6 +112,9 @@ def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] =
         old = f"{out}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # a file or a link that --overwrite replaces
+            os.remove(old)
     else:
         os.rename(tmp, out)

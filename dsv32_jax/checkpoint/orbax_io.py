@@ -135,8 +135,10 @@ def read_meta(path: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a dsv32-jax orbax checkpoint ({META_FILE} is missing; an interrupted "
                               "conversion leaves no such file)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path}: corrupt ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path}: corrupt (a JSON {type(meta).__name__}, not an object)")
     if meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{meta_path}: field 'format' is {meta.get('format')!r}, expected {FORMAT_NAME!r}")
     if meta.get("version") != FORMAT_VERSION:

@@ -26,6 +26,29 @@ class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing, malformed or does not match the model; names file and tensor."""
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_entry(path: str, name: str, e) -> None:
+    """One header entry's structure: {"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]} with
+    0 <= begin <= end (the byte range's size and bounds are checked against the shape and the file after)."""
+    if not isinstance(e, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' is a JSON {type(e).__name__}, "
+                              "not an object")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in e:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has no '{key}'")
+    shape, offsets = e["shape"], e["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has shape {shape!r} (a list of "
+                              "non-negative integers expected)")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has data_offsets {offsets!r} "
+                              "([begin, end] with 0 <= begin <= end expected)")
+
+
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
@@ -43,11 +66,14 @@ class SafetensorsFile:
             raise CheckpointError(f"{path}: file not found") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
         self.metadata = header.pop("__metadata__", {}) or {}
         self._base = 8 + n
         self._entries = header
         data_size = size - self._base
         for name, e in header.items():
+            _check_entry(path, name, e)
             if e.get("dtype") not in DTYPES:
                 raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {e.get('dtype')!r}")
             begin, end = e["data_offsets"]
@@ -93,8 +119,11 @@ class HFCheckpoint:
             try:
                 with open(index_path) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index_path}: not a valid safetensors index (weight_map must map tensor "
+                                      f"names to shard file names, got a {type(weight_map).__name__})")
             shards = sorted(set(weight_map.values()))
             for shard in shards:
                 if not os.path.exists(os.path.join(directory, shard)):
@@ -111,6 +140,9 @@ class HFCheckpoint:
                 if weight_map is not None and weight_map.get(name) != shard:
                     raise CheckpointError(f"{f.path}: tensor '{name}' is not listed for this shard in "
                                           "model.safetensors.index.json")
+                if name in self.location:  # (with an index, the check above has already refused this)
+                    raise CheckpointError(f"tensor '{name}' is in two shards, {self.location[name].path} and "
+                                          f"{f.path}: which one to load is ambiguous")
                 self.location[name] = f
         if weight_map is not None:
             missing = sorted(set(weight_map) - set(self.location))

@@ -134,21 +134,66 @@ class _Tokenize:
         if self.eos_id is not None:
             ids = np.append(ids, np.int32(self.eos_id))
         if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
-            raise ValueError(f"tokenizer {self.tokenizer.name!r} produced id {int(ids.max())} outside the "
-                             f"model's vocab_size {self.vocab_size}")
+            bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
+            raise ValueError(f"tokenizer {self.tokenizer.name!r} produced id {bad} outside the model's vocabulary "
+                             f"[0, vocab_size={self.vocab_size})")
         return ids.astype(np.int32, copy=False)
 
 
-def _nonempty(ids: np.ndarray) -> bool:
-    return len(ids) > 0
-
-
 class _MinLength:
+    """Documents shorter than n tokens become empty (dropped with the empty ones by `_DropEmpty`)."""
+
     def __init__(self, n: int):
         self.n = n
 
-    def __call__(self, ids: np.ndarray) -> bool:
-        return len(ids) >= self.n
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        return ids if len(ids) >= self.n else ids[:0]
+
+
+class _DropEmpty(grain.IterDataset):
+    """Drops empty documents; raises once `max_run` documents in a row were empty.
+
+    Without the limit a stream whose every document is empty (whitespace-only text, or all shorter than
+    data.min_doc_tokens) would repeat forever without yielding. make_dataset sets `max_run` to two passes over the
+    whole source: one process meets every document once per pass (shuffled or not), so a run that long means
+    the source has no usable document (the longest run between usable ones, across an epoch boundary of two
+    shuffles, is 2 (n - 1)); a process shard reaching it has met none in its share of two or more epochs."""
+
+    def __init__(self, parent: grain.IterDataset, max_run: int | None, what: str):
+        super().__init__(parent)
+        self.max_run, self.what = max_run, what
+
+    def __iter__(self):
+        return _DropEmptyIterator(self._parent.__iter__(), self.max_run, self.what)
+
+    def __str__(self):
+        return "DropEmpty"
+
+
+class _DropEmptyIterator(grain.DatasetIterator):
+    def __init__(self, parent, max_run: int | None, what: str):
+        super().__init__(parent)
+        self.max_run, self.what = max_run, what
+
+    def __next__(self) -> np.ndarray:
+        run = 0
+        while True:
+            ids = next(self._parent)
+            if len(ids):
+                return ids
+            run += 1
+            if self.max_run is not None and run >= self.max_run:
+                raise ValueError(f"data: {run} documents in a row of {self.what} were empty or shorter than "
+                                 "data.min_doc_tokens (two passes' worth): no document to train on")
+
+    def get_state(self) -> dict:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(state)
+
+    def __str__(self):
+        return "DropEmptyIterator"
 
 
 def _with_next_tokens(ids: np.ndarray) -> dict:
@@ -164,13 +209,15 @@ def _with_next_tokens(ids: np.ndarray) -> dict:
     return {"tokens": ids, "targets": targets, "loss_mask": loss_mask}
 
 
-def pack_documents(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
+def pack_documents(documents: grain.IterDataset, seq_len: int, *, max_empty_run: int | None = None,
+                   what: str = "the documents") -> grain.IterDataset:
     """Concatenate-then-split packing of token arrays into rows of seq_len (fields: see the module docstring).
 
     grain's ConcatThenSplitIterDataset does the packing (split pieces restart at segment 1 / position 0 of the next
     row, padding zeros at the end of a finite stream); `_with_next_tokens` supplies the cross-row targets. Empty
-    documents are dropped first: grain would give them a segment id of their own with no tokens."""
-    features = documents.filter(_nonempty).map(_with_next_tokens)
+    documents are dropped first: grain would give them a segment id of their own with no tokens. With
+    `max_empty_run`, that many empty documents in a row raise a ValueError naming `what` (see `_DropEmpty`)."""
+    features = _DropEmpty(documents, max_empty_run, what).map(_with_next_tokens)
     packed = grain.experimental.ConcatThenSplitIterDataset(  # split_full_length_features=False would emit a document
         features, length_struct={"tokens": seq_len, "targets": seq_len, "loss_mask": seq_len},  # of exactly seq_len
         split_full_length_features=True)  # ahead of the row being filled: keep stream order
@@ -231,8 +278,8 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
     if process_count > 1:
         ds = ds[process_index::process_count]
     ds = ds.map(_Tokenize(tokenizer, cfg.add_eos, vocab_size))
-    if cfg.min_doc_tokens > 1:
-        ds = ds.filter(_MinLength(cfg.min_doc_tokens))
+    if cfg.min_doc_tokens > 1:  # short documents become empty and are dropped, with the empty ones, by _DropEmpty
+        ds = ds.map(_MinLength(cfg.min_doc_tokens))
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
     if cfg.worker_count > 0:
         from absl import flags  # noqa: PLC0415
@@ -240,7 +287,11 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
         if not flags.FLAGS.is_parsed():  # grain's worker processes read its absl flags (defaults suffice)
             flags.FLAGS.mark_as_parsed()
         it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-    it = pack_documents(it, cfg.seq_len)
+    what = (f"the built-in corpus's {cfg.split!r} split" if cfg.source == "builtin"
+            else f"data source {cfg.source!r} {list(cfg.paths)}")
+    if process_count > 1:
+        what += f" (shard {process_index} of {process_count})"
+    it = pack_documents(it, cfg.seq_len, max_empty_run=2 * len(source), what=what)
     if cfg.shuffle and cfg.shuffle_window > 1:  # spreads the rows of one long document over many batches
         it = grain.experimental.WindowShuffleIterDataset(it, window_size=cfg.shuffle_window, seed=cfg.seed)
     return it.batch(cfg.batch_size // process_count, drop_remainder=True)
