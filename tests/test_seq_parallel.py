@@ -7,7 +7,8 @@ of each gradient leaf <= 1e-4, the indexer's coming from that KL), with packed d
 all-gathers over "seq" and keeps the hidden states split along the tokens. The parameters are placed by the rule
 table (routed experts split over seq as well: gathered per layer); the sharded sparse objective runs its MoE blocks
 scanned (RunOptions.scan_layers) against the looped single-device reference (the looped sharded path: dense and
-warm-up here, sparse in tests/test_multiprocess.py)."""
+warm-up here, sparse in tests/test_multiprocess.py). A token count that "seq" does not divide runs unsplit (the
+same logits)."""
 
 import os
 import subprocess
@@ -71,6 +72,16 @@ for name, stage, scan in RUNS:
     # the warm-up loss is the untrained indexer's ~1e-4 KL: measured <= 2e-7 over seeds 0-2 (like the LM losses;
     # `indexer_loss._kl` is insensitive to float32 normalization error); a sharding bug gives O(1) errors
     assert lerr <= 1e-5 and gerr <= 1e-4, (stage, lerr, gerr)
+# a length that "seq" does not divide (T = 30 over seq:4: eval, GRPO scoring) runs unsplit instead of failing in
+# shard_map (MLA falls back as the MoE's routing does)
+model = Transformer(cfg, rngs=nnx.Rngs(seed), options=RunOptions(**STAGES["sparse"], attn_chunk=4, index_chunk=4))
+odd = jnp.asarray(tokens[:, :30])
+want = jax.jit(lambda x: model(x, mtp=False))(odd)
+with shd.use_mesh(mesh):
+    got = jax.jit(lambda x: model(x, mtp=False))(odd)
+oerr = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+print("odd", oerr)
+assert oerr <= 1e-5, oerr
 """
 
 
@@ -81,4 +92,4 @@ def test_sequence_parallel_matches_single_device(seed):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     lines = res.stdout.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["dense", "warmup", "sparse-scan"], res.stdout
+    assert [ln.split()[0] for ln in lines] == ["dense", "warmup", "sparse-scan", "odd"], res.stdout

@@ -150,3 +150,37 @@ def _all_eqns(jaxpr):
             for v in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
                     yield from _all_eqns(getattr(v, "jaxpr", v))
+
+
+@pytest.mark.parametrize("attention,mla_mode", [("dense", "mqa"), ("dense", "mha")])
+def test_reference_attention_gives_the_indexer_the_sparse_paths_kl(attention, mla_mode, tmp_path, rng):
+    """The sparse stage with the masked dense reference (config.attention="dense") or the decompressed MHA mode:
+    eq. 4's KL and its indexer gradient as with attention="sparse" (they were absent: the indexer got no gradient
+    and the logged KL read 0)."""
+    c = tiny_config("sparse", mtp=False)
+    c.loss.mtp_weight, c.loss.balance_weight = 0.0, 0.0
+    trainer = Trainer(c, str(tmp_path / "w"), allocate=False)
+    model, _ = trainer._build()
+    batch = {k: jnp.asarray(v) for k, v in random_batch(rng, trainer.cfg.vocab_size).items()}
+    mask = (batch["segment_ids"] > 0).astype(jnp.float32)
+    graphdef, params = nnx.split(model)
+    base = model.options
+
+    def kl_and_grad(options):
+        def kl(p):
+            m = nnx.merge(graphdef, p)
+            m.options = options
+            _, aux = m(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                       return_aux=True)
+            return losses.indexer_kl(aux, mask)[0]
+
+        value, grad = jax.jit(jax.value_and_grad(kl))(params)
+        flat = dict(nnx.traversals.flatten_mapping(nnx.to_pure_dict(grad)))
+        return float(value), {p: np.asarray(v) for p, v in flat.items() if "indexer" in map(str, p)}
+
+    want, g_want = kl_and_grad(base.replace(attention="sparse"))
+    got, g_got = kl_and_grad(base.replace(attention=attention, mla_mode=mla_mode))
+    assert want > 1e-6 and rel_err(got, want) < 1e-5, (got, want)
+    assert g_got.keys() == g_want.keys() and len(g_want) > 0
+    for path in g_want:
+        np.testing.assert_allclose(g_got[path], g_want[path], rtol=1e-4, atol=1e-9, err_msg=str(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,5 +72,25 @@ def act_dequant(codes: jnp.ndarray, scale: jnp.ndarray, dtype=jnp.float32) -> jn
 
 
 def fake_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0") -> jnp.ndarray:
-    """Quantize-dequantize round trip (simulates an FP8 cache or FP8 GEMM input), same dtype as x."""
+    """Quantize-dequantize round trip (simulates an FP8 cache or FP8 GEMM input), same dtype as x.
+
+    Differentiated straight through (the gradient w.r.t. x is the incoming gradient): autodiff of the round trip
+    would cast the gradient itself to e4m3 without a scale, which flushes gradients below 2^-9 x scale to zero
+    (all of them at training magnitudes), so a run with an FP8 cache would leave c_kv's producers untrained."""
+    return _fake_quant_ste(x, block, scale_fmt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_quant_ste(x, block, scale_fmt):
     return act_dequant(*act_quant(x, block, scale_fmt), dtype=x.dtype)
+
+
+def _fake_quant_ste_fwd(x, block, scale_fmt):
+    return _fake_quant_ste(x, block, scale_fmt), None
+
+
+def _fake_quant_ste_bwd(block, scale_fmt, _, g):
+    return (g,)
+
+
+_fake_quant_ste.defvjp(_fake_quant_ste_fwd, _fake_quant_ste_bwd)

@@ -157,7 +157,9 @@ class MLA(nnx.Module):
             mesh = current_mesh()
             if opts.attention == "kernel" and mesh is not None and mesh.size > 1:
                 o_lat, core_aux = kernel_parallel(attend, mesh, q_side, kv_side, split_tokens=cache is None)
-            elif cache is None and mesh is not None and mesh.shape.get(SEQ_AXIS, 1) > 1:
+            elif (cache is None and mesh is not None and mesh.shape.get(SEQ_AXIS, 1) > 1
+                  and t % mesh.shape[SEQ_AXIS] == 0 and kv_lat.shape[1] % mesh.shape[SEQ_AXIS] == 0):
+                # (tokens that "seq" does not divide run unsplit below, as kernel_parallel and the MoE fall back)
                 o_lat, core_aux = seq_parallel(attend, mesh, q_side, kv_side)
             else:
                 o_lat, core_aux = attend(*q_side, *kv_side)
@@ -171,6 +173,8 @@ class MLA(nnx.Module):
             if opts.indexer_loss == "dense":
                 aux["indexer_kl"], aux["indexer_captured"] = dense_indexer_kl(
                     q_lat, kv_lat, scale, q_i, k_i, w_i, *vis, cfg.index_topk, q_chunk=opts.attn_chunk)
+            elif opts.indexer_loss == "sparse":
+                aux["indexer_kl"] = reference_sparse_kl(q_lat, kv_lat, aux["topk"], q_i, k_i, w_i, cfg, opts)
             kv = jnp.einsum("bsc,chd->bshd", c_kv, jnp.concatenate([w_uk, w_uv], axis=-1))
             k = jnp.concatenate(
                 [kv[..., : cfg.qk_nope_head_dim],
@@ -269,6 +273,8 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
     if not opts.dsa or opts.attention == "dense":
         o_lat, _ = attention.dense_mqa(q_lat, kv_lat, *vis, scale, cfg.kv_lora_rank, topk_idx=aux["topk"],
                                        q_chunk=opts.attn_chunk)
+        if opts.indexer_loss == "sparse":  # (never inside kernel_parallel: no head or token split here)
+            aux["indexer_kl"] = reference_sparse_kl(q_lat, kv_lat, aux["topk"], q_i, k_i, w_i, cfg, opts)
         return o_lat, aux
     if opts.attention == "sparse" and opts.indexer_loss != "sparse" and cfg.index_topk >= kv_lat.shape[1]:
         # index_topk covers every key (S <= k: short sequences, a small decode cache): the selection is each query's
@@ -292,6 +298,17 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
     else:
         o_lat, _ = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank)
     return o_lat, aux
+
+
+def reference_sparse_kl(q_lat, kv_lat, topk, q_i, k_i, w_i, cfg, opts: RunOptions):
+    """Eq. 4's KL where the attention itself is not the gathered one (attention="dense", its masked dense
+    reference, or mla_mode="mha"): the target is the head-summed attention over the selected slots, computed from
+    the detached latents by the gathered reference (the masked dense attention's probabilities on those slots, the
+    same distribution), so the indexer gets the same training signal as with attention="sparse"."""
+    _, _, head_probs = attention.sparse_mla(jax.lax.stop_gradient(q_lat), jax.lax.stop_gradient(kv_lat), topk,
+                                            cfg.softmax_scale, cfg.kv_lora_rank, q_chunk=opts.attn_chunk,
+                                            return_probs=True)
+    return sparse_indexer_kl(head_probs, topk, q_i, k_i, w_i, q_chunk=opts.attn_chunk, key_grad=opts.kl_key_grad)
 
 
 def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
