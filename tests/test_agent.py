@@ -9,7 +9,7 @@ import pytest
 from dsv32_jax.posttrain import chat
 from dsv32_jax.posttrain.agent import (GuessPolicy, OraclePolicy, RandomPolicy, ScriptedPolicy, extractive_summary, format_call,
                              manage, over_budget, run_episode)
-from dsv32_jax.posttrain.agent.context import STRATEGIES, parse_summary, split_summary
+from dsv32_jax.posttrain.agent.context import STRATEGIES, SummarizedUser, parse_summary, split_summary
 from dsv32_jax.posttrain.agent.episode import chat_tools, completion_text
 from dsv32_jax.posttrain.agent.evaluate import VerbosePolicy, format_table, success_vs_budget, visible_facts
 from dsv32_jax.posttrain.chat import Assistant, System, ToolCall, ToolResult, User
@@ -233,7 +233,14 @@ def test_strategies_keep_everything_up_to_the_last_user_message():
     msgs = head + [Assistant(tool_calls=[get("a")]), ToolResult("7")]
     assert manage(msgs, "discard_all") == head
     assert manage(msgs, "discard75") == head
-    assert manage(msgs, "summary") == head[:3] + [User("q2. known results: get(a)=7")]
+    assert manage(msgs, "summary") == head[:3] + [summarized("q2", "get(a)=7")]
+
+
+def summarized(task, summary):
+    """What the summary strategy writes: the task and the summary, rendered as task + marker + summary."""
+    want = SummarizedUser(f"{task}. known results: {summary}", task=task, summary=summary)
+    assert want.content.startswith(task) and isinstance(want, User)
+    return want
 
 
 def test_strategy_summary_and_resummary():
@@ -241,17 +248,30 @@ def test_strategy_summary_and_resummary():
     summary = 'get(a)=1, get(b)=2, get(c)=3, calc(1+2)=3, get(d)=error: no key "d"'
     assert extractive_summary(msgs) == summary
     once = manage(msgs, "summary")
-    assert once == [System("sys"), User("find x. known results: " + summary)]
+    assert once == [System("sys"), summarized("find x", summary)]
     # a second summary keeps the first one's items and drops exact duplicates
     later = once + [Assistant(tool_calls=[get("a")]), ToolResult("1"), Assistant(tool_calls=[get("e")]),
                     ToolResult("5")]
-    assert manage(later, "summary") == [System("sys"), User("find x. known results: " + summary + ", get(e)=5")]
+    assert manage(later, "summary") == [System("sys"), summarized("find x", summary + ", get(e)=5")]
     assert split_summary(manage(later, "summary")[1].content)[0] == "find x"
     assert parse_summary(summary) == {"get(a)": "1", "get(b)": "2", "get(c)": "3", "calc(1+2)": "3",
                                       "get(d)": 'error: no key "d"'}
     # a pluggable summarizer
     assert manage(msgs, "summary", summarize=lambda m: "x is 9") == [System("sys"),
-                                                                      User("find x. known results: x is 9")]
+                                                                      summarized("find x", "x is 9")]
+
+
+
+def test_summary_keeps_a_task_that_contains_the_marker_text():
+    """The task is data: a user task containing ". known results: " was cut there by the first summary (its tail
+    read as old summary items); a second summary keeps the whole task and the first summary's items."""
+    task = "check the cache. known results: are stale, so call get for qd and report the value"
+    msgs = [System("sys"), User(task), Assistant(tool_calls=[get("qd")]), ToolResult("41")]
+    assert extractive_summary(msgs) == "get(qd)=41"
+    once = manage(msgs, "summary")
+    assert once == [System("sys"), summarized(task, "get(qd)=41")]
+    later = once + [Assistant(tool_calls=[get("e")]), ToolResult("5")]
+    assert manage(later, "summary") == [System("sys"), summarized(task, "get(qd)=41, get(e)=5")]
 
 
 def test_format_call_and_summary_charset():

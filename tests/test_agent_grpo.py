@@ -358,6 +358,14 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
         AgentLearner(_config(codec="tiny", envs=["accented_env:Accented"]), str(tmp_path))
     with pytest.raises(ValueError, match=r"config.agent.envs: unknown environment 'nope'"):
         AgentLearner(_config(envs="lookup,nope"), str(tmp_path))
+    # rows that minibatches do not divide were sampled and scored but never trained on; more minibatches than rows
+    # failed after the whole rollout in a reduction over an empty minibatch
+    for tasks, group, minibatches in ((3, 2, 4), (1, 2, 4)):
+        with pytest.raises(ValueError, match=rf"tasks_per_step x group_size = {tasks * group} rows must split into "
+                                             rf"config.agent.minibatches={minibatches} equal minibatches"):
+            AgentLearner(_config(tasks_per_step=tasks, group_size=group, minibatches=minibatches), str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.group_size must be >= 2 .*got 1"):  # advantages always 0
+        AgentLearner(_config(group_size=1, tasks_per_step=2), str(tmp_path))
 
 
 def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):

@@ -228,6 +228,17 @@ OPEN, CLOSE = "\n\n<｜DSML｜function_calls>\n", "\n</｜DSML｜function_calls>
     ("r</think>ok<｜User｜>hi", r"unexpected special token '<｜User｜>' in content at offset 11"),
     ("r<think>s</think>ok", r"unexpected special token '<think>' in reasoning at offset 1"),
     ("r</think><function_results>", r"model-generated '<function_results>' in content"),
+    ("r</think>see <result> 41", r"model-generated '<result>' in content at offset 13"),
+    ("r</think>41</result>", r"unexpected special token '</result>' in content at offset 11"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1</result>")
+     + "\n</｜DSML｜invoke>" + CLOSE, r"unexpected special token '</result>' in parameter 'expr' of tool 'calc'"),
+    # json's int limit (over 4300 digits) and deep nesting raise ValueError / RecursionError, not JSONDecodeError
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n"
+     + P.format("x", "false", "9" * 4400) + "\n</｜DSML｜invoke>" + CLOSE,
+     r"bad JSON in parameter 'x' of tool 'calc' at offset \d+: Exceeds the limit"),
+    ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n"
+     + P.format("x", "false", "[" * 100_000) + "\n</｜DSML｜invoke>" + CLOSE,
+     r"bad JSON in parameter 'x' of tool 'calc' at offset \d+: "),
     ("think" + OPEN + "</think>ok", r"tool calls in reasoning at offset 7 \(calls go after '</think>'\)"),
     ("r</think>ok" + CLOSE, r"'</｜DSML｜function_calls>' without '<｜DSML｜function_calls>' in content at offset 12"),
 ])

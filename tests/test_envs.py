@@ -594,3 +594,28 @@ def test_register_import_path_and_instances(tmp_path, monkeypatch):
         registry.register("mine", make_env)
     with pytest.raises(ValueError, match="without ':'"):
         registry.register("a:b", make_env)
+
+
+@pytest.mark.parametrize("returned", [float("nan"), float("inf"), -float("inf"), None, "high"])
+def test_a_non_finite_verifier_reward_is_zero_and_reported(returned):
+    """A verifier's nan passed the [0, 1] clamp (max(nan, 0) is nan) and made its whole group's advantages, the GRPO
+    loss and every gradient nan; what the environment returns is data: reward 0, the reason in info."""
+
+    class Odd(_BrokenEnv):
+        def score(self, instance, answer):
+            return returned, {"why": "0 / 0"}
+
+    env = Odd(tool_timeout=None)
+    env.reset(3)
+    _, reward, done, info = env.step({"content": "3"})
+    assert reward == 0.0 and done and not info["success"] and info["why"] == "0 / 0"
+    assert info["reward_error"] == f"Odd.score() returned {returned!r}, not a finite number: reward 0"
+
+
+def test_trip_verifier_answers_that_json_cannot_read_score_zero():
+    """An integer of over 4300 digits makes json.loads raise a plain ValueError (not JSONDecodeError), deep nesting a
+    RecursionError: model text, so a zero reward with the reason, never an exception out of the rollout."""
+    inst = make_env("trip").generate(7)
+    for answer in ("9" * 4400, '{"plan": [' + "9" * 4400 + "]}", "[" * 100_000, "{"):
+        reward, info = score_plan(inst, answer)
+        assert reward == 0.0 and info["reason"] == "answer is not json", (answer[:20], info)

@@ -238,3 +238,29 @@ def test_off_policy_sequence_mask_fires_in_the_learner(tmp_path):
     masked = lrn.update(batch)["opsm_masked_fraction"]
     print("opsm_masked_fraction", masked)
     assert 0.0 < masked <= 0.75
+
+
+def test_a_group_of_one_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"config.grpo.group_size must be >= 2 .*got 1"):
+        learner(tmp_path, 1, **{"grpo.group_size": 1, "grpo.minibatches": 1})
+
+
+@pytest.mark.parametrize("every,want", [(0, [5]), (2, [2, 4, 5]), (1, [1, 2, 3, 4, 5])])
+def test_eval_every_zero_evaluates_at_the_end_only(every, want):
+    """config.grpo.eval_every / config.agent.eval_every = 0 (0 means off elsewhere in the config) failed with a
+    bare ZeroDivisionError after the first step's rollout and update; now it evaluates only at the last step. The
+    learners' rollout, update and evaluation are stubbed (run_step's schedule alone)."""
+    import types
+
+    from dsv32_jax.train.agent_grpo import AgentLearner
+
+    for cls, field in ((GRPOLearner, "g"), (AgentLearner, "a")):
+        lrn = object.__new__(cls)
+        lrn.step, lrn.config, evaluated = 0, types.SimpleNamespace(steps=5), []
+        setattr(lrn, field, types.SimpleNamespace(eval_every=every, cold_start_steps=0, recall_steps=0))
+        lrn.rollout = lambda step: ({}, {"reward_mean": 0.0})
+        lrn.update = lambda batch: {"loss": 0.0}
+        lrn.evaluate = lambda lrn=lrn, evaluated=evaluated: evaluated.append(lrn.step) or {"eval_accuracy": 0.0}
+        for _ in range(5):
+            lrn.run_step()
+        assert evaluated == want, (cls.__name__, evaluated)

@@ -162,3 +162,23 @@ def test_processed_logprobs_restrict_to_kept_set(rng):
     p = np.exp(z) / np.exp(z).sum()
     assert float(mass[0, 0]) == pytest.approx(p[3] + p[7], rel=1e-5)
     assert float(ent[0, 0]) > 0
+
+
+def test_slots_the_sampler_never_wrote_give_finite_loss_and_gradients(rng):
+    """After an early stop the sampler leaves kept ids 0, kept mask False and the token pad_id: with a pad id that is
+    not 0 that slot's kept set was empty, its log-prob nan, and the masked loss (mask x nan) nan."""
+    logits = jnp.asarray(rng.standard_normal((1, 2, 10)), jnp.float32)
+    kept_ids = jnp.asarray([[[3, 7, 1], [0, 0, 0]]])
+    kept_mask = jnp.asarray([[[True, True, False], [False, False, False]]])
+    tok, mask = jnp.asarray([[7, 5]]), jnp.asarray([[1.0, 0.0]])  # pad_id 5 in the unwritten slot
+    old = jnp.asarray([[-0.5, 0.0]])
+
+    def loss(logits):
+        logp, _, _ = processed_logprobs(logits, tok, kept_ids, kept_mask, 1.0)
+        return grpo_loss(logp, old, old, jnp.asarray([1.0]), mask, jnp.asarray([0.1]))[0], logp
+
+    (value, logp), grad = jax.value_and_grad(loss, has_aux=True)(logits)
+    z = np.asarray(logits, np.float64)[0, 0]
+    assert float(logp[0, 0]) == pytest.approx(z[7] - np.log(np.exp(z[3]) + np.exp(z[7])), abs=1e-6)
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
+    assert not np.any(np.asarray(grad)[0, 1])  # the masked slot contributes nothing

@@ -109,6 +109,34 @@ def test_bounded_candidates_and_greedy(rng):
         SamplingConfig(temperature=0.0)
 
 
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_greedy_at_temperature_zero_is_the_argmax_with_finite_logprobs(rng, top_k):
+    """greedy=True with temperature=0 (which the temperature error suggests) divided the logits by 0: the first
+    +inf / nan won the argmax and the recorded log-probs were nan."""
+    logits = jnp.asarray(rng.standard_normal((4, 300)), jnp.float32).at[:, 0].set(0.0)  # 0 / 0 = nan at id 0
+    want_tok, want_logp, _, _ = sample_token(logits, jax.random.key(0), SamplingConfig(greedy=True, top_k=top_k))
+    tok, logp, _, _ = sample_token(logits, jax.random.key(0), SamplingConfig(greedy=True, temperature=0.0,
+                                                                          top_k=top_k))
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), -1))
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    np.testing.assert_array_equal(np.asarray(logp), np.asarray(want_logp))  # recorded at temperature 1
+    assert np.all(np.isfinite(np.asarray(logp)))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(top_k=50, max_candidates=32), r"top_k=50 must be in \[0, max_candidates=32\]"),
+    (dict(top_k=-1), r"top_k=-1 must be in"),
+    (dict(max_candidates=0, top_p=0.5), r"max_candidates must be >= 1, got 0"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
+    (dict(temperature=float("nan")), r"temperature must be > 0"),
+])
+def test_sampling_config_refuses_what_it_would_run_differently(fields, match):
+    """top_k above the candidate set silently ran as top-k max_candidates; max_candidates = 0 silently turned top-p
+    off; max_new_tokens = 0 failed inside jit with a shape error."""
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**fields)
+
+
 def numpy_nucleus(logits, temperature, top_p):
     """The top-p set of softmax(logits / T): the most likely tokens, in order, up to and including the first one at
     which the cumulative probability reaches top_p. Returns (bool [V], renormalized probabilities over it [V])."""

@@ -39,7 +39,7 @@ from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import env_factory, make_env
 from dsv32_jax.posttrain.sampler import SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
-from dsv32_jax.train.grpo import minibatch_updates
+from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx
@@ -184,6 +184,9 @@ class AgentLearner:
         self.greedy = SamplingConfig(max_new_tokens=a.max_new_tokens, greedy=True, eos_id=self.codec.eos_id,
                                      pad_id=self.codec.pad_id, vocab_size=mask)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
+        check_group_size(a.group_size, "config.agent.group_size")
+        check_minibatches("config.agent: tasks_per_step", a.tasks_per_step * a.group_size, a.minibatches, self.mesh,
+                          config.mesh, "config.agent.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
@@ -441,7 +444,7 @@ class AgentLearner:
         metrics.update(self.update(batch))
         self.step += 1
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
-        if self.step % self.a.eval_every == 0 or self.step == self.config.steps:
+        if (self.a.eval_every and self.step % self.a.eval_every == 0) or self.step == self.config.steps:
             metrics.update(self.evaluate())
         metrics["step_s"] = time.perf_counter() - t0  # the whole step: step 0's recall stage and cold start included
         return metrics

@@ -115,7 +115,7 @@ def default_config() -> ml_collections.ConfigDict:
         kl_weight=0.0, kl_weights=ml_collections.ConfigDict(),  # beta (per task domain overrides, 0 allowed)
         max_new_tokens=4, temperature=1.0, top_k=0, top_p=1.0, max_candidates=32,
         length_target=-1,  # >= 0: length penalty beyond this many tokens (and for not emitting EOS)
-        language_weight=0.0, grm_weight=0.0, eval_every=10,
+        language_weight=0.0, grm_weight=0.0, eval_every=10,  # greedy evaluation every N steps and at the end (0: end)
         letters=0.0,  # fraction of rev / copy prompts in letters (the second language of language_weight)
         indexer_weight=1.0))  # the eq. (4) indexer KL during RL (detached inputs: the policy gradient is unchanged)
 

@@ -40,6 +40,8 @@ def minibatch_updates(train, state, batch: dict, *, epochs: int, minibatches: in
     minibatch). Returns the state and the metrics averaged over the updates."""
     n = batch["adv"].shape[0]
     mb = n // minibatches
+    if minibatches < 1 or mb * minibatches != n:  # (the learners check their configs: check_minibatches)
+        raise ValueError(f"{n} rows do not split into {minibatches} equal minibatches")
     history = []
     for _ in range(epochs):
         order = rng.permutation(n)
@@ -48,6 +50,22 @@ def minibatch_updates(train, state, batch: dict, *, epochs: int, minibatches: in
             state, metrics = train(state, jax.device_put(jax.tree.map(lambda x: x[idx], batch), sharding))
             history.append(metrics)
     return state, {k: float(np.mean([jax.device_get(h[k]) for h in history])) for k in history[0]}
+
+
+def check_group_size(group_size: int, field: str) -> None:
+    """GRPO's advantage is a reward minus its group's mean: a group of one has advantage 0 always (no policy
+    gradient, only the KL term would train)."""
+    if group_size < 2:
+        raise ValueError(f"{field} must be >= 2 (the advantage is a reward minus its group's mean), got {group_size}")
+
+
+def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, field: str) -> None:
+    """A step's `rows` must split into `minibatches` equal minibatches (no row sampled and scored but never trained
+    on) whose size the mesh's batch axes divide."""
+    split = steps.batch_devices(mesh)
+    if minibatches < 1 or rows % minibatches or (rows // minibatches) % split:
+        raise ValueError(f"{what} x group_size = {rows} rows must split into {field}={minibatches} equal minibatches "
+                         f"whose size the mesh's batch axes ({split} ways, config.mesh={mesh_spec!r}) divide")
 
 
 class GRPOLearner:
@@ -73,12 +91,9 @@ class GRPOLearner:
         self.prompt_width = max(len(rl_tasks.make_prompt(k, np.random.default_rng(0))[0]) for k in self.tasks)
         check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
-        rows = g.prompts_per_step * g.group_size
-        split = steps.batch_devices(self.mesh)
-        if rows % g.minibatches or (rows // g.minibatches) % split:
-            raise ValueError(f"config.grpo: prompts_per_step x group_size = {rows} rows must split into "
-                             f"minibatches={g.minibatches} minibatches whose size the mesh's batch axes "
-                             f"({split} ways, config.mesh={config.mesh!r}) divide")
+        check_group_size(g.group_size, "config.grpo.group_size")
+        check_minibatches("config.grpo: prompts_per_step", g.prompts_per_step * g.group_size, g.minibatches,
+                          self.mesh, config.mesh, "config.grpo.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
@@ -195,7 +210,7 @@ class GRPOLearner:
         metrics = self.update(batch)
         self.step += 1
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
-        if self.step % self.g.eval_every == 0 or self.step == self.config.steps:
+        if (self.g.eval_every and self.step % self.g.eval_every == 0) or self.step == self.config.steps:
             metrics.update(self.evaluate())
         return metrics
 

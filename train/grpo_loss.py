@@ -50,6 +50,9 @@ def processed_logprobs(logits, tokens, kept_ids, kept_mask, temperature: float):
         logp = jnp.take_along_axis(full, tokens[..., None], -1)[..., 0]
         return logp, -jnp.sum(jnp.exp(full) * full, -1), jnp.ones(logp.shape, jnp.float32)
     keep = kept_mask | (kept_ids == tokens[..., None])  # the sampled token is always in its kept set
+    # slots the sampler never wrote (after an early stop: kept set empty, token = pad_id) keep their first candidate,
+    # so their (masked-out) log-prob and its gradient are finite: an empty set gave nan, and mask x nan is nan
+    keep = keep | (~jnp.any(keep, -1, keepdims=True) & (jnp.arange(keep.shape[-1]) == 0))
     cand = jnp.where(keep, jnp.take_along_axis(scaled, kept_ids, -1), -jnp.inf)
     logq = jax.nn.log_softmax(cand, axis=-1)
     pick = jnp.argmax(kept_ids == tokens[..., None], -1)

@@ -51,10 +51,18 @@ class SamplingConfig:
         return limit if limit < vocab else 0
 
     def __post_init__(self):
-        if self.temperature <= 0 and not self.greedy:
+        if not self.temperature > 0 and not self.greedy:  # (nan refused too)
             raise ValueError("SamplingConfig.temperature must be > 0 (use greedy=True for argmax decoding)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_candidates < 1:
+            raise ValueError(f"SamplingConfig.max_candidates must be >= 1, got {self.max_candidates}")
+        if not 0 <= self.top_k <= self.max_candidates:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k} must be in [0, max_candidates={self.max_candidates}] "
+                             "(0: no top-k truncation; the candidate set bounds every truncation): raise "
+                             "max_candidates with top_k")
         if self.vocab_size < 0:
             raise ValueError(f"SamplingConfig.vocab_size must be >= 0 (0: the model's), got {self.vocab_size}")
 
@@ -81,8 +89,10 @@ def prompt_layout(prompt_lengths: jnp.ndarray, prompt_width: int, total: int):
 def processed_logits(logits: jnp.ndarray, cfg: SamplingConfig):
     """Temperature, the vocabulary mask (`cfg.vocab_size`), then the bounded candidate set: returns (candidate logits
     [..., K], ids [..., K], keep [..., K]) for truncated or masked sampling, or (logits / T, None, None) for plain
-    sampling over the full vocabulary."""
-    scaled = logits.astype(jnp.float32) / cfg.temperature
+    sampling over the full vocabulary. Greedy decoding with temperature <= 0 takes the argmax of the logits (which
+    no temperature moves) and records log-probs at temperature 1."""
+    temperature = cfg.temperature if cfg.temperature > 0 else 1.0  # (only greedy reaches <= 0: __post_init__)
+    scaled = logits.astype(jnp.float32) / temperature
     vocab = scaled.shape[-1]
     k = cfg.kept_width(vocab)
     if not k:

@@ -37,6 +37,7 @@ what room is left (strategies are applied once per turn, not in a loop).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -44,8 +45,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from dsv32_jax.posttrain.chat import Assistant, Message, ToolResult, User
 
-__all__ = ["STRATEGIES", "SUMMARY_MARKER", "TRIGGER", "extractive_summary", "format_call", "history_units",
-           "manage", "over_budget", "parse_summary", "split_summary"]
+__all__ = ["STRATEGIES", "SUMMARY_MARKER", "TRIGGER", "SummarizedUser", "extractive_summary", "format_call",
+           "history_units", "manage", "over_budget", "parse_summary", "split_summary"]
 
 STRATEGIES: tuple[str, ...] = ("none", "summary", "discard75", "discard_all")
 #: Fraction of the context budget above which a strategy is applied (the report's 80%).
@@ -97,10 +98,27 @@ def history_units(messages: Sequence[Message]) -> list[tuple[int, int]]:
     return units
 
 
+@dataclasses.dataclass
+class SummarizedUser(User):
+    """The user message that ``summary`` wrote: content = task + SUMMARY_MARKER + summary, with both parts kept,
+    so a later summary finds the task whatever its text holds (a task containing the marker's text was cut there)."""
+
+    task: str = ""
+    summary: str = ""
+
+
 def split_summary(content: str) -> tuple[str, str]:
-    """``(task, summary)`` of a user message's content ("" when it carries no summary)."""
+    """``(task, summary)`` of a rendered user message's text ("" when it carries no summary): the text after the
+    first SUMMARY_MARKER. On messages, :func:`manage` reads :class:`SummarizedUser`'s parts instead."""
     at = content.find(SUMMARY_MARKER)
     return (content, "") if at < 0 else (content[:at], content[at + len(SUMMARY_MARKER):])
+
+
+def _task_and_summary(message: Message) -> tuple[str, str]:
+    """A plain user message is all task (user text is data: never parsed for a marker)."""
+    if isinstance(message, SummarizedUser):
+        return message.task, message.summary
+    return message.content, ""
 
 
 def parse_summary(summary: str) -> dict[str, str]:
@@ -117,7 +135,7 @@ def extractive_summary(messages: Sequence[Message]) -> str:
     """The default summarizer: the old summary's items (if the last user message has one), then one
     ``name(args)=result`` item per tool call of the history, duplicates kept once, joined by ``", "``."""
     last = _last_user(messages)
-    items = [f"{k}={v}" for k, v in parse_summary(split_summary(messages[last].content)[1]).items()]
+    items = [f"{k}={v}" for k, v in parse_summary(_task_and_summary(messages[last])[1]).items()]
     for start, end in history_units(messages):
         turn = messages[start]
         results = [m.content for m in messages[start + 1:end]]
@@ -147,6 +165,6 @@ def manage(messages: Sequence[Message], strategy: str, summarize: Summarizer | N
         return out[:first] + [m for start, end in units[drop:] for m in out[start:end]]
     summary = (summarize or extractive_summary)(out)
     last = first - 1
-    task = split_summary(out[last].content)[0]
-    out[last] = User(task + SUMMARY_MARKER + summary if summary else task)
+    task = _task_and_summary(out[last])[0]
+    out[last] = SummarizedUser(task + SUMMARY_MARKER + summary, task=task, summary=summary) if summary else User(task)
     return out[:first] + out[units[-1][1]:]

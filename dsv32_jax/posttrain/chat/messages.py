@@ -82,8 +82,9 @@ def _as_tool_call(value: Any, where: str) -> ToolCall:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ChatFormatError(f"{where}.arguments: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # (JSONDecodeError, an integer of over 4300 digits, nesting)
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0] or type(e).__name__
+                raise ChatFormatError(f"{where}.arguments: not valid JSON ({msg})") from None
         call = ToolCall(name=fn.get("name"), arguments=args)
     else:
         raise ChatFormatError(f"{where}: expected a ToolCall or a dict, got {type(value).__name__}")

@@ -9,14 +9,15 @@ from typing import Any, Sequence
 
 from dsv32_jax.posttrain.chat.messages import Tool, ToolLike, as_tool
 from dsv32_jax.posttrain.chat.tokens import (BOS, CALLS_CLOSE, CALLS_OPEN, DSML, EOS, INVOKE_CLOSE, INVOKE_OPEN, PAD, PARAM_CLOSE,
-                                   PARAM_OPEN, RESULTS_CLOSE, RESULTS_OPEN, THINK_CLOSE, THINK_OPEN, USER, ASSISTANT,
+                                   PARAM_OPEN, RESULT_OPEN, RESULTS_OPEN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN,
                                    ChatFormatError)
 
 __all__ = ["decode_completion", "parse_completion"]
 
 _INVOKE_HEAD = re.compile(r' name="([^"<>\n]*)"')
 _PARAM_HEAD = re.compile(r' name="([^"<>\n]*)" string="(true|false)"')
-_FORBIDDEN_IN_TEXT = (PAD, BOS, EOS, USER, ASSISTANT, THINK_OPEN, THINK_CLOSE, RESULTS_OPEN, RESULTS_CLOSE)
+# every special token but the DSML tags (which the markup check below reports): <result> / </result> were missing
+_FORBIDDEN_IN_TEXT = tuple(t for t in SPECIAL_TOKENS if DSML not in t)
 
 
 def _snippet(text: str, pos: int) -> str:
@@ -48,8 +49,8 @@ def _check_text(field_name: str, text: str, offset: int) -> None:
         raise ChatFormatError(f"invoke outside function_calls: {INVOKE_OPEN!r} {where}")
     if tok == DSML:
         raise ChatFormatError(f"DSML markup {_snippet(text, at)} outside a function_calls block {where}")
-    if tok == RESULTS_OPEN:
-        raise ChatFormatError(f"model-generated {RESULTS_OPEN!r} {where} (tool results come from the environment)")
+    if tok in (RESULTS_OPEN, RESULT_OPEN):
+        raise ChatFormatError(f"model-generated {tok!r} {where} (tool results come from the environment)")
     raise ChatFormatError(f"unexpected special token {tok!r} {where}")
 
 
@@ -91,8 +92,9 @@ def _parse_param(text: str, pos: int, end: int, tool: str) -> tuple[str, Any, in
     else:
         try:
             value = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ChatFormatError(f"bad JSON in parameter {key!r} of tool {tool!r} at offset {pos}: {e.msg} "
+        except (ValueError, RecursionError) as e:  # (JSONDecodeError, an integer of over 4300 digits, deep nesting)
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0] or type(e).__name__
+            raise ChatFormatError(f"bad JSON in parameter {key!r} of tool {tool!r} at offset {pos}: {msg} "
                                   f"(value {raw[:40]!r}; use string=\"true\" for raw strings)") from None
     return key, value, close + len(PARAM_CLOSE)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -196,7 +197,15 @@ class Env:
             return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
                     {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
         reward, details = self.score(self.instance, action.content)
-        reward = min(max(float(reward), 0.0), 1.0)
+        details = dict(details)
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):  # (max(nan, 0) is nan: one nan reward made its group's advantages and the loss nan)
+            details["reward_error"] = f"{type(self).__name__}.score() returned {reward!r}, not a finite number: reward 0"
+            value = 0.0
+        reward = min(max(value, 0.0), 1.0)
         self.done = True
         return self._observation(), reward, True, {"success": reward == 1.0, "steps": self.steps, "truncated": False,
                                                    **details}

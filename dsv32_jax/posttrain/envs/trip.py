@@ -176,7 +176,7 @@ def _parse_plan(answer: str) -> list[dict[str, Any]] | str:
     """The plan's entries, or the reason the answer is not a plan."""
     try:
         data = json.loads(answer)
-    except (json.JSONDecodeError, TypeError, RecursionError):
+    except (ValueError, TypeError, RecursionError):  # ValueError: JSONDecodeError, or an integer of > 4300 digits
         return "answer is not json"
     if not isinstance(data, dict) or not isinstance(data.get("plan"), list):
         return 'answer has no "plan" list'
