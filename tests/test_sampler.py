@@ -60,6 +60,19 @@ def test_decode_matches_full_forward(model, rng, opts):
     model.options = RunOptions()
 
 
+def test_decode_past_the_end_of_the_cache_is_refused(model):
+    """dynamic_update_slice clamps a write past the cache's end: tokens 8-9 into an 8-slot cache overwrote slots 6-7
+    and the logits came out wrong (0.15 off the prefill's) without an error. A concrete index is checked."""
+    toks = jnp.asarray(np.arange(2, 12)[None], jnp.int32)
+    cache = model.init_cache(1, 8)
+    _, cache, _ = model.decode(toks[:, :8], cache, 0, jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"decode: 2 tokens at cache slot 8 need slots \[8, 10\) of a cache of 8"):
+        model.decode(toks[:, 8:], cache, 8, jnp.arange(8, 10)[None], jnp.ones((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"decode: 9 tokens at cache slot 0"):
+        model.decode(toks[:, :9], model.init_cache(1, 8), jnp.asarray(0), jnp.arange(9)[None],
+                     jnp.ones((1, 9), jnp.int32))
+
+
 def teacher_forced_logprobs(model, prompts, lens, r, cfg):
     p = prompts.shape[1]
     seg, pos = sequence_layout(lens, p, r)

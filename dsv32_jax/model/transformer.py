@@ -57,6 +57,19 @@ class MTPLayer(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
 
 
+def _check_cache_room(index, num_tokens: int, length: int) -> None:
+    """Slots [index, index + T) must lie in the cache: past its end dynamic_update_slice clamps the write (the new
+    tokens overwrite the last slots) and the logits come out silently wrong. Checked when index is concrete (a
+    traced index, e.g. inside the sampler's loop, is the caller's to bound)."""
+    try:
+        start = int(index)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if start < 0 or start + num_tokens > length:
+        raise ValueError(f"decode: {num_tokens} tokens at cache slot {start} need slots [{start}, {start + num_tokens}) "
+                         f"of a cache of {length} (init_cache(batch, length) with a larger length)")
+
+
 class Transformer(nnx.Module):
     """DeepSeek-V3.2 causal LM.
 
@@ -163,6 +176,7 @@ class Transformer(nnx.Module):
 
         positions [B, T] are RoPE positions, segment_ids [B, T] (0 for padding). Prefill = decode on an empty
         cache with index 0. Returns (logits [B, T, V] float32, new cache, aux per layer: topk, routing)."""
+        _check_cache_room(index, tokens.shape[1], cache["segment"].shape[1])
         seg_cache = jax.lax.dynamic_update_slice_in_dim(cache["segment"], segment_ids.astype(jnp.int32), index, axis=1)
         pos = self.positions(tokens, positions, segment_ids, start=index, kv_segment=seg_cache)
         h, aux = self.backbone(self.embed_tokens(tokens), pos, routing, cache)
