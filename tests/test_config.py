@@ -70,11 +70,32 @@ def test_tiny_preset_exercises_every_feature():
     ("topk_group", 9, "topk_group"),
     ("num_attention_heads", 0, "num_attention_heads"),
     ("hidden_act", "gelu", "hidden_act"),
+    # types checked by name (a null or a float failed later, in a forward, or with a message naming no field)
+    ("rms_norm_eps", None, r"field 'rms_norm_eps' must be a finite number, got None"),
+    ("routed_scaling_factor", None, r"field 'routed_scaling_factor' must be a finite number, got None"),
+    ("n_routed_experts", None, r"field 'n_routed_experts' must be an integer, got None"),
+    ("n_group", 4.0, r"field 'n_group' must be an integer, got 4.0"),
+    ("norm_topk_prob", "yes", r"field 'norm_topk_prob' must be true or false"),
+    ("rope_theta", None, r"field 'rope_scaling' \(or 'rope_theta'\) holds a value that is not a number"),
+    ("attention_bias", True, r"field 'attention_bias' must be false"),
 ])
 def test_validation_names_the_field(field, value, needle):
     raw = official_raw()
     raw[field] = value
     with pytest.raises(ConfigError, match=needle):
+        ModelConfig.from_hf(raw)
+
+
+def test_rope_scaling_without_a_type_is_refused():
+    """A rope_scaling object with YaRN's fields but no "type" was read as plain RoPE: YaRN and the m^2 softmax
+    factor silently dropped (the 671B softmax scale 0.0722 instead of 0.1352)."""
+    raw = official_raw()
+    raw["rope_scaling"] = {k: v for k, v in raw["rope_scaling"].items() if k not in ("type", "rope_type")}
+    with pytest.raises(ConfigError, match=r"field 'rope_scaling' has no 'type'"):
+        ModelConfig.from_hf(raw)
+    raw["rope_scaling"]["factor"] = "x"
+    raw["rope_scaling"]["type"] = "yarn"
+    with pytest.raises(ConfigError, match=r"field 'rope_scaling' .* not a number"):
         ModelConfig.from_hf(raw)
 
 

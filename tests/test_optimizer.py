@@ -40,6 +40,12 @@ def test_groups_and_indexer_overrides():
         bad.indexer.momentum = 0.9
     with pytest.raises(ValueError, match=r"config.optimizer.indexer.momentum: unknown field"):
         group_config(bad, "indexer")
+    # an indexer override that breaks its schedule is named as the indexer group's (it was reported against the
+    # main group's fields, which the user had set correctly)
+    c = _cfg()
+    c.indexer.schedule = "linear"
+    with pytest.raises(ValueError, match=r"config.optimizer.indexer \(its own fields .*'schedule': 'linear'"):
+        make_tx(c)
 
 
 def test_each_group_is_clipped_by_its_own_norm(rng):

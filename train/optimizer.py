@@ -143,7 +143,19 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
 def make_tx(cfg, param_dtype=None) -> optax.GradientTransformation:
     """AdamW with global-norm clipping, separately for the indexer and the main model (`group_config`); wrapped
     in fp32 master weights when cfg.master_dtype is set and wider than param_dtype."""
-    tx = optax.multi_transform({g: _group_tx(group_config(cfg, g)) for g in GROUPS}, param_groups)
+    txs = {}
+    for g in GROUPS:
+        settings = group_config(cfg, g)
+        try:
+            txs[g] = _group_tx(settings)
+        except ValueError as e:
+            if g == "main":
+                raise
+            inherited = {k: settings[k] for k in ("schedule", "warmup_steps", "hold_steps", "decay_steps")
+                         if k in settings}
+            raise ValueError(f"config.optimizer.{g} (its own fields over config.optimizer's, here {inherited}): "
+                             f"{e}") from None
+    tx = optax.multi_transform(txs, param_groups)
     master = cfg.get("master_dtype", "")
     if master and param_dtype is not None and jnp.dtype(param_dtype).itemsize < jnp.dtype(master).itemsize:
         tx = with_master_weights(tx, master)

@@ -2,7 +2,7 @@
 dsv32-jax orbax checkpoint (see `dsv32_jax.checkpoint.orbax_io` for its layout), and training workdirs (W) -> HF, as an absl CLI:
 
     python -m dsv32_jax.checkpoint.convert hf-to-orbax --hf_dir=D --out=O [--dtype=bfloat16|float32|float8] [--include_mtp]
-                                            [--mesh=fsdp:2,tensor:4] [--overwrite]
+                                            [--mesh=fsdp:2,tensor:4] [--init_indexer=auto|load|fresh] [--overwrite]
     python -m dsv32_jax.checkpoint.convert orbax-to-hf --ckpt=O|W --out=D [--step=N] [--fp8] [--dtype=bfloat16|float32]
                                             [--shard_size_gb=5] [--overwrite]
 
@@ -171,13 +171,21 @@ FLUSH_BYTES = 64 << 20
 
 
 def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: bool = False, mesh=None,
-                rules=None, overwrite: bool = False, progress: bool = True) -> dict:
+                rules=None, overwrite: bool = False, progress: bool = True, init_indexer: str = "auto",
+                seed: int = 0) -> dict:
     """Converts an HF checkpoint directory to a dsv32-jax orbax checkpoint at `out` (see module docstring).
 
     dtype: 'bfloat16' / 'float32' (FP8 dequantized) or 'float8' (FP8 codes + float32 block scales kept for the
     quantized tensors). include_mtp: also convert the MTP layer(s) (error if absent). mesh: a Mesh or spec string
-    to write sharded arrays. Returns a summary dict (tensors, bytes, seconds, GB/s).
+    to write sharded arrays. init_indexer: as `from_pretrained`'s ("auto": a `deepseek_v3` checkpoint without
+    indexer tensors, i.e. DeepSeek-V3.1-Terminus, where the warm-up starts, gets fresh lightning indexers); fresh
+    indexers are `Transformer(cfg)`'s initialization from `seed` (V3.2's geometry unless config.json gives one),
+    stored in the model dtype (never FP8) and recorded in dsv32_meta.json ("indexers"). Returns a summary dict
+    (tensors, bytes, seconds, GB/s).
     """
+    from dsv32_jax.checkpoint.hf import is_indexer_spec
+    from dsv32_jax.checkpoint.loading import _fresh_indexers, resolve_init_indexer
+
     if dtype not in IMPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {IMPORT_DTYPES} for hf-to-orbax, got {dtype!r}")
     hf_dir = os.fspath(hf_dir)
@@ -186,7 +194,8 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
     if include_mtp and cfg.num_nextn_predict_layers < 1:
         raise CheckpointError(f"{hf_dir}/config.json: include_mtp requested but num_nextn_predict_layers is "
                               f"{cfg.num_nextn_predict_layers}")
-    src_dtypes = check_hf_checkpoint(ckpt, cfg, include_mtp)
+    fresh_indexers = resolve_init_indexer(init_indexer, ckpt, hf_dir) == "fresh"
+    src_dtypes = check_hf_checkpoint(ckpt, cfg, include_mtp, include_indexer=not fresh_indexers)
     if isinstance(mesh, str):
         mesh = shd.make_mesh(mesh)
     keep_fp8 = dtype == "float8"
@@ -197,6 +206,12 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
     missing = set(leaves) - set(main_names)
     if missing:  # the mapping table must cover the model exactly
         raise RuntimeError(f"tensor_specs does not cover model parameters {sorted(missing)[:3]}")
+    fresh = None
+    if fresh_indexers:  # one init of the indexers alone (jit keeps only them), in the stored float dtype
+        fresh_dtype = BF16 if keep_fp8 else np.dtype(dtype)
+        tree = jax.device_get(jax.jit(lambda: _fresh_indexers(model_cfg, seed, fresh_dtype, fresh_dtype, None,
+                                                               None, None))())
+        fresh = {tuple(p): np.asarray(v) for p, v in orbax_io.flatten_pure(tree)}
     n_total, bytes_total = _source_bytes(ckpt, specs)
     bar = Progress("hf-to-orbax", n_total, bytes_total, enabled=progress)
     with atomic_output_dir(out, overwrite, inputs=[hf_dir]) as tmp:
@@ -211,10 +226,13 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
                 if spec.alias:
                     bar.update(1, check_alias(ckpt, spec.hf_names[0], main_names[spec.path]))
                     continue
-                target = _stored_dtype(spec, np.dtype(leaves[spec.path].dtype), keep_fp8,
-                                       {src_dtypes[n] for n in spec.hf_names})
-                quantize = keep_fp8 and spec.quantized
-                for path, value in _import_spec(ckpt, spec, quantize, target, bar):
+                if fresh is not None and is_indexer_spec(spec):
+                    pairs = [(orbax_io.str_path(spec.path), fresh[tuple(spec.path)])]
+                else:
+                    target = _stored_dtype(spec, np.dtype(leaves[spec.path].dtype), keep_fp8,
+                                           {src_dtypes[n] for n in spec.hf_names})
+                    pairs = _import_spec(ckpt, spec, keep_fp8 and spec.quantized, target, bar)
+                for path, value in pairs:
                     if mesh is not None:
                         leaf_axes = axes.get(spec.path, ()) if path[-1] == str(spec.path[-1]) else ()
                         value = jax.device_put(value, orbax_io.logical_sharding(leaf_axes, value.shape, mesh, rules))
@@ -233,7 +251,9 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
             "format": orbax_io.FORMAT_NAME, "version": orbax_io.FORMAT_VERSION, "dtype": dtype,
             "fp8": keep_fp8, "include_mtp": bool(include_mtp and cfg.num_nextn_predict_layers > 0),
             "groups": writer.groups, "source": os.path.abspath(hf_dir),
-            "hf_dtypes": {s.hf_names[0]: src_dtypes[s.hf_names[0]] for s in specs if not s.alias},
+            "hf_dtypes": {s.hf_names[0]: src_dtypes[s.hf_names[0]] for s in specs
+                          if not s.alias and s.hf_names[0] in src_dtypes},
+            "indexers": {"fresh": True, "seed": int(seed)} if fresh_indexers else {"fresh": False},
             "mesh": None if mesh is None else {k: v for k, v in mesh.shape.items() if v > 1},
             "created_by": "python -m dsv32_jax.checkpoint.convert hf-to-orbax",
         }
@@ -382,6 +402,11 @@ def _define_flags():
                       "hf-to-orbax: stored dtype (default bfloat16; float8 keeps FP8 codes + scales). "
                       "orbax-to-hf: dtype of the non-FP8 tensors (default: the source checkpoint's).")
     flags.DEFINE_bool("include_mtp", False, "hf-to-orbax: also convert the MTP layer (checkpoint layer 61).")
+    flags.DEFINE_enum("init_indexer", "auto", ["auto", "load", "fresh"],
+                      "hf-to-orbax: the lightning indexers: 'load' them, initialize them 'fresh' (from "
+                      "--indexer_seed), or 'auto' = fresh for a deepseek_v3 checkpoint without indexer tensors "
+                      "(DeepSeek-V3.1-Terminus), load otherwise.")
+    flags.DEFINE_integer("indexer_seed", 0, "hf-to-orbax: seed of fresh lightning indexers.")
     flags.DEFINE_string("mesh", None, "hf-to-orbax: shard arrays onto a device mesh, e.g. 'fsdp:2,tensor:4'.")
     flags.DEFINE_bool("fp8", False, "orbax-to-hf: write FP8 e4m3 weights with 128x128 weight_scale_inv.")
     flags.DEFINE_float("shard_size_gb", 5.0, "orbax-to-hf: maximum shard size in GB (1e9 bytes).")
@@ -424,7 +449,7 @@ def main(argv) -> int:
                 raise app.UsageError("--step is an orbax-to-hf flag (a step of a training workdir)")
             summary = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype or "bfloat16",
                                   include_mtp=FLAGS.include_mtp, mesh=FLAGS.mesh, overwrite=FLAGS.overwrite,
-                                  progress=FLAGS.progress)
+                                  progress=FLAGS.progress, init_indexer=FLAGS.init_indexer, seed=FLAGS.indexer_seed)
         else:
             if FLAGS.ckpt is None:
                 raise app.UsageError("orbax-to-hf needs --ckpt")

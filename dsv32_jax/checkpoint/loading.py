@@ -44,6 +44,22 @@ def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
 INIT_INDEXER = ("auto", "load", "fresh")
 
 
+def resolve_init_indexer(init_indexer: str, ckpt: HFCheckpoint, path: str) -> str:
+    """"load" or "fresh" for an HF checkpoint: "auto" is "fresh" for a `deepseek_v3` checkpoint without indexer
+    tensors (DeepSeek-V3.1-Terminus), "load" otherwise; decided by the tensors, not the label alone, so stored
+    indexer weights are never discarded."""
+    if init_indexer not in INIT_INDEXER:
+        raise ValueError(f"init_indexer must be one of {INIT_INDEXER}, got {init_indexer!r}")
+    if init_indexer != "auto":
+        return init_indexer
+    stored = any(".self_attn.indexer." in name for name in ckpt.names())
+    v3 = hf_model_type(path) == "deepseek_v3"
+    if stored and v3:
+        logging.warning("%s: config.json says model_type 'deepseek_v3' but the checkpoint holds lightning indexer "
+                        "tensors: loading them (init_indexer='fresh' replaces them)", path)
+    return "fresh" if v3 and not stored else "load"
+
+
 def hf_model_type(path: str) -> str:
     import json
     with open(os.path.join(path, "config.json")) as f:
@@ -68,15 +84,18 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
     `deepseek_v3` checkpoint (DeepSeek-V3.1-Terminus, where the paper's warm-up starts: no indexer weights, the
     indexer geometry from config.json or V3.2's defaults) and "load" otherwise. Training workdirs and orbax
     checkpoints take "fresh" too (loaded, then the indexers replaced). overrides: ModelConfig fields replacing
-    config.json's (HF checkpoints; e.g. the indexer geometry of fresh indexers).
+    config.json's (orbax checkpoints and workdirs: the recorded config's; fields that change a stored shape are
+    refused by name, except the indexers' with init_indexer="fresh"), e.g. the indexer geometry of fresh indexers.
     """
     if init_indexer not in INIT_INDEXER:
         raise ValueError(f"from_pretrained: init_indexer must be one of {INIT_INDEXER}, got {init_indexer!r}")
     path = os.fspath(path)
     if orbax_io.is_orbax_checkpoint(path) or orbax_io.is_training_workdir(path):
+        fresh = init_indexer == "fresh"
         model = load_orbax_model(path, dtype, param_dtype=param_dtype, options=options,
-                                 include_mtp=include_mtp, mesh=mesh, rules=rules, step=step)
-        if init_indexer == "fresh":
+                                 include_mtp=include_mtp, mesh=mesh, rules=rules, step=step, overrides=overrides,
+                                 skip_indexers=fresh)
+        if fresh:
             state = nnx.to_pure_dict(nnx.state(model))
             _copy_indexers(state, _fresh_indexers(model.config, seed, dtype, param_dtype, options, mesh, rules))
             nnx.update(model, _as_state(model, state))
@@ -89,9 +108,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=
         config = config.replace(**dict(overrides))
     ckpt = HFCheckpoint(path)
     has_mtp = checkpoint_has_mtp(ckpt, config)
-    if init_indexer == "auto":
-        init_indexer = "fresh" if hf_model_type(path) == "deepseek_v3" else "load"
-    load_indexer = init_indexer == "load"
+    load_indexer = resolve_init_indexer(init_indexer, ckpt, path) == "load"
     # the converter's validator (hf-to-orbax runs the same); values are checked finite as they are read
     check_hf_checkpoint(ckpt, config, has_mtp if include_mtp is None else include_mtp, load_indexer)
     cfg, include_mtp = resolve_mtp(config, has_mtp, include_mtp,
@@ -194,8 +211,13 @@ def _as_state(model, pure: dict):
     return state
 
 
+def _is_indexer_path(path: tuple) -> bool:
+    return "indexer" in path
+
+
 def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
-                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None):
+                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None,
+                     overrides: dict | None = None, skip_indexers: bool = False):
     """Loads a dsv32-jax orbax checkpoint directory, or a training workdir (its latest finished checkpoint, or
     `step`; parameters only), into a ready `Transformer`, one layer at a time.
 
@@ -204,18 +226,23 @@ def load_orbax_model(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype
     then every array is restored straight into its sharding (orbax restore targets with the shardings), so each
     process reads from storage only the chunks overlapping the slices its own devices hold, FP8 codes are
     dequantized slice by slice, and no host ever holds a whole parameter (multi-host: every process calls this).
+    overrides: ModelConfig fields replacing the recorded config's (a changed stored shape is refused by name).
+    skip_indexers: the lightning indexers are neither checked nor read (left abstract: the caller fills them in).
     """
     source = open_params(path, step)
     reader = source.reader
-    cfg, include_mtp = resolve_mtp(source.cfg, source.has_mtp, include_mtp,
+    cfg = source.cfg.replace(**dict(overrides)) if overrides else source.cfg
+    cfg, include_mtp = resolve_mtp(cfg, source.has_mtp, include_mtp,
                                    f"{source.label}: include_mtp=True but the checkpoint has no MTP layer")
     if isinstance(mesh, str):
         mesh = shd.make_mesh(mesh)
     graphdef, state = abstract_model(cfg, dtype, param_dtype, options)
     axes = param_axes(state)
-    targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))}
+    targets = {tuple(p): v for p, v in flatten_pure(nnx.to_pure_dict(state))
+               if not (skip_indexers and _is_indexer_path(tuple(p)))}
     check_stored_tree(reader, {p: tuple(v.shape) for p, v in targets.items()},
-                      allow_extra_prefix=None if include_mtp else [("mtp",)])
+                      allow_extra_prefix=None if include_mtp else [("mtp",)],
+                      ignore=_is_indexer_path if skip_indexers else None)
     pure = nnx.to_pure_dict(state)
     groups: dict[str, list] = {}
     for p in targets:

@@ -403,9 +403,11 @@ def _numpy_abstract(shape, dtype):
     return np.empty(shape, dtype)
 
 
-def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], allow_extra_prefix=None) -> None:
+def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], allow_extra_prefix=None,
+                      ignore=None) -> None:
     """Every expected leaf (path -> shape) is stored with that shape (FP8 leaves with a scale of block shape);
-    nothing else is stored except leaves under `allow_extra_prefix` (e.g. an MTP layer that is not loaded)."""
+    nothing else is stored except leaves under `allow_extra_prefix` (e.g. an MTP layer that is not loaded) and
+    leaves for which `ignore(path)` is true (e.g. indexers that are initialized fresh instead)."""
     where = reader.path
     seen = set()
     for path, shape in expected.items():
@@ -427,7 +429,8 @@ def check_stored_tree(reader: ParamsReader, expected: Mapping[tuple, tuple], all
                                       f"{list(fp8_blocks(shape))} for 128x128 blocks of {list(shape)}")
             seen.add(spp)
     extra = sorted(p for p in reader.leaves if p not in seen
-                   and not (allow_extra_prefix and any(p[:len(x)] == x for x in allow_extra_prefix)))
+                   and not (allow_extra_prefix and any(p[:len(x)] == x for x in allow_extra_prefix))
+                   and not (ignore and ignore(p)))
     if extra:
         raise CheckpointError(f"{where}: {len(extra)} unexpected parameters for this config, e.g. '{'/'.join(extra[0])}'; "
                               f"does {CONFIG_FILE} match the checkpoint?")

@@ -109,6 +109,10 @@ class ModelConfig:
         def fail(field, msg):
             raise ConfigError(f"{source}: field '{field}' {msg}")
 
+        for f in dataclasses.fields(self):  # types first: a null or a string fails here, by name
+            value, kinds = getattr(self, f.name), _FIELD_KINDS.get(str(f.type))
+            if kinds is not None and not any(_is_kind(value, k) for k in kinds):
+                fail(f.name, f"must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, got {value!r}")
         positive = [
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -152,6 +156,10 @@ class ModelConfig:
                      f"({self.topk_group}x{per_group})")
         if self.tie_word_embeddings:
             fail("tie_word_embeddings", "must be false: DeepSeek-V3.2 has an untied lm_head")
+        if self.attention_bias:
+            fail("attention_bias", "must be false: DeepSeek-V3.2's attention projections have no bias")
+        if not self.rms_norm_eps > 0:
+            fail("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
 
     @property
     def has_moe(self) -> bool:
@@ -183,7 +191,13 @@ class ModelConfig:
             raise ConfigError(f"{source}: field 'model_type' is {model_type!r}; expected 'deepseek_v32' or 'deepseek_v3'")
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in fields}
-        kwargs.update(_rope_fields(raw, source))
+        try:
+            kwargs.update(_rope_fields(raw, source))
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{source}: field 'rope_scaling' (or 'rope_theta') holds a value that is not a number "
+                              f"({e})") from None
         if "n_routed_experts" not in raw and "num_experts" in raw:
             kwargs["n_routed_experts"] = raw["num_experts"]
         if raw.get("q_lora_rank", 1) is None:
@@ -232,6 +246,27 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# the annotation of each field -> the kinds of value it takes (validate's type check)
+_FIELD_KINDS = {"int": ("int",), "float": ("float",), "bool": ("bool",), "str": ("str",),
+                "float | None": ("float", "none"), "int | None": ("int", "none")}
+_KIND_NAMES = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
+               "none": "null"}
+
+
+def _is_kind(value, kind: str) -> bool:
+    if kind == "none":
+        return value is None
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, str)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -246,6 +281,9 @@ def _rope_fields(raw: dict, source: str) -> dict[str, Any]:
         out["rope_theta"] = float(rope["rope_theta"])
     elif "rope_theta" in raw:
         out["rope_theta"] = float(raw["rope_theta"])
+    if rope and "rope_type" not in rope and "type" not in rope and set(rope) - {"rope_theta"}:
+        raise ConfigError(f"{source}: field 'rope_scaling' has no 'type' (e.g. \"type\": \"yarn\"): read as plain "
+                          f"RoPE, its {sorted(set(rope) - {'rope_theta'})} would be dropped")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     out["rope_type"] = rope_type
     if rope_type == "yarn":

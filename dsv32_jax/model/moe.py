@@ -189,8 +189,10 @@ def _expert_parallel(mesh, x, ids, weights, w):
     experts on them (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner."""
     batch = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
     n_ep = mesh.shape["expert"]
-    fsdp = "fsdp" if mesh.shape["fsdp"] > 1 else None
-    tensor = "tensor" if mesh.shape["tensor"] > 1 else None
+    # a weight dimension that its axis does not divide stays whole on every device, as the rule table stores it
+    # (`sharding.array_spec`): split anyway, shard_map refused the mesh (hidden 64 on fsdp:6)
+    fsdp = "fsdp" if mesh.shape["fsdp"] > 1 and w[0].shape[1] % mesh.shape["fsdp"] == 0 else None
+    tensor = "tensor" if mesh.shape["tensor"] > 1 and w[0].shape[2] % mesh.shape["tensor"] == 0 else None
     # the expert dimension as the parameters are stored: over "expert" (expert parallelism) and, when the rule
     # table says so and the count divides, over "seq" too (ZeRO-3: gathered below, its gradient reduce-scattered)
     stored = sharding.array_spec(("expert",), w[0].shape[:1], mesh.shape, sharding.current_rules())[0]
