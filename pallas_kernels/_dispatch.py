@@ -55,7 +55,12 @@ def target_device():
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0]
     dev = jax.config.jax_default_device
-    if dev is not None and not isinstance(dev, str):
+    if isinstance(dev, str):  # jax.default_device("cpu") is stored as the platform's name
+        try:
+            return jax.devices(dev)[0]
+        except RuntimeError:
+            return None
+    if dev is not None:
         return dev
     try:
         return jax.devices()[0]

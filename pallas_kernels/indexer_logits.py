@@ -233,6 +233,10 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
                         if i in MOSAIC_BACKENDS else None)
     if impl == "reference":
         return indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts, ends, out_dtype)
+    for name, codes in (("q_fp8", q_fp8), ("k_fp8", k_fp8)):  # the kernels widen codes to bf16: exact for e4m3 only
+        if codes.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"indexer_logits: impl={impl!r} takes e4m3 codes (float8_e4m3fn); {name} is "
+                             f"{codes.dtype} (quantize with hadamard_quant, or use impl='reference')")
     if impl == "pallas_gpu" and (_gpu_compute_capability() or 0) >= 9.0 and mgpu_kernel.check_shapes(
             q_fp8, k_fp8, block_q or 8, block_k or 128) is None:
         impl = "mosaic_gpu"

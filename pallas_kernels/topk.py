@@ -425,6 +425,13 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
     pallas_gpu, interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs
     the reference (`jax.lax.top_k`, a full sort).
     """
+    if lengths is not None:  # one length per row (a scalar or any shape that broadcasts to the rows' shape)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        try:
+            lengths = jnp.broadcast_to(lengths, scores.shape[:-1])
+        except ValueError:
+            raise ValueError(f"topk: lengths of shape {lengths.shape} do not broadcast to the rows' shape "
+                             f"{scores.shape[:-1]} (scores {scores.shape})") from None
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu"), op="topk",
                         shapes={"scores": scores, "k": k})
     if impl == "reference":
@@ -432,6 +439,6 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
     if impl in ("pallas_tpu", "interpret_tpu"):
         return _topk_tpu(scores, lengths, k=k, backend=impl)
     buf = buffer or max(next_pow2(4 * k), 1024)
-    if buf < next_pow2(k + 1):
+    if buf < next_pow2(k + 1) or buf & (buf - 1):
         raise ValueError(f"topk: buffer {buf} must be a power of two larger than k={k}")
     return _topk_pallas(scores, lengths, k=k, buf=buf, block=block, backend=impl, num_warps=num_warps)

@@ -57,3 +57,12 @@ def test_paths_without_an_agentic_run_are_named(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         agent_report.main([str(tmp_path / "a.log")])
     assert e.value.code == 2
+    # a JSONL file whose rows are not metrics rows (no "step"): named with its line, not a KeyError traceback
+    (tmp_path / "nostep.jsonl").write_text('{"x": 1}\n')
+    with pytest.raises(SystemExit):
+        agent_report.main([str(tmp_path / "nostep.jsonl")])
+    assert "nostep.jsonl, line 1: not a metrics row" in capsys.readouterr().err
+    from dsv32_jax.train import plot
+
+    with pytest.raises(SystemExit, match=r"error: .*nostep\.jsonl, line 1: not a metrics row"):
+        plot.main([str(tmp_path / "nostep.jsonl")])

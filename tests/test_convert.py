@@ -661,6 +661,12 @@ def test_cli_round_trip(tmp_path, synth_fp8):
     assert r.returncode == 1 and "--overwrite" in r.stderr and "Traceback" not in r.stderr
     r = _cli("convert-everything", f"--out={o}")
     assert r.returncode != 0 and "hf-to-orbax or orbax-to-hf" in r.stderr
+    # a flag of the other command was ignored silently (hf-to-orbax --fp8 wrote bfloat16)
+    r = _cli("hf-to-orbax", f"--hf_dir={src}", f"--out={tmp_path / 'x'}", "--fp8")
+    assert r.returncode != 0 and "--fp8: not a flag of hf-to-orbax (FP8 import: --dtype=float8)" in r.stderr
+    r = _cli("orbax-to-hf", f"--ckpt={o}", f"--out={tmp_path / 'y'}", "--mesh=fsdp:64", "--include_mtp")
+    assert r.returncode != 0 and "--include_mtp, --mesh: not a flag of orbax-to-hf" in r.stderr
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
 
 
 # -------------------------------------------------------------------------------------------------- sharding

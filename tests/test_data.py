@@ -508,3 +508,38 @@ def test_fixed_shards_give_the_same_global_batch_on_any_process_count():
         DataConfig(batch_size=4, shards=3)
     for it in [one, resumed, *parts]:
         it.close()
+
+
+def test_resolve_paths_reads_data_files_once(tmp_path):
+    """A directory's data files by extension (corpus.txt.gz, part.parquet.crc and files under .cache/ were read as
+    data), each file once however it is named (a directory plus a glob over it, a relative and an absolute path,
+    doubled every document), and an existing file whose name holds glob characters as that file."""
+    from dsv32_jax.train.data.sources import resolve_paths
+
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / ".cache").mkdir()
+    for name in ("a.txt", "sub/c.txt", "a.txt.gz", "a.txt.orig", ".cache/b.txt", "_SUCCESS", ".a.txt.crc",
+                 "shard[0].txt", "t.array_record-00000-of-00002"):
+        (d / name).write_text("x")
+    got = resolve_paths([str(d)], suffixes=(".txt",), what="t")
+    assert [os.path.relpath(p, d) for p in got] == ["a.txt", "shard[0].txt", "sub/c.txt"]
+    again = resolve_paths([str(d), str(d / "*.txt"), os.path.relpath(d / "a.txt")], suffixes=(".txt",), what="t")
+    assert again == got
+    assert resolve_paths([str(d / "shard[0].txt")], suffixes=(".txt",), what="t") == [str(d / "shard[0].txt")]
+    assert [os.path.basename(p) for p in resolve_paths([str(d)], suffixes=("array_record", "arrayrecord"),
+                                                        what="t")] == ["t.array_record-00000-of-00002"]
+
+
+def test_parquet_dictionary_encoded_text_column(tmp_path):
+    """A dictionary-encoded string column (what a pandas 'category' column writes) is text: it was refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = ["alpha", "beta", "alpha", "gamma"]
+    path = str(tmp_path / "dict.parquet")
+    pq.write_table(pa.table({"text": pa.array(docs).dictionary_encode()}), path, row_group_size=2)
+    assert pq.ParquetFile(path).schema_arrow.field("text").type.value_type == pa.string()
+    rows = take(make_iterator(finite("parquet", [path], seq_len=8), vocab_size=256))
+    got = b"".join(np.asarray(r["tokens"][0][r["segment_ids"][0] > 0], np.uint8).tobytes() for r in rows)
+    assert got == "".join(docs).encode()

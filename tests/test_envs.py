@@ -1,4 +1,4 @@
-"""Tool environments (dsv32_jax/envs): schema validation, episodes, verifiers, oracle demonstrations, chance rates,
+"""Tool environments (dsv32_jax/posttrain/envs): schema validation, episodes, verifiers, oracle demonstrations, chance rates,
 the calculator's parser against Python, trip generation and partial credit, truncation and the character set."""
 
 import json

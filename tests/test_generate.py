@@ -112,3 +112,49 @@ def test_malformed_jsonl_line_names_its_number(tmp_path):
     bad.write_text('{"text": "a"}\n')
     with pytest.raises(GenerateError, match=rf"{bad}:1: field 'prompt' \(a string\) missing"):
         read_prompts(str(bad), chat=False)
+
+
+def test_prompts_file_encoding_and_bad_chat_messages_are_named(tmp_path):
+    """A byte that is not UTF-8 gave a bare codec error (no file, no line); a BOM was refused; a chat message the
+    format refuses was reported without its file:line; an --out directory that does not exist failed after every
+    prompt had been generated."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(GenerateError, match=rf"{bad}:2: not valid UTF-8"):
+        read_prompts(str(bad), chat=False)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hello"}\n')
+    assert read_prompts(str(bom), chat=False) == [(1, {"prompt": "hello"})]
+    ckpt = os.path.join(FIXTURES, "hf_long")
+    chat = [(f"{tmp_path}/c.jsonl:3", {"messages": [{"role": "user", "content": 5}]})]
+    with pytest.raises(GenerateError, match=rf"c\.jsonl:3: messages\[0\]\.content: expected a string"):
+        run(ckpt, chat, chat=True, tokenizer="byte", write=lambda s: None)
+    with pytest.raises(GenerateError, match=r"--out=.*nodir/out\.jsonl: directory .*nodir does not exist"):
+        run(ckpt, [("--prompt", {"prompt": "hi"})], out=str(tmp_path / "nodir" / "out.jsonl"), tokenizer="byte",
+            write=lambda s: None)
+
+
+def test_chat_prompt_through_an_hf_tokenizer_has_one_bos(tmp_path):
+    """The rendered chat prompt starts with BOS; an HF tokenizer whose post-processor adds BOS (add_bos_token) put a
+    second one in front (DeepSeek's encoder tokenizes the rendered text without special tokens)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from dsv32_jax.posttrain.chat import tokens as chat_tokens
+    from dsv32_jax.train.data.tokenizers import HFTokenizer
+    from dsv32_jax.train.generate_main import encode_prompt
+
+    specials = [chat_tokens.BOS, chat_tokens.EOS, chat_tokens.USER, chat_tokens.ASSISTANT, chat_tokens.THINK_OPEN,
+                chat_tokens.THINK_CLOSE]
+    vocab = {chr(i): i for i in range(32, 127)}
+    vocab.update({s: 200 + j for j, s in enumerate(specials)})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=" "))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.add_special_tokens(specials)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single=f"{chat_tokens.BOS} $A",
+                                                                  special_tokens=[(chat_tokens.BOS, 200)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": chat_tokens.BOS, "add_bos_token": True,
+                                                                "eos_token": chat_tokens.EOS}))
+    hf = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    assert hf.encode("hi")[:1] == [200]  # plain prompts still get their BOS
+    ids = encode_prompt(hf, {"prompt": "hi"}, chat=True, thinking=False)
+    assert ids[0] == 200 and ids.count(200) == 1, ids

@@ -60,6 +60,23 @@ def test_dispatch_resolution(monkeypatch):
         _dispatch.resolve_impl("cuda", ("interpret",))
 
 
+def test_default_device_given_as_a_platform_name_is_the_target(monkeypatch):
+    """jax.default_device("cpu") is stored as the string 'cpu': it was skipped, so on a GPU host every op under it
+    resolved to the GPU kernels (which cannot lower for the CPU). A GPU host is simulated: jax.devices() without a
+    backend reports a GPU device."""
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+
+    class FakeGpu:
+        platform, compute_capability = "gpu", "9.0"
+
+    real = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [FakeGpu()] if backend is None else real(backend))
+    assert _dispatch.resolve_impl(None, ("pallas_gpu", "interpret"), op="topk") == "pallas_gpu"
+    with jax.default_device("cpu"):
+        assert _dispatch.target_platform() == "cpu"
+        assert _dispatch.resolve_impl(None, ("pallas_gpu", "interpret"), op="topk") == "reference"
+
+
 def test_explicit_impl_errors_name_op_shapes_and_reason():
     with pytest.raises(ValueError, match=r"topk: impl='pallas_tpu' cannot run on scores \(2, 3\).*no 'pallas_tpu'"):
         _dispatch.resolve_impl("pallas_tpu", ("interpret",), op="topk", shapes={"scores": (2, 3)})
@@ -252,6 +269,17 @@ def test_indexer_logits_mosaic_gpu_production_heads_and_batches(rng):
     assert rel_err(np.asarray(out)[finite], np.asarray(ref)[finite]) <= _fp32_logits_bound(MGPU, qf, kf, ks, wf, ref)
 
 
+@pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_indexer_logits_kernels_refuse_codes_that_are_not_e4m3(rng, impl):
+    """The Triton and TPU kernels widen the codes to bf16 (exact for e4m3 only): float32 codes were accepted and
+    came back 2e-3 off the float32 reference."""
+    qf, kf, ks, wf = _indexer_inputs(rng, 1, 4, 16, 4, 128)
+    with pytest.raises(ValueError, match=rf"indexer_logits: impl='{impl}' takes e4m3 codes .*q_fp8 is float32"):
+        kernels.indexer_logits(qf.astype(jnp.float32), kf, ks, wf, impl=impl)
+    with pytest.raises(ValueError, match=r"k_fp8 is bfloat16"):
+        kernels.indexer_logits(qf, kf.astype(jnp.bfloat16), ks, wf, impl=impl)
+
+
 @pytest.mark.parametrize("what", ["dtype", "block_k", "heads"])
 def test_indexer_logits_mosaic_gpu_explicit_impl_errors(rng, what):
     """An explicit Mosaic request that the kernel cannot serve raises and names the op, the shapes and why."""
@@ -291,6 +319,17 @@ def test_topk_ties_lengths_and_empty_rows(rng, impl, buffer):  # the GPU kernel'
     _assert_same_selection(out, ref, x)
     np.testing.assert_array_equal(np.sort(np.asarray(out)[0, 0]), np.arange(k))
     assert np.all(np.asarray(out)[0, 3] == -1)
+
+
+@pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_topk_lengths_broadcast_like_the_reference(rng, impl):
+    """A scalar (or broadcastable) lengths: the reference broadcast it, the kernels failed in a bare reshape."""
+    x = jnp.asarray(rng.standard_normal((2, 3, 40)), jnp.float32)
+    for lengths in (jnp.int32(5), jnp.asarray([[7], [40]], jnp.int32)):
+        _assert_same_selection(kernels.topk(x, 4, lengths=lengths, impl=impl),
+                               kernels.topk(x, 4, lengths=lengths, impl="reference"), x)
+    with pytest.raises(ValueError, match=r"topk: lengths of shape \(4,\) do not broadcast to the rows' shape \(2, 3\)"):
+        kernels.topk(x, 4, lengths=jnp.ones(4, jnp.int32), impl=impl)
 
 
 @pytest.mark.parametrize("impl", [IMPL, TPU])

@@ -212,6 +212,23 @@ def test_cli_missing_init_from_exits_with_a_message_not_a_traceback(tmp_path):
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--config.stpes=2"], r'error: \'stpes\' Did you mean "steps" instead of "stpes"\?'),
+    (["--config.stage=foo"], r"error: config.stage must be one of .*got 'foo'"),
+    (["--config.model=nosuch"], r"error: model preset 'nosuch' not found"),
+    (["--config.data.source=jsonl", "--config.data.paths=nope.jsonl"], r"error: .*nope\.jsonl"),
+])
+def test_cli_refused_configuration_is_one_line_and_leaves_no_workdir(args, message, tmp_path):
+    """Every refused config value or input used to end in a Python traceback (only a missing init_from did not),
+    after creating the workdir."""
+    import re
+
+    res = cli([f"--config={ROOT}/configs/quickstart.py", "--workdir=w", *args], cwd=tmp_path, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and re.search(message, res.stderr), res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.heavy  # 30 s on 2 cores
 def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
     res = cli([], cwd=tmp_path)

@@ -456,6 +456,9 @@ class AgentLearner:
 
 def run_agent(config, workdir: str):
     learner = AgentLearner(config, workdir)
-    history = learner.fit()
-    print(f"done: {learner.step} agentic GRPO steps in {workdir}", flush=True)
+    return finish_agent(learner, learner.fit())
+
+
+def finish_agent(learner, history: list[dict]) -> list[dict]:
+    print(f"done: {learner.step} agentic GRPO steps in {learner.workdir}", flush=True)
     return history

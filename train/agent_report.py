@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from dsv32_jax.train.metrics import read_jsonl
+from dsv32_jax.train.metrics import read_steps
 
 COLUMNS = (("start", "greedy success before training"), ("cold_start", "greedy success after the cold start"),
            ("end", "greedy success after GRPO"), ("rollout_first", "rollout success, first steps"),
@@ -28,12 +28,10 @@ def load(workdir: str) -> list[dict]:
     path = workdir if workdir.endswith(".jsonl") else os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ValueError(f"not a workdir of stage 'agent' (no {path})")
-    rows = {}
-    for row in read_jsonl(path):
-        rows[row["step"]] = row  # a resumed run re-logs steps: keep the last
+    rows = read_steps(path)
     if not rows:
         raise ValueError(f"no metrics in {path}")
-    return [rows[s] for s in sorted(rows)]
+    return rows
 
 
 def summarize(rows: list[dict], window: int = 5) -> dict:

@@ -119,7 +119,8 @@ def default_config() -> ml_collections.ConfigDict:
         letters=0.0,  # fraction of rev / copy prompts in letters (the second language of language_weight)
         indexer_weight=1.0))  # the eq. (4) indexer KL during RL (detached inputs: the policy gradient is unchanged)
 
-    # Agentic GRPO (stage "agent", train/agent_grpo.py): multi-turn rollouts in tool environments (dsv32_jax/envs),
+    # Agentic GRPO (stage "agent", train/agent_grpo.py): multi-turn rollouts in tool environments
+    # (dsv32_jax/posttrain/envs),
     # cold-start SFT on their demonstrations, GRPO over trajectories; kl_weights: per environment domain
     # ("search", "code", "general"), default kl_weight; env_kwargs: per environment (its entry of envs).
     # envs: a comma-separated string or a list of registered names and import paths ("my_pkg.my_env:MyEnv";

@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="", help="write <out>.md and <out>.json")
     a = p.parse_args(argv)
     workdirs = [w for w in a.workdirs.split(",") if w]
+    if not workdirs:
+        raise SystemExit(f"error: --workdirs names no workdir or checkpoint (got {a.workdirs!r})")
     for w in workdirs:
         if not os.path.exists(w):
             raise SystemExit(f"error: --workdirs: {w} does not exist (run the training stage first)")
@@ -204,7 +206,18 @@ def main(argv=None) -> int:
         seq_lens = [int(x) for x in a.seq_lens.split(",") if x]
     except ValueError:
         raise SystemExit(f"error: --seq_lens must be comma-separated integers, got {a.seq_lens!r}") from None
-    table = eval_table(workdirs, seq_lens, a.batches, a.batch_size)
+    if not seq_lens or min(seq_lens) < 2:
+        raise SystemExit(f"error: --seq_lens must be integers >= 2 (a next-token target needs two), got {a.seq_lens!r}")
+    for flag in ("batches", "batch_size"):
+        if getattr(a, flag) < 1:
+            raise SystemExit(f"error: --{flag} must be >= 1, got {getattr(a, flag)}")
+    from dsv32_jax.checkpoint.safetensors_io import CheckpointError
+    from dsv32_jax.model.config import ConfigError
+
+    try:
+        table = eval_table(workdirs, seq_lens, a.batches, a.batch_size)
+    except (CheckpointError, ConfigError) as e:
+        raise SystemExit(f"error: --workdirs: {e}") from None
     text = markdown(table)
     print(text, flush=True)
     if a.out:

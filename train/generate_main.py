@@ -110,11 +110,15 @@ def read_prompts(path: str, chat: bool) -> list[dict]:
     'messages'. Errors name the file and the line number."""
     rows = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise GenerateError(f"--prompts_file={path}: cannot read ({e.strerror})") from None
     with f:
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise GenerateError(f"{path}:{n}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
@@ -144,7 +148,8 @@ def encode_prompt(tok, obj: dict, chat: bool, thinking: bool) -> list[int]:
     messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
     if isinstance(tok, _CodecTokenizer):
         return encoding.encode_tokens(messages, tok.codec, thinking=thinking)[0]
-    return list(tok.encode(encoding.encode(messages, thinking=thinking)))
+    text = encoding.encode(messages, thinking=thinking)  # starts with BOS: no second one from the tokenizer
+    return list(tok.encode_plain(text) if hasattr(tok, "encode_plain") else tok.encode(text))
 
 
 # ------------------------------------------------------------------------------------------------- running
@@ -200,6 +205,8 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         raise GenerateError(f"--top_p={top_p}: must be in (0, 1]")
     if max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # before any generation, not after it
+        raise GenerateError(f"--out={out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     tok = resolve_tokenizer(ckpt, tokenizer, step)
     model = dsv32_jax.from_pretrained(ckpt, dtype=jnp.dtype(dtype), mesh=mesh or None, step=step, include_mtp=False)
     if tok.vocab_size > model.config.vocab_size:
@@ -207,7 +214,10 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
                             f"{model.config.vocab_size} ({ckpt}); pass the model's own tokenizer with --tokenizer")
     encoded = []
     for label, obj in prompts:
-        ids = encode_prompt(tok, obj, chat, thinking)
+        try:
+            ids = encode_prompt(tok, obj, chat, thinking)
+        except ValueError as e:  # a chat message the format refuses (ChatFormatError): named with its file:line
+            raise GenerateError(f"{label}: {e}") from None
         check_prompt(model, len(ids), max_new_tokens, where=label)
         encoded.append(ids)
     eos = tok.eos_id if tok.eos_id is not None else -1
@@ -234,6 +244,8 @@ def main(argv):
         raise app.UsageError("--ckpt is required (an HF checkpoint, an orbax checkpoint or a training workdir)")
     if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):
         raise app.UsageError("give exactly one of --prompt and --prompts_file")
+    if FLAGS.thinking and not FLAGS.chat:
+        raise app.UsageError("--thinking applies to chat prompts: add --chat")
     try:
         if FLAGS.prompts_file:
             prompts = [(f"{FLAGS.prompts_file}:{n}", obj) for n, obj in read_prompts(FLAGS.prompts_file, FLAGS.chat)]

@@ -222,7 +222,11 @@ class GRPOLearner:
 
 def run_grpo(config, workdir: str):
     learner = GRPOLearner(config, workdir)
-    history = learner.fit()
+    return finish_grpo(learner, workdir, learner.fit())
+
+
+def finish_grpo(learner, workdir: str, history: list[dict]) -> list[dict]:
+    """The run's curves (process 0) and its closing line, after `fit`."""
     if jax.process_index() == 0 and history:
         from dsv32_jax.train.plot import find_runs, plot
         try:

@@ -72,26 +72,57 @@ def main(argv):
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     elif FLAGS.distributed:
         jax.distributed.initialize()
-    from dsv32_jax.train.config import InitFromError, check_init_from
-    from dsv32_jax.train.run import run
+    from dsv32_jax.train.config import check_init_from
+    from dsv32_jax.train.run import SETUP_ERRORS, SetupError, setup
 
     config = FLAGS.config
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
     workdir = FLAGS.workdir or os.path.join("runs", name)
     try:
-        check_init_from(config, name)
-    except InitFromError as e:
+        try:
+            check_init_from(config, name)
+        except SETUP_ERRORS as e:
+            raise SetupError(str(e)) from e
+        print(f"config {name} (stage {config.stage}) -> workdir {workdir} on {jax.device_count()} device(s)",
+              flush=True)
+        fit = setup(config, workdir)
+    except SetupError as e:  # a refused configuration or input: its message, not a traceback
+        if FLAGS["verbosity"].present:
+            logging.exception("setup failed")
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    print(f"config {name} (stage {config.stage}) -> workdir {workdir} on {jax.device_count()} device(s)", flush=True)
-    run(config, workdir)
+    fit()
     return 0
+
+
+def _plain(e: BaseException) -> str:
+    """An exception's text without the quoting a KeyError adds (ml_collections' 'Did you mean ...' hint is one)."""
+    import ast
+
+    text = str(e)
+    for _ in range(2):
+        if text[:1] in "'\"":
+            try:
+                text = str(ast.literal_eval(text))
+            except (ValueError, SyntaxError):
+                break
+    return " ".join(text.split())
+
+
+def _parse_flags(argv):
+    """absl's parser, with a config file or override that ml_collections refuses (a missing file, a misspelled
+    field, a value of the wrong type) reported in one line (exit 2) instead of a traceback."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
+        print(f"error: {_plain(e)}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def cli() -> None:
     """Console script `dsv32-train` (same flags as `python -m dsv32_jax.train.main`)."""
     sys.modules["__main__"].__doc__ = __doc__  # what absl's --help prints (the console-script wrapper has none)
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

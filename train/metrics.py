@@ -124,3 +124,22 @@ class Progress:
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_steps(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl in step order, the last one of each step (a resumed run re-logs the steps after
+    its checkpoint). A line that is not a JSON object with an integer "step" raises ValueError naming the file
+    and the line."""
+    rows = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {number}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError(f"{path}, line {number}: not a metrics row (a JSON object with an integer 'step')")
+            rows[row["step"]] = row
+    return [rows[s] for s in sorted(rows)]

@@ -13,7 +13,7 @@ import glob
 import os
 
 from dsv32_jax.optional import require
-from dsv32_jax.train.metrics import read_jsonl
+from dsv32_jax.train.metrics import read_steps
 
 PANELS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
           "reward_mean", "accuracy", "response_length", "kl", "clip_fraction", "opsm_masked_fraction",
@@ -26,10 +26,7 @@ def find_runs(paths) -> dict[str, list[dict]]:
         files = [path] if path.endswith(".jsonl") else sorted(glob.glob(os.path.join(path, "**", "metrics.jsonl"),
                                                                             recursive=True))
         for f in files:
-            rows = {}
-            for row in read_jsonl(f):
-                rows[row["step"]] = row  # a resumed run re-logs steps: keep the last
-            runs[os.path.relpath(os.path.dirname(f))] = [rows[s] for s in sorted(rows)]
+            runs[os.path.relpath(os.path.dirname(f))] = read_steps(f)
     return runs
 
 
@@ -110,7 +107,10 @@ def main(argv=None):
     parser.add_argument("--out", default="curves.png")
     parser.add_argument("--smooth", type=int, default=5, help="moving-average window")
     args = parser.parse_args(argv)
-    runs = find_runs(args.runs)
+    try:
+        runs = find_runs(args.runs)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
     if not runs:
         raise SystemExit(f"no metrics.jsonl under {args.runs}")
     panels = plot(runs, args.out, args.smooth)

@@ -1,31 +1,58 @@
-"""Runs one configured stage (dense / warmup / sparse / grpo) in a workdir."""
+"""Runs one configured stage (dense / warmup / sparse / grpo / agent) in a workdir."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import jax
 
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.trainer import Trainer, write_summary
 
+# what a refused configuration or input raises while a run is being set up (ConfigError, CheckpointError,
+# InitFromError and the config checks are ValueErrors; a missing file an OSError; a missing field a KeyError)
+SETUP_ERRORS = (ValueError, KeyError, OSError)
+
+
+class SetupError(Exception):
+    """The configuration or one of its inputs was refused before the first step (the cause is chained)."""
+
+
+def setup(config, workdir: str) -> Callable[[], list[dict]]:
+    """Builds the stage's learner and data (model, optimizer, mesh, data pipeline: every configuration check
+    runs here) and returns the function that trains it. Raises SetupError for a refused configuration or input;
+    the workdir is created only once the setup has succeeded."""
+    try:
+        if config.stage == "agent":
+            from dsv32_jax.train.agent_grpo import AgentLearner, finish_agent
+            learner = AgentLearner(config, workdir)
+            fit = lambda: finish_agent(learner, learner.fit())  # noqa: E731
+        elif config.stage == "grpo":
+            from dsv32_jax.train.grpo import GRPOLearner, finish_grpo
+            learner = GRPOLearner(config, workdir)
+            fit = lambda: finish_grpo(learner, workdir, learner.fit())  # noqa: E731
+        else:
+            trainer = Trainer(config, workdir)
+            data_cfg = data_lib.DataConfig(**config.data.to_dict())
+            it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size,
+                                        process_index=jax.process_index(), process_count=jax.process_count())
+
+            def fit():
+                try:
+                    history = trainer.fit(it)
+                finally:  # stop grain's prefetch threads before the interpreter exits
+                    it.close()
+                write_summary(workdir, history)
+                print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
+                return history
+    except SETUP_ERRORS as e:
+        raise SetupError(str(e) or type(e).__name__) from e
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise SetupError(f"--workdir {workdir} exists and is not a directory")
+    os.makedirs(workdir, exist_ok=True)
+    return fit
+
 
 def run(config, workdir: str):
-    os.makedirs(workdir, exist_ok=True)
-    if config.stage == "agent":
-        from dsv32_jax.train.agent_grpo import run_agent
-        return run_agent(config, workdir)
-    if config.stage == "grpo":
-        from dsv32_jax.train.grpo import run_grpo
-        return run_grpo(config, workdir)
-    trainer = Trainer(config, workdir)
-    data_cfg = data_lib.DataConfig(**config.data.to_dict())
-    it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=jax.process_index(),
-                                process_count=jax.process_count())
-    try:
-        history = trainer.fit(it)
-    finally:  # stop grain's prefetch threads before the interpreter exits
-        it.close()
-    write_summary(workdir, history)
-    print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
-    return history
+    return setup(config, workdir)()

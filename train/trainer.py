@@ -64,7 +64,20 @@ def model_config(config) -> dsv32_jax.ModelConfig:
     elif init and os.path.exists(os.path.join(init, "config.json")):
         cfg = dsv32_jax.ModelConfig.from_hf(init)
     else:
-        cfg = load_preset(config.model)
+        return _with_overrides(load_preset(config.model), config)
+    try:
+        preset = _with_overrides(load_preset(config.model), config)
+    except (OSError, ValueError):
+        preset = None
+    shape = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "moe_intermediate_size", "n_routed_experts", "q_lora_rank", "kv_lora_rank")
+    if preset is not None and any(getattr(preset, f) != getattr(cfg, f) for f in shape):
+        logging.warning("config.model=%r is not the architecture of config.init_from=%s; the model is built as "
+                        "init_from records it (config.model_overrides on top)", config.model, init)
+    return _with_overrides(cfg, config)
+
+
+def _with_overrides(cfg, config):
     return cfg.replace(**dict(config.model_overrides)) if config.model_overrides else cfg
 
 

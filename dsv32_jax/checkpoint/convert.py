@@ -439,14 +439,19 @@ def main(argv) -> int:
     if len(argv) != 2 or argv[1] not in COMMANDS:
         raise app.UsageError(f"expected one command, {' or '.join(COMMANDS)}; got {argv[1:]}\n\n{USAGE}")
     command = argv[1]
+    # a flag of the other command would be ignored silently (hf-to-orbax --fp8 wrote bfloat16): refused by name
+    other = {"hf-to-orbax": ("ckpt", "step", "fp8", "shard_size_gb"),
+             "orbax-to-hf": ("hf_dir", "include_mtp", "mesh", "init_indexer", "indexer_seed")}[command]
+    given = [f"--{name}" for name in other if FLAGS[name].present]
+    if given:
+        hint = " (FP8 import: --dtype=float8)" if command == "hf-to-orbax" and "--fp8" in given else ""
+        raise app.UsageError(f"{', '.join(given)}: not a flag of {command}{hint}")
     try:
         if FLAGS.out is None:
             raise app.UsageError("--out is required")
         if command == "hf-to-orbax":
             if FLAGS.hf_dir is None:
                 raise app.UsageError("hf-to-orbax needs --hf_dir")
-            if FLAGS.step is not None:
-                raise app.UsageError("--step is an orbax-to-hf flag (a step of a training workdir)")
             summary = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, dtype=FLAGS.dtype or "bfloat16",
                                   include_mtp=FLAGS.include_mtp, mesh=FLAGS.mesh, overwrite=FLAGS.overwrite,
                                   progress=FLAGS.progress, init_indexer=FLAGS.init_indexer, seed=FLAGS.indexer_seed)

@@ -37,25 +37,49 @@ from dsv32_jax.train.data.builtin import builtin_documents
 from dsv32_jax.train.data.config import DataConfig
 
 
+def _hidden(name: str) -> bool:
+    return name.startswith((".", "_"))  # .cache/, .crc files, .ipynb_checkpoints/, Spark's _SUCCESS / _temporary/
+
+
+def _data_files(directory: str, suffixes: tuple[str, ...]) -> list[str]:
+    """A directory's files that end with one of `suffixes`, or carry one before a shard number
+    ('train.array_record-00000-of-00008'); a name that merely contains one, such as corpus.txt.gz or
+    part.parquet.crc, is not data. Hidden files and directories are skipped. Sorted."""
+    def wanted(name: str) -> bool:
+        return not _hidden(name) and (name.endswith(suffixes) or any(f"{s}-" in name for s in suffixes))
+
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not _hidden(d)]
+        found.extend(os.path.join(root, n) for n in names if wanted(n))
+    return sorted(found)
+
+
 def resolve_paths(patterns: Sequence[str], *, suffixes: tuple[str, ...], what: str) -> list[str]:
-    """Expands files / directories / glob patterns (each sorted) into a de-duplicated list of files."""
+    """Expands files / directories / glob patterns (each sorted) into a list of files without repeats (one file
+    named twice, e.g. by a directory and a glob, or by a relative and an absolute path, is read once). An existing
+    file or directory is taken as named even when its name holds glob characters ('shard[0].jsonl')."""
     out: list[str] = []
+    seen: set[str] = set()
     for pattern in patterns:
         pattern = os.path.expanduser(pattern)
-        if glob.has_magic(pattern):
+        if os.path.isfile(pattern):
+            found = [pattern]
+        elif os.path.isdir(pattern):
+            found = _data_files(pattern, suffixes)
+            if not found:
+                raise FileNotFoundError(f"{what}: directory {pattern!r} holds no {'/'.join(suffixes)} files")
+        elif glob.has_magic(pattern):
             found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not found:
                 raise FileNotFoundError(f"{what}: no files match the pattern {pattern!r}")
-        elif os.path.isdir(pattern):
-            found = sorted(os.path.join(root, name) for root, _, names in os.walk(pattern) for name in names
-                           if any(s in name for s in suffixes))
-            if not found:
-                raise FileNotFoundError(f"{what}: directory {pattern!r} holds no {'/'.join(suffixes)} files")
-        elif os.path.isfile(pattern):
-            found = [pattern]
         else:
             raise FileNotFoundError(f"{what}: file {pattern!r} does not exist")
-        out.extend(p for p in found if p not in out)
+        for p in found:
+            real = os.path.realpath(p)
+            if real not in seen:
+                seen.add(real)
+                out.append(p)
     return out
 
 
@@ -225,7 +249,8 @@ class ParquetSource:
                 raise KeyError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
             typ = pf.schema_arrow.field(field).type
             is_view = getattr(pa.types, "is_string_view", lambda t: False)
-            if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_view(typ)):
+            values = typ.value_type if pa.types.is_dictionary(typ) else typ  # (a pandas category column)
+            if not (pa.types.is_string(values) or pa.types.is_large_string(values) or is_view(values)):
                 raise ValueError(f"{path}: Parquet column {field!r} has type {typ}, expected a string column")
             for g in range(pf.metadata.num_row_groups):
                 rg_rows.append(pf.metadata.row_group(g).num_rows)

@@ -103,6 +103,11 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """The text's ids alone, no BOS or post-processor tokens added (text that carries its own, such as a
+        rendered chat prompt that starts with BOS, as DeepSeek's encoder tokenizes it)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), np.int32)
 
