@@ -73,6 +73,15 @@ def test_decode_past_the_end_of_the_cache_is_refused(model):
                      jnp.ones((1, 9), jnp.int32))
 
 
+def test_prompt_lengths_must_fit_the_padded_width(model):
+    """A length past the prompts' padded width (or 0) laid the segments and positions out wrongly, silently."""
+    prompts = jnp.zeros((2, 4), jnp.int32).at[:, -2:].set(5)
+    cfg = SamplingConfig(max_new_tokens=2, greedy=True)
+    for lengths in ([2, 5], [0, 2]):
+        with pytest.raises(ValueError, match=r"prompt_lengths must be in \[1, P=4\]"):
+            generate(model, prompts, jnp.asarray(lengths), jax.random.key(0), cfg)
+
+
 def teacher_forced_logprobs(model, prompts, lens, r, cfg):
     p = prompts.shape[1]
     seg, pos = sequence_layout(lens, p, r)

@@ -24,6 +24,7 @@ from flax import nnx
 import dsv32_jax
 from dsv32_jax.checkpoint import orbax_io
 from dsv32_jax.checkpoint.io_utils import write_text_atomic
+from dsv32_jax.checkpoint.safetensors_io import CheckpointError
 from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
@@ -169,9 +170,16 @@ class Trainer:
         the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`, onto this run's mesh:
         an orbax checkpoint or workdir is restored straight into the shardings, each process reading only the
         slices its devices hold."""
-        loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype, mesh=self.mesh,
-                                           init_indexer=self.config.get("init_indexer", "auto"), seed=self.config.seed,
-                                           overrides=dict(self.config.model_overrides) or None)
+        overrides = dict(self.config.model_overrides) or None
+        try:
+            loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype, mesh=self.mesh,
+                                               init_indexer=self.config.get("init_indexer", "auto"),
+                                               seed=self.config.seed, overrides=overrides)
+        except CheckpointError as e:
+            if not overrides:
+                raise
+            raise CheckpointError(f"config.init_from={init}: {e}; config.model_overrides={overrides} change the "
+                                  "architecture recorded there") from None
         # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
         cfg = self.cfg.replace(num_nextn_predict_layers=loaded.config.num_nextn_predict_layers)
         graphdef, abstract = nnx.split(nnx.eval_shape(

@@ -191,6 +191,11 @@ def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollou
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
     if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B]; got {prompts.shape} and {lengths.shape}")
+    if not isinstance(lengths, jax.core.Tracer):  # (concrete: a length past the padded width mislays every position)
+        bad = [int(n) for n in jax.device_get(lengths) if not 1 <= n <= prompts.shape[1]]
+        if bad:
+            raise ValueError(f"prompt_lengths must be in [1, P={prompts.shape[1]}] (the prompts' padded width); "
+                             f"got {bad[:4]}")
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, prompts, lengths, rng, cfg)
 
