@@ -28,7 +28,7 @@ def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
     """The CheckpointManager of `workdir` configured by config.checkpoint (every, keep, use_async)."""
     c = checkpoint_cfg
     for field in ("every", "keep"):
-        v = c.get(field) if hasattr(c, "get") else getattr(c, field)
+        v = getattr(c, field)
         if field == "keep" and v is None:  # orbax: keep every checkpoint
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

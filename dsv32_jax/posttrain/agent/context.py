@@ -100,11 +100,16 @@ def history_units(messages: Sequence[Message]) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass
 class SummarizedUser(User):
-    """The user message that ``summary`` wrote: content = task + SUMMARY_MARKER + summary, with both parts kept,
-    so a later summary finds the task whatever its text holds (a task containing the marker's text was cut there)."""
+    """The user message that ``summary`` wrote, kept as its two parts (content = task + SUMMARY_MARKER + summary,
+    derived), so a later summary finds the task whatever its text holds (a task containing the marker's text was
+    cut there)."""
 
+    content: str = dataclasses.field(init=False, default="")
     task: str = ""
     summary: str = ""
+
+    def __post_init__(self):
+        self.content = self.task + SUMMARY_MARKER + self.summary
 
 
 def split_summary(content: str) -> tuple[str, str]:
@@ -166,5 +171,5 @@ def manage(messages: Sequence[Message], strategy: str, summarize: Summarizer | N
     summary = (summarize or extractive_summary)(out)
     last = first - 1
     task = _task_and_summary(out[last])[0]
-    out[last] = SummarizedUser(task + SUMMARY_MARKER + summary, task=task, summary=summary) if summary else User(task)
+    out[last] = SummarizedUser(task=task, summary=summary) if summary else User(task)
     return out[:first] + out[units[-1][1]:]

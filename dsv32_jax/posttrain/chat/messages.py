@@ -73,6 +73,14 @@ MessageLike = Union[Message, Mapping[str, Any]]
 ToolLike = Union[Tool, Mapping[str, Any]]
 
 
+def json_error_text(e: BaseException) -> str:
+    """What json.loads' failure says: a JSONDecodeError's message, or the first clause of the ValueError of an
+    integer of over 4300 digits, or RecursionError for deep nesting (model text can hold any of them)."""
+    if isinstance(e, json.JSONDecodeError):
+        return e.msg
+    return str(e).split(";")[0] or type(e).__name__
+
+
 def _as_tool_call(value: Any, where: str) -> ToolCall:
     if isinstance(value, ToolCall):
         call = value
@@ -82,9 +90,8 @@ def _as_tool_call(value: Any, where: str) -> ToolCall:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError) as e:  # (JSONDecodeError, an integer of over 4300 digits, nesting)
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0] or type(e).__name__
-                raise ChatFormatError(f"{where}.arguments: not valid JSON ({msg})") from None
+            except (ValueError, RecursionError) as e:
+                raise ChatFormatError(f"{where}.arguments: not valid JSON ({json_error_text(e)})") from None
         call = ToolCall(name=fn.get("name"), arguments=args)
     else:
         raise ChatFormatError(f"{where}: expected a ToolCall or a dict, got {type(value).__name__}")

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any, Sequence
 
-from dsv32_jax.posttrain.chat.messages import Tool, ToolLike, as_tool
+from dsv32_jax.posttrain.chat.messages import Tool, ToolLike, as_tool, json_error_text
 from dsv32_jax.posttrain.chat.tokens import (BOS, CALLS_CLOSE, CALLS_OPEN, DSML, EOS, INVOKE_CLOSE, INVOKE_OPEN, PAD, PARAM_CLOSE,
                                    PARAM_OPEN, RESULT_OPEN, RESULTS_OPEN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN,
                                    ChatFormatError)
@@ -93,8 +93,8 @@ def _parse_param(text: str, pos: int, end: int, tool: str) -> tuple[str, Any, in
         try:
             value = json.loads(raw)
         except (ValueError, RecursionError) as e:  # (JSONDecodeError, an integer of over 4300 digits, deep nesting)
-            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e).split(";")[0] or type(e).__name__
-            raise ChatFormatError(f"bad JSON in parameter {key!r} of tool {tool!r} at offset {pos}: {msg} "
+            raise ChatFormatError(f"bad JSON in parameter {key!r} of tool {tool!r} at offset {pos}: "
+                                  f"{json_error_text(e)} "
                                   f"(value {raw[:40]!r}; use string=\"true\" for raw strings)") from None
     return key, value, close + len(PARAM_CLOSE)
 
