@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import losses
 from dsv32_jax.train.grpo_loss import grpo_loss, processed_logprobs
-from dsv32_jax.train.optimizer import group_norms
+from dsv32_jax.train.optimizer import MasterState, group_norms
 
 LM_BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -132,11 +132,13 @@ def _microbatch_grads(graphdef, params, rest, batch, totals, *, objective, num_e
     return grads, metrics, loads
 
 
-def accumulate_grads(model, batch: dict, totals: dict, microbatches: int, *, trainable, **kw):
+def accumulate_grads(model, batch: dict, totals: dict, microbatches: int, *, trainable, keep_f32: bool = False,
+                     **kw):
     """Sum over `microbatches` microbatches (a lax.scan, one forward + backward at a time) of _microbatch_grads
     w.r.t. the `trainable` parameters: since each microbatch's loss is its share of the whole batch's (`totals`),
     the sums are the un-split step's gradients, metrics and loads up to float rounding. Accumulated in float32,
-    returned in the gradients' dtype."""
+    returned in the gradients' dtype, or (keep_f32: the optimizer updates float32 master weights) as the float32
+    sums, so a bf16 model's accumulated gradient reaches its master weights unrounded."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
     one = functools.partial(_microbatch_grads, graphdef, params, rest, totals=totals, **kw)
     if microbatches == 1:
@@ -149,7 +151,8 @@ def accumulate_grads(model, batch: dict, totals: dict, microbatches: int, *, tra
         return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, one(mb)), None
 
     acc, _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda a, s: a.astype(s.dtype), acc, shapes)
+    grads, metrics, loads = jax.tree.map(lambda a, s: a.astype(s.dtype), acc, shapes)
+    return (acc[0] if keep_f32 else grads), metrics, loads
 
 
 def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, trainable, weights: LossWeights,
@@ -163,6 +166,7 @@ def lm_train_step(state: nnx.State, batch: dict, *, graphdef, stage: str, traina
     bias_update = bool(weights.bias_update_speed) and stage != "warmup"
     grads, metrics, loads = accumulate_grads(
         model, batch, totals, microbatches, trainable=trainable,
+        keep_f32=isinstance(optimizer.opt_state, MasterState),  # the moments are float32 too: no dtype change
         objective=functools.partial(lm_objective, stage=stage, weights=weights, model_cfg=model_cfg),
         num_experts=model_cfg.n_routed_experts if bias_update else None)
     optimizer.update(model, grads)
