@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
+from dsv32_jax import Transformer, load_preset
 from dsv32_jax.train.config import default_config
-from dsv32_jax.train.optimizer import group_config, group_norms, make_tx, param_groups, with_master_weights
+from dsv32_jax.train.optimizer import (group_config, group_norms, make_tx, param_groups, trainable_filter,
+                                      with_master_weights)
 
 
 def _cfg(**kw):
@@ -138,3 +141,42 @@ def test_sparse_trainer_indexer_and_main_have_their_own_rates(tmp_path):
     np.testing.assert_allclose(float(metrics["grad_norm"]) ** 2,
                                float(metrics["grad_norm/indexer"]) ** 2 + float(metrics["grad_norm/main"]) ** 2,
                                rtol=1e-4)
+
+
+def _paths(tree):
+    return {"/".join(map(str, k)) for k in nnx.traversals.flatten_mapping(nnx.to_pure_dict(tree))}
+
+
+@pytest.mark.parametrize("stage,mtp,indexer,frozen", [
+    ("sparse", True, True, set()), ("sparse", False, True, {"mtp"}), ("sparse", False, False, {"mtp", "indexer"}),
+    ("dense", True, True, {"indexer"}), ("dense", False, True, {"mtp", "indexer"}),
+    ("grpo", False, True, {"mtp"}), ("agent", False, False, {"mtp", "indexer"})])
+def test_parameters_no_loss_reaches_stay_out_of_the_optimizer(stage, mtp, indexer, frozen):
+    """trainable_filter(mtp=, indexer=): with weight decay, AdamW would otherwise shrink them every step."""
+    model = Transformer(load_preset("tiny").replace(num_nextn_predict_layers=1), rngs=nnx.Rngs(0))
+    everything = _paths(nnx.state(model, nnx.Param))
+    kept = _paths(nnx.state(model, trainable_filter(stage, mtp=mtp, indexer=indexer)))
+    part = lambda name: {p for p in everything if name in p.split("/")}  # noqa: E731
+    assert part("mtp") and part("indexer") and kept <= everything
+    assert everything - kept == set().union(*(part(name) for name in frozen))
+
+
+def test_grpo_learner_with_weight_decay_leaves_the_mtp_layer_and_a_weightless_indexer_alone(tmp_path):
+    """GRPO's policy is the main head (the MTP layers do not run) and grpo.indexer_weight = 0 gives the indexer no
+    loss: with weight decay on, one update moves the rest and leaves both bitwise as they were."""
+    from tests.test_grpo import learner
+    from dsv32_jax.model import sharding as shd
+
+    lrn = learner(tmp_path, 0, **{"optimizer.warmup_steps": 0, "optimizer.weight_decay": 0.5,
+                                  "grpo.indexer_weight": 0.0})
+    batch, _ = lrn.rollout(0)
+    with shd.use_mesh(lrn.mesh):
+        batch = jax.device_put(batch, lrn.batch_sharding)
+        batch["logp_ref"] = lrn.steps.reference(lrn.ref, batch)
+        before = {k: np.array(v) for k, v in nnx.traversals.flatten_mapping(nnx.to_pure_dict(lrn.state[0])).items()}
+        state, _ = lrn.steps.train(lrn.state, batch)
+    after = nnx.traversals.flatten_mapping(nnx.to_pure_dict(state[0]))
+    frozen = [k for k in before if "mtp" in map(str, k) or "indexer" in map(str, k)]
+    moved = [k for k in before if not np.array_equal(np.asarray(after[k]), before[k])]
+    assert {k[0] for k in frozen} == {"mtp", "layers"} and moved and not set(moved) & set(frozen)
+    assert len(moved) > len(before) // 2

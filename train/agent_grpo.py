@@ -42,7 +42,7 @@ from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
-from dsv32_jax.train.optimizer import make_tx
+from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import model_config
 
 TOOL_KEYS = ("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts")
@@ -97,7 +97,7 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
         kl, _ = losses.indexer_kl(aux, (batch["segment_ids"] > 0).astype(jnp.float32))
         return lm + indexer_weight * kl, {"sft_loss": lm, "indexer_kl": kl}
 
-    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
+    grads, metrics = nnx.grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(model)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), metrics
 
@@ -199,7 +199,9 @@ class AgentLearner:
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:
             perturb_params(model, perturb)
-        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
+        # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
+        self.trainable = trainable_filter("agent", mtp=False, indexer=bool(float(a.indexer_weight)))
+        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=self.trainable)
         self.graphdef, state = nnx.split((model, optimizer))
         # GRPO (agent.rl_lr) and the end of the cold start (agent.anneal_lr) may run at their own constant learning
         # rates: the same optimizer state, other static graphs
@@ -218,7 +220,7 @@ class AgentLearner:
         def graphdef_at(opt):
             if opt is None:
                 return self.graphdef
-            return nnx.split((model, nnx.Optimizer(model, make_tx(opt, pdtype), wrt=nnx.Param)))[0]
+            return nnx.split((model, nnx.Optimizer(model, make_tx(opt, pdtype), wrt=self.trainable)))[0]
 
         self.rl_graphdef = graphdef_at(constant_rate(config.optimizer, a.rl_lr))
         self.model_graphdef = nnx.split(model)[0]

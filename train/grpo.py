@@ -27,7 +27,7 @@ from dsv32_jax.train import checkpointing, rl_tasks, steps
 from dsv32_jax.train.config import check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
-from dsv32_jax.train.optimizer import make_tx
+from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import model_config
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
@@ -103,7 +103,9 @@ class GRPOLearner:
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
-        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=nnx.Param)
+        # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
+        self.trainable = trainable_filter("grpo", mtp=False, indexer=bool(float(g.get("indexer_weight", 1.0))))
+        optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=self.trainable)
         self.graphdef, state = nnx.split((model, optimizer))
         self.model_graphdef = nnx.split(model)[0]
         self.shardings = shd.state_shardings(state, self.mesh)

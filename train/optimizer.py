@@ -28,16 +28,22 @@ def in_indexer(path, _value) -> bool:
     return "indexer" in (str(p) for p in path)
 
 
-def trainable_filter(stage: str):
+def in_mtp(path, _value) -> bool:
+    return "mtp" in (str(p) for p in path)
+
+
+def trainable_filter(stage: str, *, mtp: bool = True, indexer: bool = True):
     """dense: everything but the indexer (unused); warmup: the indexer only (eq. 3, the rest frozen);
-    sparse / grpo / agent: every parameter (the indexer is fed detached inputs and learns only from its KL)."""
-    if stage == "dense":
-        return nnx.All(nnx.Param, nnx.Not(in_indexer))
+    sparse / grpo / agent: every parameter (the indexer is fed detached inputs and learns only from its KL).
+    mtp=False (loss.mtp_weight = 0; GRPO, whose policy is the main head) leaves the MTP layers out, indexer=False
+    (its loss weight 0) the indexer: a parameter no loss reaches stays out of the optimizer, so AdamW's weight
+    decay does not shrink it and its moments take no memory."""
+    if stage not in STAGES:
+        raise ValueError(f"config.stage must be one of {STAGES}, got {stage!r}")
     if stage == "warmup":
         return nnx.All(nnx.Param, in_indexer)
-    if stage in ("sparse", "grpo", "agent"):
-        return nnx.Param
-    raise ValueError(f"config.stage must be one of {STAGES}, got {stage!r}")
+    frozen = [f for f, keep in ((in_indexer, indexer and stage != "dense"), (in_mtp, mtp)) if not keep]
+    return nnx.All(nnx.Param, *(nnx.Not(f) for f in frozen)) if frozen else nnx.Param
 
 
 def learning_rate_schedule(cfg) -> optax.Schedule:

@@ -247,7 +247,7 @@ def _grpo_update(state: nnx.State, batch: dict, logprobs_fn, mask, *, graphdef, 
         metrics["loss"] = loss
         return loss, metrics
 
-    grads, metrics = nnx.grad(loss_fn, has_aux=True)(model)
+    grads, metrics = nnx.grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(model)
     optimizer.update(model, grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return nnx.state((model, optimizer)), metrics

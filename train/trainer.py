@@ -120,7 +120,8 @@ class Trainer:
         self.config = config
         self.workdir = workdir
         self.stage = config.stage
-        self.filter = trainable_filter(self.stage)
+        self.filter = trainable_filter(self.stage, mtp=bool(config.loss.get("mtp_weight", 0.0)),
+                                       indexer=bool(config.loss.get("indexer_weight", 1.0)))
         self.cfg = model_config(config)
         self.dtype = jnp.dtype(config.dtype)
         self.param_dtype = jnp.dtype(config.param_dtype)
