@@ -22,6 +22,8 @@ def numpy_balance_loss(ids, scores, mask, num_experts, top_k):
         for b in range(mask.shape[0]):
             real = mask[b] > 0
             t = real.sum()
+            if not t:  # all padding: not a sequence
+                continue
             counts = np.zeros(num_experts)
             for row in ids[key][b][real]:
                 counts[row] += 1
@@ -36,13 +38,14 @@ def numpy_balance_loss(ids, scores, mask, num_experts, top_k):
 def test_balance_loss_matches_deepseek_v3_eq_17_to_20(rng):
     """Two MoE layers' routing of real MoE forwards (sigmoid scores, top-k with the bias), padded sequences, against
     the numpy formula; a perfectly balanced routing with uniform scores scores exactly 1. Mutations: f_i without
-    E / K, P_i from the raw sigmoid scores instead of the normalized ones, the token count over the padding:
-    each fails."""
+    E / K, P_i from the raw sigmoid scores instead of the normalized ones, the token count over the padding, the
+    all-padding row counted as a sequence: each fails."""
     cfg = load_preset("tiny")
-    b, t, e, k = 3, 24, cfg.n_routed_experts, cfg.num_experts_per_tok
+    b, t, e, k = 4, 24, cfg.n_routed_experts, cfg.num_experts_per_tok
     mask = np.ones((b, t), np.float32)
     mask[1, 15:] = 0
     mask[2, 5:] = 0
+    mask[3] = 0  # an all-padding row (a finite stream's last batch): not a sequence
     aux = {"routing": {}, "router_prob": {}}
     scores = {}
     for key in (1, 2):
@@ -126,3 +129,13 @@ def test_the_train_step_updates_the_bias_from_its_own_batchs_loads(tmp_path, rng
     bias1 = np.asarray(nnx.merge(graphdef, new_state)[0].layers[0].ffn.bias[...])
     assert np.any(load != load.mean())
     np.testing.assert_allclose(bias1 - bias0, 0.01 * np.sign(load.mean() - load), atol=1e-7)
+
+
+def test_the_steps_sequence_count_skips_all_padding_rows():
+    """batch_totals' "sequences" (the balance loss's denominator over a step's whole batch) counts rows holding a
+    real token: here 2 of 4 rows, so a microbatch's share matches balance_loss over the whole batch."""
+    seg = np.zeros((4, 8), np.int32)
+    seg[0, :3], seg[2, :] = 1, 2
+    batch = {"tokens": np.zeros((4, 8), np.int32), "segment_ids": seg, "loss_mask": (seg > 0).astype(np.float32),
+             "targets": np.zeros((4, 8), np.int32), "positions": np.zeros((4, 8), np.int32)}
+    assert float(losses.batch_totals(batch, 0)["sequences"]) == 2.0

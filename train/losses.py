@@ -15,13 +15,14 @@ def masked_mean(x: jnp.ndarray, mask: jnp.ndarray, total=None) -> jnp.ndarray:
 
 def batch_totals(batch, mtp_depths: int) -> dict:
     """The denominators of a step's averages over its WHOLE batch (before any split into microbatches): real
-    tokens (indexer KL, captured mass), LM-loss tokens, each MTP depth's tokens, sequences (balance loss)."""
+    tokens (indexer KL, captured mass), LM-loss tokens, each MTP depth's tokens, sequences (rows with a real token:
+    the balance loss)."""
     def count(mask):
         return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
     return {"tokens": count(batch["segment_ids"] > 0), "lm": count(batch["loss_mask"]),
             "mtp": [count(mtp_targets(batch, d)[1]) for d in range(mtp_depths)],
-            "sequences": jnp.asarray(batch["tokens"].shape[0], jnp.float32)}
+            "sequences": count(jnp.any(batch["segment_ids"] > 0, axis=1))}
 
 
 def token_nll(logits: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
@@ -106,9 +107,10 @@ def expert_counts(ids: jnp.ndarray, token_mask: jnp.ndarray, num_experts: int) -
 def balance_loss(aux, token_mask, num_experts: int, top_k: int, num_sequences=None) -> jnp.ndarray:
     """Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): sum_i f_i P_i per sequence, averaged over sequences
     (num_sequences: the whole batch's, for a microbatch's share) and MoE layers; f_i = E / (K T) * count_i,
-    P_i = mean_t s'_{i,t}."""
+    P_i = mean_t s'_{i,t}. A row without real tokens (all padding: the last partial batch of a finite stream) is
+    not a sequence."""
     if num_sequences is None:
-        num_sequences = token_mask.shape[0]
+        num_sequences = jnp.maximum(jnp.sum(jnp.any(token_mask > 0, axis=1).astype(jnp.float32)), 1.0)
     losses = []
     n_tokens = jnp.maximum(jnp.sum(token_mask, axis=1, keepdims=True), 1.0)  # [B, 1]
     for key, ids in aux.get("routing", {}).items():
