@@ -1,7 +1,8 @@
 """Exact per-row top-k (k up to 2048 over 128K+ candidates) by threshold/radix select, without a sort.
 
 Semantics = `dsv32_jax.model.indexer.select_topk`: per row, the k largest values among the candidates -- columns below
-the row's valid length whose value is > -inf -- with ties broken towards the lower index (as `jax.lax.top_k`);
+the row's valid length whose value is > -inf (so neither -inf nor NaN) -- with ties broken towards the lower index
+(as `jax.lax.top_k`);
 slots beyond the number of candidates are -1. The order of the returned indices is unspecified (the kernel
 returns them in ascending column order).
 
@@ -65,6 +66,7 @@ from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_i
 INT_MIN = -(2**31)
 INT_MAX = 2**31 - 1
 NEG_INF_KEY = -2139095041  # key of -inf; candidates have larger keys
+INF_KEY = 0x7F800000  # key of +inf; only a positive NaN's key is larger
 N_THRESH = 16
 SAMPLE_GROUPS = 512  # the threshold sample: 512 evenly spaced runs ...
 SAMPLE_RUN = 8  # ... of 8 adjacent columns (4096 keys; one 32-byte sector per run)
@@ -84,9 +86,12 @@ def topk_reference(scores: jnp.ndarray, k: int, lengths=None) -> jnp.ndarray:
 
 
 def _key_bits(x):
-    """Order-preserving int32 keys of float values."""
+    """Order-preserving int32 keys of float values; NaN (either sign) gets INT_MIN, below every candidate (a NaN is
+    not > -inf: never a candidate, as in the reference). A negative NaN's key is already below -inf's; a positive
+    one's lies above +inf's (INF_KEY), which is the one case the select maps."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return bits ^ ((bits >> 31) & INT_MAX)
+    key = bits ^ ((bits >> 31) & INT_MAX)
+    return jnp.where(key > INF_KEY, INT_MIN, key)
 
 
 def _keys(x, col, n):
@@ -420,7 +425,7 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
          block: int = 256, num_warps: int = 8) -> jnp.ndarray:
     """Top-k column indices [..., k] int32 of scores [..., L] (f32 or bf16), -1 in slots beyond the candidates.
 
-    lengths [...] (optional): only columns < lengths are candidates; -inf values never are. `buffer` (power of
+    lengths [...] (optional): only columns < lengths are candidates; -inf and NaN values never are. `buffer` (power of
     two > k) is the per-row candidate buffer of the GPU kernel (default max(4 k, 1024), rounded up). Backends:
     pallas_gpu, interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs
     the reference (`jax.lax.top_k`, a full sort).

@@ -322,6 +322,28 @@ def test_topk_ties_lengths_and_empty_rows(rng, impl, buffer):  # the GPU kernel'
 
 
 @pytest.mark.parametrize("impl", [IMPL, TPU])
+def test_topk_nan_is_no_candidate(rng, impl):
+    """A NaN score (either sign) is not > -inf: no candidate, in the kernels and the reference alike. Before, the
+    reference spent a slot on each NaN (lax.top_k ranks NaN first, then -1) and the GPU kernel returned a positive
+    NaN's column (its key is above +inf's)."""
+    k = 8
+    x = rng.standard_normal((4, 200)).astype(np.float32)
+    neg_nan = np.frombuffer(np.uint32(0xFFC00000).tobytes(), np.float32)[0]
+    x[0, [3, 77, 150]] = np.nan
+    x[1, ::3] = neg_nan
+    x[2, :] = np.nan
+    x[2, [5, 60, 199]] = [1.0, -np.inf, 2.0]  # two candidates
+    x[3, 190:] = np.inf
+    x[3, 10] = np.nan
+    want = [np.sort(np.argsort(-np.where(np.isnan(r), -np.inf, r), kind="stable")[:k]) for r in x[[0, 1, 3]]]
+    for impl_ in (impl, "reference"):
+        out = np.sort(np.asarray(kernels.topk(jnp.asarray(x), k, impl=impl_)), -1)
+        for row, w in zip(out[[0, 1, 3]], want):
+            np.testing.assert_array_equal(row, w, err_msg=impl_)
+        np.testing.assert_array_equal(out[2], [-1] * 6 + [5, 199], err_msg=impl_)
+
+
+@pytest.mark.parametrize("impl", [IMPL, TPU])
 def test_topk_lengths_broadcast_like_the_reference(rng, impl):
     """A scalar (or broadcastable) lengths: the reference broadcast it, the kernels failed in a bare reshape."""
     x = jnp.asarray(rng.standard_normal((2, 3, 40)), jnp.float32)

@@ -91,8 +91,9 @@ def index_scores_fp8(q_fp8, k_fp8, k_scale, w_folded) -> jnp.ndarray:
 
 
 def select_topk(scores: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
-    """Top-k keys per query among the valid ones; slots beyond the valid count are -1. [B, C, S] -> [B, C, k]."""
-    masked = jnp.where(valid, scores, -jnp.inf)
+    """Top-k keys per query among the valid ones; slots beyond the valid count are -1. [B, C, S] -> [B, C, k].
+    A NaN score is no candidate (as -inf): lax.top_k ranks NaN first, which cost a slot (-1) per NaN."""
+    masked = jnp.where(valid & (scores > -jnp.inf), scores, -jnp.inf)
     vals, idx = jax.lax.top_k(masked, k)
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
