@@ -838,7 +838,9 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
     Differentiable w.r.t. q and kv (custom VJP: the atomic-free dq / dkv kernels above; lse is differentiable
-    too). The head-summed probabilities carry no gradient. Backends: pallas_gpu and interpret (Triton kernels),
+    too). The head-summed probabilities carry no gradient. The kernels multiply q and kv in kv's dtype: a q wider
+    than the cache (float32 q, bf16 kv) is rounded to it first (the reference multiplies in float32), and out and
+    dq come back in q's dtype. Backends: pallas_gpu and interpret (Triton kernels),
     mosaic_gpu and interpret_mosaic_gpu (the Hopper forward of `sparse_mla_mgpu`, issue 31 item 2: Dqk 576, d_v 512,
     bf16 cache; backward and probabilities by the Triton kernels; opt-in: pallas_gpu keeps the Triton forward until
     the Mosaic GPU one is verified and timed on a chip), pallas_tpu and interpret_tpu (Mosaic TPU kernels,
