@@ -105,3 +105,41 @@ def test_trainer_reports_heldout_loss_and_the_cli_writes_the_table(tmp_path):
     assert md.startswith("| model | attention |") and "| dsa |" in md and "heldout-long @ 32" in md
     with pytest.raises(SystemExit, match="does not exist"):
         eval_lib.main([f"--workdirs={tmp_path / 'nope'}"])
+
+
+HF_SHORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf_short")
+
+
+def test_cli_scores_held_out_files_through_the_data_flags(tmp_path, rng):
+    """--source / --paths / --tokenizer / --text_field: the CLI scores the given files (it read the built-in
+    corpus only). Its dense row equals the float64 numpy loss on the batches the data pipeline makes of the same
+    file; a missing file, files with --source=builtin and a file source without files are named errors."""
+    import dsv32_jax
+
+    docs = ["".join(chr(c) for c in rng.integers(97, 123, int(n))) for n in rng.integers(30, 90, 12)]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    out = str(tmp_path / "eval")
+    assert eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=2", "--batch_size=2",
+                          "--source=jsonl", f"--paths={held}", "--text_field=body", "--tokenizer=byte",
+                          f"--out={out}"]) == 0
+    with open(out + ".json") as f:
+        rows = {(r["attention"], r["split"]): r for r in json.load(f)["rows"]}
+    model = dsv32_jax.from_pretrained(HF_SHORT, dtype=jnp.float32)
+    model.options = eval_lib.ATTENTIONS["dense"]
+    cfg = DataConfig(source="jsonl", paths=(str(held),), text_field="body", seq_len=40, batch_size=2, seed=0)
+    it = make_iterator(cfg, vocab_size=model.config.vocab_size)
+    batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(2)]
+    assert set(np.unique(np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches]))) <= set(range(97, 123))
+    want = _numpy_loss(model, batches)
+    got = rows[("dense", "heldout")]
+    assert got["tokens"] == sum(float(b["loss_mask"].sum()) for b in batches)
+    assert abs(got["loss"] - want) <= 1e-5 * want, (got, want)
+    assert rows[("dense", "heldout-long")]["tokens"] > 0  # documents of >= 40 tokens exist in the file
+
+    for args, match in ((["--source=jsonl", f"--paths={tmp_path / 'nope.jsonl'}"], r"held-out data \(--source jsonl"),
+                        (["--source=jsonl", f"--paths={held}"], r"held-out data .*line 1: text field 'text' missing"),
+                        ([f"--paths={held}"], r"--paths is set .* but --source=builtin reads no files"),
+                        (["--source=parquet"], r"--paths names no held-out files: --source=parquet needs them")):
+        with pytest.raises(SystemExit, match=match):
+            eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=1", *args])

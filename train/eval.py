@@ -15,7 +15,8 @@ at the training context and on a long-context split (documents of at least `seq_
 
 prints a markdown table and writes <out>.md and <out>.json. The trainer runs the same evaluation every
 `config.eval.every` steps (metric eval_loss). Built-in data: data.split='heldout' (stdlib docstrings disjoint from
-the training corpus, train/data/builtin.py); other sources: config.eval.paths.
+the training corpus, train/data/builtin.py); other sources: config.eval.paths in the trainer, and in the CLI
+--source=jsonl|parquet|arrayrecord|text --paths=held/*.jsonl [--tokenizer=tokenizer.json] [--text_field=text].
 """
 
 from __future__ import annotations
@@ -129,14 +130,17 @@ def _workdir_label(path: str) -> str:
 
 
 def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_size: int = 8,
-               attentions: dict[str, list[str]] | None = None, data: dict | None = None) -> dict:
+               attentions: dict[str, list[str]] | None = None, data: dict | None = None,
+               paths: tuple[str, ...] = ()) -> dict:
     """{"rows": [{"model", "attention", "split", "seq_len", "loss", "tokens"}], ...} for every workdir x attention
-    x split. attentions: workdir -> which attentions (default: 'dense' for a dense-stage workdir, else both)."""
+    x split. attentions: workdir -> which attentions (default: 'dense' for a dense-stage workdir, else both).
+    data: DataConfig fields (default: the built-in corpus, whose held-out split is used); paths: the held-out files
+    of any other source (config.eval.paths)."""
     import dsv32_jax
     from dsv32_jax.checkpoint import orbax_io
 
     data = dict(data or {"source": "builtin"})
-    eval_cfg = {"batch_size": batch_size, "seed": 0}
+    eval_cfg = {"batch_size": batch_size, "seed": 0, "paths": tuple(paths)}
     rows, cache = [], {}
     for path in workdirs:
         model = dsv32_jax.from_pretrained(path, dtype=jnp.float32)
@@ -195,6 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--out", default="", help="write <out>.md and <out>.json")
+    p.add_argument("--source", default="builtin", choices=data_lib.SOURCES,
+                   help="held-out data format: builtin (the built-in corpus's held-out split) or the files' format")
+    p.add_argument("--paths", default="", help="comma-separated held-out files, directories or globs (--source "
+                   "other than builtin)")
+    p.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json, or a checkpoint dir holding one")
+    p.add_argument("--text_field", default="text", help="JSONL key / Parquet column / ArrayRecord JSON key")
     a = p.parse_args(argv)
     workdirs = [w for w in a.workdirs.split(",") if w]
     if not workdirs:
@@ -211,13 +221,25 @@ def main(argv=None) -> int:
     for flag in ("batches", "batch_size"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"error: --{flag} must be >= 1, got {getattr(a, flag)}")
+    paths = tuple(x for x in a.paths.split(",") if x)
+    if (a.source == "builtin") == bool(paths):
+        raise SystemExit("error: --paths " + (f"is set ({a.paths!r}) but --source=builtin reads no files: set --source "
+                                              "to their format" if paths else
+                                              f"names no held-out files: --source={a.source} needs them"))
+    data = {"source": a.source, "tokenizer": a.tokenizer, "text_field": a.text_field}
+    if paths:  # the check DataConfig makes, up front (a missing file otherwise surfaces mid-table)
+        data_lib.DataConfig(**data, paths=paths)
     from dsv32_jax.checkpoint.safetensors_io import CheckpointError
     from dsv32_jax.model.config import ConfigError
 
     try:
-        table = eval_table(workdirs, seq_lens, a.batches, a.batch_size)
+        table = eval_table(workdirs, seq_lens, a.batches, a.batch_size, data=data, paths=paths)
     except (CheckpointError, ConfigError) as e:
         raise SystemExit(f"error: --workdirs: {e}") from None
+    except (ValueError, KeyError, OSError) as e:  # the data: files, records' fields, tokenizer, vocabulary
+        why = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise SystemExit(f"error: held-out data (--source {a.source}, --paths {a.paths!r}, --tokenizer "
+                         f"{a.tokenizer}): {why}") from None
     text = markdown(table)
     print(text, flush=True)
     if a.out:
