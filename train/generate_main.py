@@ -148,8 +148,13 @@ def encode_prompt(tok, obj: dict, chat: bool, thinking: bool) -> list[int]:
     messages = obj.get("messages") or [{"role": "user", "content": obj["prompt"]}]
     if isinstance(tok, _CodecTokenizer):
         return encoding.encode_tokens(messages, tok.codec, thinking=thinking)[0]
-    text = encoding.encode(messages, thinking=thinking)  # starts with BOS: no second one from the tokenizer
-    return list(tok.encode_plain(text) if hasattr(tok, "encode_plain") else tok.encode(text))
+    if hasattr(tok, "chat_codec"):  # an HF tokenizer: the markup's specials as ids, the contents as plain text (a
+        try:  # user's "<｜end▁of▁sentence｜>" stays text), one BOS
+            codec = tok.chat_codec()
+        except ValueError as e:
+            raise GenerateError(f"--chat: tokenizer {tok.name} cannot encode the chat format: {e}") from None
+        return encoding.encode_tokens(messages, codec, thinking=thinking)[0]
+    return list(tok.encode(encoding.encode(messages, thinking=thinking)))  # bytes: no special ids at all
 
 
 # ------------------------------------------------------------------------------------------------- running

@@ -103,10 +103,16 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def encode_plain(self, text: str) -> list[int]:
-        """The text's ids alone, no BOS or post-processor tokens added (text that carries its own, such as a
-        rendered chat prompt that starts with BOS, as DeepSeek's encoder tokenizes it)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def chat_codec(self):
+        """This tokenizer as a chat codec (`dsv32_jax.posttrain.chat.HFCodec`, non-strict: BOS, EOS, the role markers
+        and the think tags must be single added tokens), which encodes a conversation's data (message contents,
+        tool results) as plain text: special-token strings inside them never become special ids. ValueError when
+        the tokenizer lacks those tokens."""
+        if getattr(self, "_codec", None) is None:
+            from dsv32_jax.posttrain.chat.codecs import HFCodec  # noqa: PLC0415  (chat is optional here)
+
+            self._codec = HFCodec(self._tok, strict=False)
+        return self._codec
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), np.int32)
