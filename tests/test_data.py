@@ -194,6 +194,19 @@ def test_text_source_splits_large_files(tmp_path):
     assert all(p.endswith("\n") for p in pieces[:-1])
 
 
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path):
+    """A BOM at a text file's start was a document's first character (U+FEFF: 3 byte tokens); one before an
+    ArrayRecord JSON record made the record raw text (its markup trained on). JSONL accepted it already."""
+    (tmp_path / "a.txt").write_bytes("\ufeffhello\nworld\n".encode("utf-8"))
+    src = data.TextSource([str(tmp_path / "a.txt")], piece_bytes=8)
+    assert "".join(src[i] for i in range(len(src))) == "hello\nworld\n"
+    (tmp_path / "b.jsonl").write_bytes("\ufeff".encode() + b'{"text": "x"}\n{"text": "y"}\n')
+    jsonl = data.JsonlSource([str(tmp_path / "b.jsonl")], "text")
+    assert [jsonl[0], jsonl[1]] == ["x", "y"]
+    ar = write_arrayrecord(tmp_path / "c.array_record", ["\ufeff".encode() + json.dumps({"text": "z"}).encode()])
+    assert data.ArrayRecordSource([ar], "text")[0] == "z"
+
+
 def test_parquet_block_shuffle_is_a_permutation(tmp_path):
     docs = [f"doc {i}" for i in range(23)]
     paths = [write_parquet(tmp_path / "a.parquet", docs[:10], row_group_size=3),

@@ -162,8 +162,11 @@ class JsonlSource:
     def _where(self, index: int) -> str:
         f = int(np.searchsorted(self._file_offsets, index, side="right")) - 1
         path = self._reader.files[f]
-        with open(path, "rb") as fh:
-            line = fh.read(int(self._starts[index])).count(b"\n") + 1
+        remaining, line = int(self._starts[index]), 1
+        with open(path, "rb") as fh:  # counted in 16 MB blocks: a bad line deep in a large file costs no more memory
+            while remaining > 0 and (block := fh.read(min(remaining, 1 << 24))):
+                line += block.count(b"\n")
+                remaining -= len(block)
         return f"{path}, line {line}"
 
     def __getitem__(self, index):
@@ -191,6 +194,9 @@ def _text_of(record, field: str, where) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{where()}: text field {field!r} holds {type(value).__name__}, expected a string")
     return value
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class TextSource:
@@ -229,7 +235,10 @@ class TextSource:
 
     def __getitem__(self, index):
         f, start, end = self._pieces[int(index)]
-        return self._reader.read(f, start, end).decode("utf-8", errors="replace")
+        raw = self._reader.read(f, start, end)
+        if start == 0:  # a file's UTF-8 byte-order mark is no text (it was kept as U+FEFF: 3 byte tokens)
+            raw = raw.removeprefix(UTF8_BOM)
+        return raw.decode("utf-8", errors="replace")
 
 
 class ParquetSource:
@@ -338,8 +347,8 @@ class ArrayRecordSource:
     def __getitem__(self, index):
         index = int(index)
         f = int(np.searchsorted(self._offsets, index, side="right")) - 1
-        raw = self._sources[f][index - int(self._offsets[f])]
-        if raw.lstrip()[:1] == b"{":
+        raw = self._sources[f][index - int(self._offsets[f])].removeprefix(UTF8_BOM)  # (a BOM made a JSON record
+        if raw.lstrip()[:1] == b"{":  # raw text: its markup was trained on)
             try:
                 record = json.loads(raw)
             except ValueError:
