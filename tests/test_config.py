@@ -154,3 +154,91 @@ def test_trainer_checks_batch_and_mesh_before_building_anything(tmp_path):
     with pytest.raises(ValueError, match=r"config.data.batch_size=3 .*config.mesh='fsdp:2'"):
         Trainer(c, str(tmp_path / "w"))
     assert not (tmp_path / "w").exists()
+
+
+def _training_config(stage, **fields):
+    from dsv32_jax.train.config import default_config
+
+    c = default_config()
+    c.stage = stage
+    for key, value in fields.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.mark.parametrize("stage,field,value,needle", [
+    ("sparse", "steps", -5, r"config\.steps must be an integer >= 0"),
+    ("sparse", "log_every", -1, r"config\.log_every must be an integer >= 0"),
+    ("sparse", "dtype", "bfloat61", r"config\.dtype must be a floating-point dtype name"),
+    ("sparse", "param_dtype", "int32", r"config\.param_dtype must be a floating-point dtype name"),
+    ("sparse", "optimizer.master_dtype", "fp32", r"config\.optimizer\.master_dtype must be a floating-point"),
+    ("sparse", "model_overrides", {"index_top_k": 8}, r"config\.model_overrides\.index_top_k: not a model config "
+                                                      r"field \(did you mean 'index_topk'\?\)"),
+    ("sparse", "loss.mtp_weight", -1.0, r"config\.loss\.mtp_weight must be a finite number >= 0"),
+    ("sparse", "loss.indexer_weight", float("nan"), r"config\.loss\.indexer_weight must be a finite number"),
+    ("sparse", "loss.token_chunk", -4, r"config\.loss\.token_chunk must be an integer >= 0"),
+    ("sparse", "checkpoint.every", 0, r"config\.checkpoint\.every must be an integer >= 1"),
+    ("sparse", "eval.batches", 0, r"config\.eval\.batches must be an integer >= 1"),
+    ("sparse", "eval.every", -1, r"config\.eval\.every must be an integer >= 0"),
+    ("sparse", "eval.batch_size", -1, r"config\.eval\.batch_size must be an integer >= 0"),
+    ("grpo", "grpo.eps", -0.2, r"config\.grpo\.eps must be a finite number > 0"),
+    ("grpo", "grpo.delta", -1.0, r"config\.grpo\.delta must be a finite number >= 0"),
+    ("grpo", "grpo.kl_weight", -0.1, r"config\.grpo\.kl_weight must be a finite number >= 0"),
+    ("grpo", "grpo.tasks", ",", r"config\.grpo\.tasks must be one or more comma-separated tasks"),
+    ("grpo", "grpo.top_p", 0.0, r"config\.grpo\.top_p must be a finite number > 0"),
+    ("grpo", "grpo.temperature", float("inf"), r"config\.grpo\.temperature must be a finite number > 0"),
+    ("agent", "agent.max_turns", 0, r"config\.agent\.max_turns must be an integer >= 1"),
+    ("agent", "agent.top_p", 1.5, r"config\.agent\.top_p must be in \(0, 1\]"),
+])
+def test_training_config_checks_name_the_field(stage, field, value, needle):
+    """Each of these was accepted (a negative weight or clip range silently inverts its loss; eval.batches 0
+    logged a fake eval_loss of 0) or failed deep inside jax / numpy / the first evaluation step without naming it."""
+    from dsv32_jax.train.config import check_config
+
+    check_config(_training_config(stage))  # the defaults pass
+    with pytest.raises(ValueError, match=needle):
+        check_config(_training_config(stage, **{field: value}))
+
+
+def test_eval_sources_are_checked_before_the_first_step():
+    """A file data source without config.eval.paths failed at the first evaluation (step 50 of dense_tiny), after
+    training."""
+    from dsv32_jax.train.config import check_config
+
+    c = _training_config("dense", **{"eval.every": 10, "data.source": "jsonl", "data.paths": ("a.jsonl",)})
+    with pytest.raises(ValueError, match=r"config\.eval\.paths: held-out files are needed"):
+        check_config(c)
+    c.eval.every = 0
+    check_config(c)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("lr", -0.1, r"config\.optimizer\.lr must be >= 0"),
+    ("lr", float("nan"), r"config\.optimizer\.lr must be a finite number"),
+    ("grad_clip", -1.0, r"config\.optimizer\.grad_clip must be >= 0"),
+    ("eps", 0.0, r"config\.optimizer\.eps must be > 0"),
+    ("weight_decay", -5.0, r"config\.optimizer\.weight_decay must be >= 0"),
+    ("b1", 1.5, r"config\.optimizer\.b1 must be in \[0, 1\)"),
+    ("final_lr_fraction", 5.0, r"config\.optimizer\.final_lr_fraction must be in \[0, 1\]"),
+    ("decay_steps", 1, r"need warmup_steps <= decay_steps"),
+    ("warmup_steps", -1, r"config\.optimizer\.warmup_steps must be an integer >= 0"),
+])
+def test_optimizer_settings_that_invert_or_break_the_update_are_refused(field, value, needle):
+    """A negative lr, grad_clip, eps or weight_decay each turned AdamW's step into ascent; lr nan trained NaNs and
+    checkpointed them; decay_steps < warmup_steps was silently replaced. The indexer group's override is named."""
+    from dsv32_jax.train.config import default_config
+    from dsv32_jax.train.optimizer import make_tx
+
+    opt = default_config().optimizer
+    make_tx(opt)
+    opt[field] = value
+    with pytest.raises(ValueError, match=needle):
+        make_tx(opt)
+    opt = default_config().optimizer
+    opt.indexer[field] = value
+    with pytest.raises(ValueError, match=r"config\.optimizer\.indexer \(its own fields over config\.optimizer's"):
+        make_tx(opt)

@@ -217,6 +217,8 @@ def test_cli_missing_init_from_exits_with_a_message_not_a_traceback(tmp_path):
     (["--config.stage=foo"], r"error: config.stage must be one of .*got 'foo'"),
     (["--config.model=nosuch"], r"error: model preset 'nosuch' not found"),
     (["--config.data.source=jsonl", "--config.data.paths=nope.jsonl"], r"error: .*nope\.jsonl"),
+    (["--config.dtype=bfloat61"], r"error: config\.dtype must be a floating-point dtype name .*got 'bfloat61'"),
+    (["--config.optimizer.lr=-0.003"], r"error: config\.optimizer\.lr must be >= 0, got -0\.003"),
 ])
 def test_cli_refused_configuration_is_one_line_and_leaves_no_workdir(args, message, tmp_path):
     """Every refused config value or input used to end in a Python traceback (only a missing init_from did not),
@@ -281,6 +283,39 @@ def test_resume_with_another_worker_count_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"step 1: its data state was saved with data\.worker_count=0 and this run "
                                          r"has 1"):
         fit(**{"steps": 2, "data.worker_count": 1})
+    assert [h["step"] for h in fit(steps=2)] == [2]
+
+
+def test_resume_into_another_configuration_is_refused_by_name(tmp_path):
+    """A workdir resumed with a config that trains other parameters (here loss.mtp_weight 0 -> 0.1: the MTP layer
+    joins the optimizer) or another model: orbax refused with both whole trees printed (hundreds of lines); now
+    one ResumeError names the workdir, the item and a differing leaf, before anything is restored. The original
+    config still resumes."""
+    from dsv32_jax.train import data as data_lib
+    from dsv32_jax.train.trainer import Trainer
+
+    overrides = {"steps": 1, "data.seq_len": 16, "data.batch_size": 2, "checkpoint.every": 1,
+                 "checkpoint.use_async": False, "log_every": 1000}
+    workdir = str(tmp_path / "run")
+
+    def fit(model_overrides=None, **kw):
+        config = load_config("dense_tiny", **{**overrides, **kw})
+        if model_overrides:
+            config.model_overrides = {**config.model_overrides, **model_overrides}
+        trainer = Trainer(config, workdir)
+        it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size)
+        try:
+            return trainer.fit(it)
+        finally:
+            getattr(it, "close", lambda: None)()
+
+    assert [h["step"] for h in fit()] == [1]
+    with pytest.raises(checkpointing.ResumeError, match=rf"{workdir}: its checkpoint at step 1 does not match this "
+                                                        r"run's 'opt': \d+ missing, e\.g\. '[^']*/mtp/"):
+        fit(**{"steps": 2, "loss.mtp_weight": 0.1})
+    with pytest.raises(checkpointing.ResumeError, match=r"'params': .*of another shape, e\.g\. '[^']*' \(stored "
+                                                        r"\[\d+(, \d+)*\], this run \[\d+"):
+        fit(model_overrides={"moe_intermediate_size": 48}, steps=2)
     assert [h["step"] for h in fit(steps=2)] == [2]
 
 

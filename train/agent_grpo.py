@@ -39,6 +39,7 @@ from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import env_factory, make_env
 from dsv32_jax.posttrain.sampler import SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
+from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
@@ -153,6 +154,7 @@ def anneal_optimizer(config):
 
 class AgentLearner:
     def __init__(self, config, workdir: str):
+        check_config(config)
         self.config, self.workdir, self.a = config, workdir, config.agent
         a = self.a
         self.codec = make_codec(a.codec)
@@ -193,7 +195,8 @@ class AgentLearner:
                              indexer_fp8=config.get("indexer_fp8", False))
         if config.init_from:
             import dsv32_jax
-            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
+            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
+                                              overrides=dict(config.model_overrides) or None)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         perturb = float(a.get("init_perturb", 0.0))

@@ -24,8 +24,8 @@ from dsv32_jax.model import sharding as shd
 CHECKPOINTS_DIR = "checkpoints"
 
 
-def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
-    """The CheckpointManager of `workdir` configured by config.checkpoint (every, keep, use_async)."""
+def check_checkpoint_config(checkpoint_cfg) -> None:
+    """config.checkpoint.every >= 1 and keep >= 1 or None (keep every checkpoint), as integers."""
     c = checkpoint_cfg
     for field in ("every", "keep"):
         v = getattr(c, field)
@@ -34,6 +34,12 @@ def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"config.checkpoint.{field} must be an integer >= 1"
                              + (" (None keeps every checkpoint)" if field == "keep" else "") + f", got {v!r}")
+
+
+def manager(workdir: str, checkpoint_cfg) -> ocp.CheckpointManager:
+    """The CheckpointManager of `workdir` configured by config.checkpoint (every, keep, use_async)."""
+    c = checkpoint_cfg
+    check_checkpoint_config(c)
     options = ocp.CheckpointManagerOptions(save_interval_steps=c.every, max_to_keep=c.keep,
                                            enable_async_checkpointing=c.use_async)
     return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINTS_DIR)), options=options)
@@ -77,9 +83,58 @@ def restore_target(state, shardings):
     return shd.abstract_sharded(_pure(state), _pure(shardings))
 
 
+class ResumeError(ValueError):
+    """A workdir's checkpoint does not hold the arrays this run would restore (another model, stage or set of
+    trained parameters); the message names the workdir, the item and the differing leaves."""
+
+
+def _leaves(tree) -> dict[tuple[str, ...], tuple]:
+    """str path -> shape of an array tree's leaves (optax.MaskedNode placeholders hold none)."""
+    import optax  # noqa: PLC0415
+
+    from dsv32_jax.checkpoint.orbax_io import flatten  # noqa: PLC0415
+
+    return {p: tuple(v.shape) for p, v in flatten(_pure(tree)) if not isinstance(v, optax.MaskedNode)}
+
+
+def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
+    """Each array item of step `step` holds exactly the leaves (paths and shapes) of `arrays` (name -> target
+    tree): orbax's own refusal of a mismatch prints both whole trees. Raises ResumeError."""
+    from dsv32_jax.checkpoint.orbax_io import CheckpointError, ParamsReader  # noqa: PLC0415
+
+    step_dir = os.path.join(os.fspath(mngr.directory), str(step))
+    workdir = os.path.dirname(os.path.normpath(os.fspath(mngr.directory)))
+    for name, tree in arrays.items():
+        if not os.path.isdir(os.path.join(step_dir, name)):
+            raise ResumeError(f"{workdir}: its checkpoint at step {step} has no '{name}' item: written by another "
+                              "stage? Resume it with its own config, or start a new --workdir")
+        try:
+            stored = {p: tuple(m.shape) for p, m in ParamsReader(step_dir, item=name).leaves.items()
+                      if m is not None}  # (None: a MaskedNode placeholder)
+        except CheckpointError:
+            continue  # unreadable metadata: orbax's restore reports it
+        want = _leaves(tree)
+        missing = sorted(set(want) - set(stored))
+        extra = sorted(set(stored) - set(want))
+        reshaped = sorted(p for p in set(want) & set(stored) if want[p] != stored[p])
+        if missing or extra or reshaped:
+            parts = [f"{len(v)} {what}, e.g. '{'/'.join(v[0])}'" + (f" (stored {list(stored[v[0]])}, this run "
+                                                                     f"{list(want[v[0]])})" if what == "of another "
+                                                                     "shape" else "")
+                     for v, what in ((missing, "missing"), (extra, "not in this run"), (reshaped, "of another shape"))
+                     if v]
+            raise ResumeError(
+                f"{workdir}: its checkpoint at step {step} does not match this run's '{name}': " + "; ".join(parts)
+                + ". The run that wrote it had another model (config.model, model_overrides), stage or set of "
+                "trained parameters (loss.mtp_weight, loss.indexer_weight, grpo / agent indexer_weight): resume "
+                "it with its own config, or start a new --workdir")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: tuple = ()) -> dict:
     """Restores step `step`. `arrays`: name -> (nnx.State, its shardings); each of those states is updated in
-    place. `json`: names of JSON items. Returns name -> restored value (pure dicts for the array items)."""
+    place. `json`: names of JSON items. Returns name -> restored value (pure dicts for the array items). A stored
+    tree that differs from a target raises ResumeError (`check_stored`)."""
+    check_stored(mngr, step, {name: state for name, (state, _) in arrays.items()})
     items = {name: ocp.args.StandardRestore(restore_target(state, sh)) for name, (state, sh) in arrays.items()}
     items.update({name: ocp.args.JsonRestore() for name in json})
     restored = mngr.restore(step, args=ocp.args.Composite(**items))

@@ -254,3 +254,101 @@ def check_init_from(config, config_name: str | None = None) -> None:
                 "or a training workdir: create it first or fix the path")
     msg += "\nor pass --config.init_from='' to start from random initialization (config.seed)."
     raise InitFromError(msg)
+
+
+def check_model_overrides(overrides) -> None:
+    """Every key of config.model_overrides is a ModelConfig field (a misspelled key was a TypeError from deep in
+    the model's constructor, naming neither the field nor the config)."""
+    import dataclasses
+    import difflib
+
+    from dsv32_jax.model.config import ModelConfig
+
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            raise ValueError(f"config.model_overrides.{key}: not a model config field"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + "; the fields are those of config.json / dsv32_jax.ModelConfig")
+
+
+def check_config(config) -> None:
+    """Type and range checks of the fields a stage reads, before anything is built; each error names its field.
+    (The stage, model, mesh, data, optimizer and sampling settings are checked where they are parsed.)"""
+    import math
+
+    import jax.numpy as jnp
+
+    def get(field):
+        node = config
+        for part in field.split("."):
+            node = node[part]
+        return node
+
+    def fail(field, want):
+        raise ValueError(f"config.{field} must be {want}, got {get(field)!r}")
+
+    def integer(field, lo):
+        v = get(field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            fail(field, f"an integer >= {lo}")
+
+    def number(field, lo=0.0, *, above=False):
+        v = get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (above and v == lo):
+            fail(field, f"a finite number {'>' if above else '>='} {lo}")
+
+    integer("steps", 0)  # (0: build and checkpoint nothing, e.g. to evaluate)
+    integer("log_every", 0)
+    for field in ("dtype", "param_dtype", "optimizer.master_dtype"):
+        if field == "optimizer.master_dtype" and not config.optimizer.get("master_dtype", ""):
+            continue
+        try:
+            ok = jnp.issubdtype(jnp.dtype(get(field)), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            fail(field, "a floating-point dtype name (float32, bfloat16)")
+    check_model_overrides(dict(config.get("model_overrides") or {}))
+    for field in ("indexer_weight", "mtp_weight", "balance_weight", "bias_update_speed"):
+        if field in config.loss:
+            number(f"loss.{field}")
+    if "token_chunk" in config.loss:
+        integer("loss.token_chunk", 0)
+    from dsv32_jax.train.checkpointing import check_checkpoint_config
+
+    check_checkpoint_config(config.checkpoint)
+    if "eval" in config:
+        integer("eval.every", 0)
+        integer("eval.batches", 1)
+        integer("eval.batch_size", 0)
+        integer("eval.seq_len", 0)
+        if config.eval.seq_len == 1:
+            fail("eval.seq_len", "0 (the data's) or >= 2")
+        if config.eval.every and config.stage in ("dense", "warmup", "sparse"):
+            from dsv32_jax.train.eval import eval_data_config
+
+            eval_data_config(config.data.to_dict(), config.eval)  # its sources and paths, named
+    for section in ("grpo", "agent"):
+        if config.stage != section or section not in config:
+            continue
+        number(f"{section}.eps", above=True)
+        number(f"{section}.delta")
+        number(f"{section}.kl_weight")
+        for key, value in dict(get(f"{section}.kl_weights") or {}).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"config.{section}.kl_weights.{key} must be a finite number >= 0, got {value!r}")
+        number(f"{section}.temperature", above=True)
+        number(f"{section}.top_p", above=True)
+        if get(f"{section}.top_p") > 1:
+            fail(f"{section}.top_p", "in (0, 1]")
+        integer(f"{section}.epochs", 1)
+        integer(f"{section}.max_new_tokens", 1)
+    if config.stage == "grpo":
+        if not [t for t in str(config.grpo.tasks).split(",") if t.strip()]:
+            fail("grpo.tasks", "one or more comma-separated tasks (map, sum, rev, copy)")
+    if config.stage == "agent":
+        integer("agent.max_turns", 1)
+        integer("agent.eval_episodes", 0)
+        integer("agent.cold_start_steps", 0)

@@ -24,7 +24,7 @@ from dsv32_jax import RunOptions, Transformer
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.sampler import SamplingConfig, generate, sequence_layout
 from dsv32_jax.train import checkpointing, rl_tasks, steps
-from dsv32_jax.train.config import check_init_from
+from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
@@ -70,6 +70,7 @@ def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, f
 
 class GRPOLearner:
     def __init__(self, config, workdir: str):
+        check_config(config)
         self.config, self.workdir = config, workdir
         g = config.grpo
         self.g = g
@@ -100,7 +101,8 @@ class GRPOLearner:
                              remat=config.get("remat", "none"), scan_layers=config.get("scan_layers", False),
                              indexer_fp8=config.get("indexer_fp8", False))
         if config.init_from:
-            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options)
+            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
+                                              overrides=dict(config.model_overrides) or None)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)

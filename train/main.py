@@ -91,7 +91,13 @@ def main(argv):
             logging.exception("setup failed")
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    fit()
+    from dsv32_jax.train.checkpointing import ResumeError
+
+    try:
+        fit()
+    except ResumeError as e:  # the workdir's checkpoint was written by another configuration (nothing was trained)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -9,6 +9,7 @@ through fp32 master copies held in the optimizer state (`with_master_weights`), 
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -110,7 +111,38 @@ def group_norms(grads) -> dict[str, jax.Array]:
     return out
 
 
+def check_group(g) -> None:
+    """Range checks of one group's settings (config.optimizer.<field>; make_tx names the indexer group's): a
+    negative lr, grad_clip, eps or weight_decay each turns AdamW's step into ascent, and a NaN lr trains NaNs."""
+    def bad(field, want):
+        raise ValueError(f"config.optimizer.{field} must be {want}, got {g[field]!r}")
+
+    for field in ("lr", "grad_clip", "weight_decay", "eps", "b1", "b2", "final_lr_fraction"):
+        if isinstance(g[field], bool) or not isinstance(g[field], (int, float)) or not math.isfinite(g[field]):
+            bad(field, "a finite number")
+    if g.lr < 0:
+        bad("lr", ">= 0")
+    if g.grad_clip < 0:
+        bad("grad_clip", ">= 0 (0: no clipping)")
+    if g.weight_decay < 0:
+        bad("weight_decay", ">= 0")
+    if g.eps <= 0:
+        bad("eps", "> 0")
+    for field in ("b1", "b2"):
+        if not 0 <= g[field] < 1:
+            bad(field, "in [0, 1)")
+    if not 0 <= g.final_lr_fraction <= 1:
+        bad("final_lr_fraction", "in [0, 1] (the cosine's end as a fraction of lr)")
+    for field in ("warmup_steps", "hold_steps", "decay_steps"):
+        if isinstance(g[field], bool) or not isinstance(g[field], int) or g[field] < 0:
+            bad(field, "an integer >= 0")
+    if g.schedule == "cosine" and g.warmup_steps and g.decay_steps < g.warmup_steps:
+        raise ValueError(f"config.optimizer: the cosine decays until decay_steps={g.decay_steps}, before the warm-up "
+                         f"ends (warmup_steps={g.warmup_steps}): need warmup_steps <= decay_steps")
+
+
 def _group_tx(g) -> optax.GradientTransformation:
+    check_group(g)
     return optax.chain(
         optax.clip_by_global_norm(g.grad_clip) if g.grad_clip else optax.identity(),
         optax.adamw(learning_rate_schedule(g), b1=g.b1, b2=g.b2, eps=g.eps, weight_decay=g.weight_decay),

@@ -11,8 +11,9 @@ from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.trainer import Trainer, write_summary
 
 # what a refused configuration or input raises while a run is being set up (ConfigError, CheckpointError,
-# InitFromError and the config checks are ValueErrors; a missing file an OSError; a missing field a KeyError)
-SETUP_ERRORS = (ValueError, KeyError, OSError)
+# InitFromError and the config checks are ValueErrors; a missing file an OSError; a missing field a KeyError; a
+# value of a type nothing checked a TypeError)
+SETUP_ERRORS = (ValueError, KeyError, OSError, TypeError)
 
 
 class SetupError(Exception):

@@ -29,7 +29,7 @@ from dsv32_jax import RunOptions, Transformer, load_preset
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
-from dsv32_jax.train.config import check_batch_mesh, check_init_from
+from dsv32_jax.train.config import check_batch_mesh, check_config, check_init_from, check_model_overrides
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.metrics import LM_KEYS
 from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
@@ -79,7 +79,9 @@ def model_config(config) -> dsv32_jax.ModelConfig:
 
 
 def _with_overrides(cfg, config):
-    return cfg.replace(**dict(config.model_overrides)) if config.model_overrides else cfg
+    overrides = dict(config.model_overrides or {})
+    check_model_overrides(overrides)
+    return cfg.replace(**overrides) if overrides else cfg
 
 
 def flops_per_token(cfg: dsv32_jax.ModelConfig, seq_len: int, sparse: bool) -> float:
@@ -117,6 +119,7 @@ class TrainState:
 class Trainer:
     def __init__(self, config, workdir: str, *, allocate: bool = True):
         """allocate=False builds only the abstract state (shapes, no mesh, no compilation): any config, any size."""
+        check_config(config)
         self.config = config
         self.workdir = workdir
         self.stage = config.stage
