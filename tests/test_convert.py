@@ -718,3 +718,42 @@ def test_sharded_conversion_and_load_on_8_cpu_devices(tmp_path, synth_fp8):
     assert res["specs"]["mtp_w_down"] == [None, "tensor", "fsdp"]
     assert res["specs"]["q_b"] == ["fsdp", "tensor"]
     assert res["specs"]["n_shards"] == 8
+
+
+def test_cli_out_under_a_regular_file_is_a_one_line_error(tmp_path):
+    """--out=<a regular file>/x gave a FileExistsError traceback from atomic_output_dir (main caught no OSError;
+    audit F10): both commands now print `error: --out=...: <strerror>` with exit code 1, before converting."""
+    o = str(tmp_path / "o")
+    hf_to_orbax(os.path.join(FIXTURES, "hf_short"), o, dtype="float32", progress=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for args in (["hf-to-orbax", f"--hf_dir={os.path.join(FIXTURES, 'hf_short')}"], ["orbax-to-hf", f"--ckpt={o}"]):
+        out = str(afile / "sub" / "x")
+        r = _cli(*args, f"--out={out}", "--noprogress")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert r.stderr.strip() == f"error: --out={out}: Not a directory: {afile}", r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["afile", "o"]
+
+
+def test_atomic_output_dir_removes_its_temporary_when_the_final_rename_fails(tmp_path, monkeypatch):
+    from dsv32_jax.checkpoint import io_utils
+
+    out = str(tmp_path / "out")
+    real = os.rename
+
+    def failing(src, dst):
+        if dst == out and ".tmp-" in src:  # the finished output cannot be renamed into place
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(io_utils.os, "rename", failing)
+    with pytest.raises(io_utils.OutputPathError, match=r"out: No space left on device"):
+        with io_utils.atomic_output_dir(out) as tmp:
+            open(os.path.join(tmp, "f"), "w").close()
+    assert leftovers(out) == []
+    os.makedirs(out)  # an existing output (--overwrite) stays in place when its replacement cannot be renamed
+    open(os.path.join(out, "old"), "w").close()
+    with pytest.raises(io_utils.OutputPathError):
+        with io_utils.atomic_output_dir(out, overwrite=True) as tmp:
+            open(os.path.join(tmp, "new"), "w").close()
+    assert leftovers(out) == ["out"] and os.listdir(out) == ["old"]

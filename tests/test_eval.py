@@ -143,3 +143,22 @@ def test_cli_scores_held_out_files_through_the_data_flags(tmp_path, rng):
                         (["--source=parquet"], r"--paths names no held-out files: --source=parquet needs them")):
         with pytest.raises(SystemExit, match=match):
             eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=1", *args])
+
+
+def test_cli_refuses_an_unwritable_out_before_evaluating(tmp_path, monkeypatch):
+    """--out=<a path under a regular file>/res computed the whole table, then died with a FileExistsError traceback
+    (the --out parent was created only at the end; audit F10): now a one-line error naming --out, before any
+    evaluation."""
+    def evaluated(*args, **kwargs):
+        raise AssertionError("evaluated before --out was checked")
+
+    monkeypatch.setattr(eval_lib, "eval_table", evaluated)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = str(afile / "res")
+    with pytest.raises(SystemExit, match=rf"^error: --out={out}: Not a directory: {afile}$"):
+        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", "--batches=1", "--batch_size=2", f"--out={out}"])
+    (tmp_path / "res.json").mkdir()
+    with pytest.raises(SystemExit, match=r"^error: --out=.*/res: .*/res\.json is a directory$"):
+        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", f"--out={tmp_path / 'res'}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "res.json"]  # nothing created, nothing half-written

@@ -169,3 +169,42 @@ def test_chat_prompt_through_an_hf_tokenizer_has_one_bos(tmp_path):
     from dsv32_jax.train.generate_main import GenerateError
     with pytest.raises(GenerateError, match=r"--chat: tokenizer .*plain.json cannot encode the chat format"):
         encode_prompt(HFTokenizer(str(tmp_path / "plain.json")), {"prompt": "hi"}, chat=True, thinking=False)
+
+
+def test_out_that_is_a_directory_is_refused_before_generating(tmp_path):
+    """--out=<an existing directory> generated every completion, then failed with "[Errno 21] Is a directory" and
+    left <out>.tmp-PID beside it (audit F8): now refused up front, naming --out, and the atomic writer removes its
+    temporary file whenever the write or the rename fails."""
+    from dsv32_jax.train.generate_main import write_jsonl_atomic
+
+    ckpt = os.path.join(FIXTURES, "hf_long")
+    outdir = tmp_path / "outdir"
+    outdir.mkdir()
+    loaded = []
+    with pytest.raises(GenerateError, match=r"--out=.*outdir: is a directory"):
+        run(ckpt, [("--prompt", {"prompt": "hi"})], out=str(outdir), tokenizer="byte", max_new_tokens=2,
+            write=loaded.append)
+    assert loaded == []  # nothing was generated
+    with pytest.raises(IsADirectoryError):
+        write_jsonl_atomic(str(outdir), [{"prompt": "hi", "completion": "x"}])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outdir"]  # no outdir.tmp-PID left
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    r = _cli(f"--ckpt={ckpt}", "--tokenizer=byte", f"--prompts_file={prompts}", f"--out={outdir}",
+             "--max_new_tokens=2")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr[-2000:])
+    assert r.stderr.strip() == f"error: --out={outdir}: is a directory (give a file path for the JSONL output)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outdir", "p.jsonl"]
+
+
+@pytest.mark.parametrize("flag, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                         ("temperature", -0.5), ("top_p", float("nan"))])
+def test_non_finite_temperature_and_top_p_are_refused_by_flag_name(flag, value):
+    """--temperature=nan got past `temperature < 0` and failed after the checkpoint had loaded, naming the internal
+    SamplingConfig.temperature; --temperature=inf sampled uniformly without a word (audit F9)."""
+    ckpt = os.path.join(FIXTURES, "hf_long")
+    want = (rf"--temperature={value}: must be a finite number >= 0; 0 = greedy" if flag == "temperature" else
+            rf"--top_p={value}: must be in \(0, 1\]")
+    with pytest.raises(GenerateError, match=want):
+        run(ckpt, [("--prompt", {"prompt": "hi"})], tokenizer="byte", max_new_tokens=2, write=lambda s: None,
+            **{flag: value})

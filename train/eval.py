@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv32_jax.checkpoint.io_utils import write_text_atomic
+from dsv32_jax.checkpoint.io_utils import check_output_parent, write_text_atomic
 from dsv32_jax.model.options import RunOptions
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.losses import token_nll
@@ -232,6 +232,16 @@ def main(argv=None) -> int:
     from dsv32_jax.checkpoint.safetensors_io import CheckpointError
     from dsv32_jax.model.config import ConfigError
 
+    if a.out:  # before any evaluation: a parent that cannot be created surfaced only after the whole table
+        for path in (a.out + ".md", a.out + ".json"):
+            if os.path.isdir(path):
+                raise SystemExit(f"error: --out={a.out}: {path} is a directory")
+        try:
+            check_output_parent(a.out)  # a regular file on the way: named, not "File exists"
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"error: --out={a.out}: {e.strerror}") from None
+
     try:
         table = eval_table(workdirs, seq_lens, a.batches, a.batch_size, data=data, paths=paths)
     except (CheckpointError, ConfigError) as e:
@@ -243,9 +253,11 @@ def main(argv=None) -> int:
     text = markdown(table)
     print(text, flush=True)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        write_text_atomic(a.out + ".md", text + "\n")
-        write_text_atomic(a.out + ".json", json.dumps(table, indent=1))
+        try:
+            write_text_atomic(a.out + ".md", text + "\n")
+            write_text_atomic(a.out + ".json", json.dumps(table, indent=1))
+        except OSError as e:  # (each file is written whole or not at all)
+            raise SystemExit(f"error: --out={a.out}: {e.strerror or e}") from None
     return 0
 
 

@@ -20,6 +20,7 @@ context (config max_position_embeddings), an empty prompts file, a line that is 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -177,11 +178,18 @@ def stream_text(tok, tokens, write) -> list[int]:
 
 
 def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    """Writes `rows` as JSONL through `<path>.tmp-<pid>` and a rename; on any failure (a full disk, a rename
+    onto a directory) the temporary file is removed, so nothing half-written is left beside `path`."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
+            os.remove(tmp)
+        raise
 
 
 def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, chat: bool = False,
@@ -204,14 +212,18 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
             sys.stdout.flush()
     if not os.path.exists(ckpt):
         raise GenerateError(f"--ckpt={ckpt}: does not exist")
-    if temperature < 0:
-        raise GenerateError(f"--temperature={temperature}: must be >= 0 (0 = greedy)")
-    if not 0 < top_p <= 1:
+    # nan passes a `< 0` test and inf samples uniformly: both refused here, by the flag's name
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise GenerateError(f"--temperature={temperature}: must be a finite number >= 0; 0 = greedy")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise GenerateError(f"--top_p={top_p}: must be in (0, 1]")
     if max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
-    if out and not os.path.isdir(os.path.dirname(os.path.abspath(out))):  # before any generation, not after it
-        raise GenerateError(f"--out={out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
+    if out:  # before any generation, not after it
+        if os.path.isdir(out):
+            raise GenerateError(f"--out={out}: is a directory (give a file path for the JSONL output)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise GenerateError(f"--out={out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     tok = resolve_tokenizer(ckpt, tokenizer, step)
     model = dsv32_jax.from_pretrained(ckpt, dtype=jnp.dtype(dtype), mesh=mesh or None, step=step, include_mtp=False)
     if tok.vocab_size > model.config.vocab_size:

@@ -50,7 +50,8 @@ from dsv32_jax.checkpoint import orbax_io
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.model.config import ConfigError, ModelConfig
 from dsv32_jax.model.fp8 import SCALE_SUFFIX
-from dsv32_jax.checkpoint.io_utils import OutputExistsError, Progress, atomic_output_dir, copy_tokenizer_files
+from dsv32_jax.checkpoint.io_utils import (OutputExistsError, OutputPathError, Progress, atomic_output_dir,
+                                           check_output_parent, copy_tokenizer_files)
 from dsv32_jax.checkpoint.hf import TensorSpec, tensor_specs
 from dsv32_jax.checkpoint.fp8_weights import BF16, BLOCK, F32, FP8, _quantize, fp8_blocks, convert_tensor, dequant_fp8, quantize_fp8
 from dsv32_jax.checkpoint.validate import FLOAT_KINDS, _kernel_shape, check_hf_checkpoint
@@ -188,6 +189,7 @@ def hf_to_orbax(hf_dir: str, out: str, dtype: str = "bfloat16", include_mtp: boo
 
     if dtype not in IMPORT_DTYPES:
         raise ValueError(f"--dtype must be one of {IMPORT_DTYPES} for hf-to-orbax, got {dtype!r}")
+    check_output_parent(out)  # before the inventory checks and the fresh indexers' compile
     hf_dir = os.fspath(hf_dir)
     cfg = ModelConfig.from_hf(hf_dir)
     ckpt = HFCheckpoint(hf_dir)
@@ -317,6 +319,7 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
         raise ValueError(f"--dtype must be one of {EXPORT_DTYPES} for orbax-to-hf (use --fp8 for FP8), got {dtype!r}")
     if not 0 < shard_size_gb < 1e9:  # (inf and nan refused: the byte count is an int)
         raise ValueError(f"--shard_size_gb must be a finite number of GB > 0, got {shard_size_gb}")
+    check_output_parent(out)  # before the checkpoint is opened and checked
     ckpt = os.fspath(ckpt)
     source = orbax_io.open_params(ckpt, step)
     cfg, include_mtp, reader = source.cfg, source.has_mtp, source.reader
@@ -428,6 +431,13 @@ def _tune_malloc() -> None:
         pass
 
 
+def _under(path: str, out: str) -> bool:
+    """Whether `path` is `out`, lies inside it, or is one of its `<out>.tmp-<pid>` / `.old-<pid>` siblings."""
+    path, out = os.path.abspath(path), os.path.abspath(out)
+    return path == out or path.startswith(out + os.sep) or path.startswith(out + ".tmp-") or \
+        path.startswith(out + ".old-")
+
+
 def main(argv) -> int:
     from absl import app, logging
 
@@ -465,6 +475,13 @@ def main(argv) -> int:
                                   progress=FLAGS.progress, step=FLAGS.step)
     except (CheckpointError, ConfigError, OutputExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OutputPathError as e:  # the output's parent is a file, not writable, the final rename failed, ...
+        print(f"error: --out={FLAGS.out}: {e.strerror}", file=sys.stderr)
+        return 1
+    except OSError as e:  # any other I/O failure (a full disk, an unreadable input): one line, not a traceback
+        where = f"--out={FLAGS.out}: " if e.filename and _under(os.fspath(e.filename), FLAGS.out) else ""
+        print(f"error: {where}{e}", file=sys.stderr)
         return 1
     print(f"{command}: wrote {summary['out']} from {summary['source']} ({summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s, {summary['gb_per_s']:.3f} GB/s)")

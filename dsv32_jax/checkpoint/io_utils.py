@@ -4,6 +4,7 @@ complete, so nothing is ever left half-written under the final name) and a tqdm 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import time
@@ -32,6 +33,32 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list[str]:
 
 class OutputExistsError(FileExistsError):
     """The output path already holds something and --overwrite was not given."""
+
+
+class OutputPathError(OSError):
+    """The output cannot be written where it was asked for (its parent is a regular file, is not writable, the
+    final rename failed, ...): an OSError with errno / strerror / filename; `str()` names the path. The CLIs print
+    it as `--out=<out>: <strerror>`."""
+
+    def __init__(self, out: str, err: OSError):
+        super().__init__(err.errno, err.strerror or str(err), out)
+        self.out = out
+
+    def __str__(self) -> str:
+        return f"{self.out}: {self.strerror}"
+
+
+def check_output_parent(out: str) -> None:
+    """Refuses, before any work, an output whose parent directory cannot exist: the nearest existing ancestor of
+    `out` must be a directory (a regular file there makes every `makedirs` fail with "File exists" / "Not a
+    directory"). Creates nothing. Raises OutputPathError."""
+    out = os.path.abspath(os.fspath(out))
+    parent = os.path.dirname(out)
+    probe = parent
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OutputPathError(out, NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)}: {probe}"))
 
 
 class Progress:
@@ -71,7 +98,7 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.lexists(tmp):
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
             os.remove(tmp)
         raise
 
@@ -97,24 +124,40 @@ def atomic_output_dir(out: str, overwrite: bool = False, inputs: Iterable[str] =
                     any(c.endswith(".safetensors") for c in content) else f"{len(content)} entries")
             raise OutputExistsError(f"{out}: output directory already exists and holds {kind}; refusing to overwrite "
                                     "it (pass --overwrite to replace it)")
+    check_output_parent(out)
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
-    if os.path.lexists(tmp):
-        shutil.rmtree(tmp)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        elif os.path.lexists(tmp):
+            os.remove(tmp)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise OutputPathError(out, e) from None
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.lexists(out):
-        old = f"{out}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:  # a file or a link that --overwrite replaces
-            os.remove(old)
-    else:
-        os.rename(tmp, out)
+    try:
+        if os.path.lexists(out):
+            old = f"{out}.old-{os.getpid()}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # the previous output back in place
+                raise
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # a file or a link that --overwrite replaces
+                os.remove(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise OutputPathError(out, e) from None
+        raise
