@@ -32,6 +32,6 @@ def perturb_params(model_state: nnx.State, rel: float = PERTURB, seed: int = 0) 
     pure = nnx.to_pure_dict(model_state)
     leaves, treedef = jax.tree.flatten(pure)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+    out = [(x.astype(jnp.float32) * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
            if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]
     nnx.replace_by_pure_dict(model_state, jax.tree.unflatten(treedef, out))

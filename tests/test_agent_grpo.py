@@ -496,3 +496,26 @@ def test_grpo_over_trajectories_beats_the_zero_rate_control_from_one_cold_start(
     arms, gap = _ping_gain(run_seed("test_grpo_over_trajectories_beats_the_zero_rate_control"), 1e-3, tmp_path)
     assert 0.2 <= np.mean(arms["control"][:2]) <= 0.8, arms  # the cold start leaves both behaviours
     assert gap >= GAP, (gap, arms)
+
+
+def test_init_perturb_moves_bf16_parameters_or_is_refused():
+    """agent.init_perturb below half a bf16 ulp (2^-9) left every bf16 weight as it was (1 + 1e-6 N rounds to 1):
+    the robustness check perturbed nothing. Such a perturbation is now refused by name; a representable one moves
+    most entries (the product rounded once)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv32_jax import Transformer, load_preset
+    from dsv32_jax.train.agent_grpo import perturb_params
+
+    model = Transformer(load_preset("tiny"), rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    before = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    with pytest.raises(ValueError, match=r"config\.agent\.init_perturb=1e-06: too small to move a bfloat16"):
+        perturb_params(model, 1e-6)
+    perturb_params(model, 1e-2)
+    after = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    bf16 = [(a, b) for a, b, x in zip(before, after, jax.tree.leaves(nnx.state(model, nnx.Param)))
+            if x.dtype == jnp.bfloat16]
+    changed = sum(int(np.sum((a != b) & (a != 0))) for a, b in bf16) / sum(int(np.sum(a != 0)) for a, _ in bf16)
+    assert changed > 0.6, changed

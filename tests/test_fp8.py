@@ -45,6 +45,20 @@ def test_ue8m0_is_exact_power_of_two_ceiling(rng):
     assert np.all(np.log2(r) == np.round(np.log2(r)))
 
 
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_non_finite_group_stays_non_finite_with_either_scale_format(bad):
+    """ue8m0 turned an inf / NaN group's scale into 1.0 (frexp's exponent 0): the inf came back as a finite 448 and
+    the group's other entries on a scale-1 grid (0.3 -> 0.3125), hiding the overflow that scale_fmt=None shows."""
+    x = np.full((2, 128), 0.3, np.float32)
+    x[0, 3] = bad
+    for fmt in ("ue8m0", None):
+        codes, scale = act_quant(jnp.asarray(x), scale_fmt=fmt)
+        back = np.asarray(act_dequant(codes, scale))
+        assert not np.isfinite(back[0, 3]) and not np.isfinite(float(scale[0, 0])), fmt
+        np.testing.assert_allclose(back[1], x[1], rtol=2.0**-4)  # the finite group is untouched
+    assert float(ue8m0_round_up(jnp.float32(bad))) != 1.0
+
+
 def test_non_ue8m0_scale_and_roundtrip_error(rng):
     x = jnp.asarray(rng.standard_normal((4, 256)) * 3, jnp.float32)
     codes, scale = act_quant(x, scale_fmt=None)

@@ -180,3 +180,19 @@ def test_grpo_learner_with_weight_decay_leaves_the_mtp_layer_and_a_weightless_in
     moved = [k for k in before if not np.array_equal(np.asarray(after[k]), before[k])]
     assert {k[0] for k in frozen} == {"mtp", "layers"} and moved and not set(moved) & set(frozen)
     assert len(moved) > len(before) // 2
+
+
+def test_bf16_grpo_learner_with_master_weights_takes_a_step(tmp_path):
+    """param_dtype bf16 with fp32 master weights: the float32 parameters (router, indexer weights_proj) had master
+    "copies" that were the parameters' own buffers, and GRPO's donating step failed at step 0 ("donate the same
+    buffer twice"); the trainer was spared only because it builds its state under jit."""
+    from tests.test_grpo import learner
+    from dsv32_jax.model import sharding as shd
+
+    lrn = learner(tmp_path, 0, **{"optimizer.warmup_steps": 0, "param_dtype": "bfloat16"})
+    batch, _ = lrn.rollout(0)
+    with shd.use_mesh(lrn.mesh):
+        batch = jax.device_put(batch, lrn.batch_sharding)
+        batch["logp_ref"] = lrn.steps.reference(lrn.ref, batch)
+        state, metrics = lrn.steps.train(lrn.state, batch)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0

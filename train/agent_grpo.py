@@ -110,9 +110,13 @@ def perturb_params(model, rel: float, seed: int = 0) -> None:
     rounding, e.g. AVX2 vs AVX-512) does, so a result that holds only for the exact bits shows up as fragile."""
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
+    narrow = sorted({str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4})
+    if narrow and abs(rel) < 2.0 ** -9:  # below half a bf16 ulp: x * (1 + rel N) rounds back to x
+        raise ValueError(f"config.agent.init_perturb={rel}: too small to move a {', '.join(narrow)} parameter (its "
+                         "rounding is 2^-9 relative); use >= 2^-9 or a float32 model (param_dtype)")
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [x * (1 + rel * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]
+    out = [(x.astype(jnp.float32) * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
+           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]  # rounded once
     nnx.update(model, jax.tree.unflatten(treedef, out))
 
 

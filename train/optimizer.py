@@ -162,7 +162,9 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
     dtype = jnp.dtype(dtype)
 
     def init(params):
-        master = jax.tree.map(lambda p: jnp.asarray(p, dtype), params)
+        # a copy even where p is already in `dtype` (the router, the indexer's weights_proj: always float32): an
+        # alias of the parameter's buffer made a donating step (GRPO, agent) fail, "donate the same buffer twice"
+        master = jax.tree.map(lambda p: jnp.array(p, dtype, copy=True), params)
         return MasterState(master, inner.init(master))
 
     def update(updates, state, params=None):

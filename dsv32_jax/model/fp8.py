@@ -39,10 +39,12 @@ def hadamard_rotate(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def ue8m0_round_up(s: jnp.ndarray) -> jnp.ndarray:
-    """Smallest power of two >= s (s > 0), exactly: 2^ceil(log2 s)."""
+    """Smallest power of two >= s (s > 0), exactly: 2^ceil(log2 s). A non-finite s stays as it is (frexp gives
+    exponent 0 for inf and NaN: an overflowed group was quantized with scale 1, the inf clipped to 448, where the
+    scale_fmt=None branch propagates it)."""
     mantissa, exponent = jnp.frexp(s)  # s = mantissa * 2^exponent, mantissa in [0.5, 1)
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
-    return jnp.ldexp(jnp.ones_like(s), exponent)
+    return jnp.where(jnp.isfinite(s), jnp.ldexp(jnp.ones_like(s), exponent), s)
 
 
 def act_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0"):
