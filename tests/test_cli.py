@@ -1,6 +1,7 @@
 """The training entry point as a newcomer meets it: the no-flag default runs, and rerunning it resumes with the
 message on the console and without orbax's INFO chatter (tests/test_train_loop.py covers a missing init_from)."""
 
+import json
 import os
 import re
 import subprocess
@@ -27,6 +28,13 @@ def test_default_run_then_resume_is_visible_and_quiet(tmp_path):
     second = cli("--config.steps=3", *SMALL, f"--workdir={tmp_path / 'w'}", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {tmp_path / 'w' / 'checkpoints'} step 2" in second.stderr
+    # summary.json covers the whole run (its "first" was the resumed run's first step, step 3)
+    with open(tmp_path / "w" / "summary.json") as f:
+        summary = json.load(f)
+    with open(tmp_path / "w" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert summary["steps"] == 3 and [r["step"] for r in rows] == [1, 2, 3]
+    assert summary["first"]["loss"] == rows[0]["loss"] and summary["last"]["loss"] == rows[-1]["loss"]
     # orbax logs every file it writes at INFO: filtered out. Its warnings stay (on a slow machine: "Waiting for
     # previous save to complete took 1.4 seconds"), so the check is on the INFO records' source files: ours only.
     ours = {f for d in ("dsv32_jax", "train") for _, _, fs in os.walk(os.path.join(ROOT, d)) for f in fs}

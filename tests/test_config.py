@@ -172,6 +172,8 @@ def _training_config(stage, **fields):
 
 @pytest.mark.parametrize("stage,field,value,needle", [
     ("sparse", "steps", -5, r"config\.steps must be an integer >= 0"),
+    ("sparse", "mesh", "fsdp2", r"config\.mesh='fsdp2': bad entry 'fsdp2'"),
+    ("sparse", "attention", "sprase", r"config\.attention must be one of .*got 'sprase'"),
     ("sparse", "log_every", -1, r"config\.log_every must be an integer >= 0"),
     ("sparse", "dtype", "bfloat61", r"config\.dtype must be a floating-point dtype name"),
     ("sparse", "param_dtype", "int32", r"config\.param_dtype must be a floating-point dtype name"),

@@ -213,7 +213,8 @@ def test_cli_missing_init_from_exits_with_a_message_not_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--config.stpes=2"], r'error: \'stpes\' Did you mean "steps" instead of "stpes"\?'),
+    (["--config.stpes=2"], r'error: --config\.stpes=2: config has no field \'stpes\' \(Did you mean "steps" instead'),
+    (["--config.optimizer.zzz=1"], r"error: --config\.optimizer\.zzz=1: config\.optimizer has no field 'zzz'$"),
     (["--config.stage=foo"], r"error: config.stage must be one of .*got 'foo'"),
     (["--config.model=nosuch"], r"error: model preset 'nosuch' not found"),
     (["--config.data.source=jsonl", "--config.data.paths=nope.jsonl"], r"error: .*nope\.jsonl"),
@@ -289,8 +290,9 @@ def test_resume_with_another_worker_count_is_refused_by_name(tmp_path):
 def test_resume_into_another_configuration_is_refused_by_name(tmp_path):
     """A workdir resumed with a config that trains other parameters (here loss.mtp_weight 0 -> 0.1: the MTP layer
     joins the optimizer) or another model: orbax refused with both whole trees printed (hundreds of lines); now
-    one ResumeError names the workdir, the item and a differing leaf, before anything is restored. The original
-    config still resumes."""
+    one ResumeError names the workdir, the item and a differing leaf, before anything is restored; a model or data
+    change that keeps the shapes (rope_theta, data.seq_len) resumed silently and is named too. The original config
+    still resumes."""
     from dsv32_jax.train import data as data_lib
     from dsv32_jax.train.trainer import Trainer
 
@@ -313,10 +315,55 @@ def test_resume_into_another_configuration_is_refused_by_name(tmp_path):
     with pytest.raises(checkpointing.ResumeError, match=rf"{workdir}: its checkpoint at step 1 does not match this "
                                                         r"run's 'opt': \d+ missing, e\.g\. '[^']*/mtp/"):
         fit(**{"steps": 2, "loss.mtp_weight": 0.1})
-    with pytest.raises(checkpointing.ResumeError, match=r"'params': .*of another shape, e\.g\. '[^']*' \(stored "
-                                                        r"\[\d+(, \d+)*\], this run \[\d+"):
-        fit(model_overrides={"moe_intermediate_size": 48}, steps=2)
+    # changes that keep every shape resumed silently into another run; now named before anything is built
+    for kw, needle in (({"model_overrides": {"moe_intermediate_size": 48}}, r"model field moe_intermediate_size 32 "
+                                                                           r"there, 48 here"),
+                       ({"model_overrides": {"rope_theta": 5000.0}}, r"model field rope_theta 10000\.0 there, 5000\.0 "
+                                                                     r"here"),
+                       ({"data.seq_len": 8}, r"config\.data\.seq_len 16 there, 8 here"),
+                       ({"data.seed": 3}, r"config\.data\.seed 0 there, 3 here")):
+        with pytest.raises(checkpointing.ResumeError, match=rf"{workdir}: its checkpoint at step 1 was written with "
+                                                            rf"another configuration \(.*{needle}"):
+            fit(steps=2, **kw)
     assert [h["step"] for h in fit(steps=2)] == [2]
+
+
+def test_a_run_from_init_from_resumes_without_it(tmp_path):
+    """A stage started from config.init_from reloaded that checkpoint at every resume (then replaced it), and failed
+    with "run that stage first" once it was deleted, though its own checkpoint holds everything it needs."""
+    import shutil
+
+    from dsv32_jax.train import data as data_lib
+    from dsv32_jax.train.trainer import Trainer
+
+    def fit(name, workdir, **kw):
+        config = load_config(name, **{"data.seq_len": 16, "data.batch_size": 2, "checkpoint.every": 1,
+                                      "checkpoint.use_async": False, "log_every": 1000, **kw})
+        trainer = Trainer(config, workdir)
+        it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size)
+        try:
+            return [h["step"] for h in trainer.fit(it)]
+        finally:
+            getattr(it, "close", lambda: None)()
+
+    dense, warm = str(tmp_path / "dense"), str(tmp_path / "warmup")
+    assert fit("dense_tiny", dense, steps=1) == [1]
+    assert fit("warmup_tiny", warm, steps=1, init_from=dense) == [1]
+    shutil.rmtree(dense)
+    assert fit("warmup_tiny", warm, steps=2, init_from=dense) == [2]
+
+
+def test_metrics_writer_drops_the_steps_a_resume_runs_again(tmp_path):
+    """A run that failed (or was killed) after its last checkpoint had logged steps it then ran again: metrics.jsonl
+    held step 2 twice. resume_at(step) keeps the rows up to the checkpoint."""
+    writer = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": float(step)})
+    writer.resume_at(1)
+    writer.write(2, {"loss": 20.0})
+    writer.close()
+    assert metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) == [{"step": 1, "loss": 1.0},
+                                                                      {"step": 2, "loss": 20.0}]
 
 
 def test_metrics_writer_drops_a_partial_last_line_before_appending(tmp_path):

@@ -44,7 +44,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import model_config
+from dsv32_jax.train.trainer import resumed_model_config
 
 TOOL_KEYS = ("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts")
 CONSOLE_KEYS = ("reward_mean", "success", "eval_success", "turns", "kl", "opsm_masked_fraction",
@@ -171,7 +171,7 @@ class AgentLearner:
                 raise ValueError(f"config.agent.envs: {e}") from e
             # env_kwargs by the entry of envs, or by the environment class's name (import paths hold dots)
             self.env_kwargs[spec] = dict(a.env_kwargs.get(spec, a.env_kwargs.get(getattr(factory, "name", ""), {})))
-        self.cfg = model_config(config)
+        self.cfg, self.resume = resumed_model_config(config, workdir, "agent")
         if self.cfg.vocab_size < self.codec.vocab_size:
             raise ValueError(f"config.model={config.model!r} has vocab_size {self.cfg.vocab_size} "
                              f"(config.model_overrides.vocab_size), fewer ids than config.agent.codec={a.codec!r} "
@@ -197,12 +197,13 @@ class AgentLearner:
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
                              indexer_fp8=config.get("indexer_fp8", False))
-        if config.init_from:
+        if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             import dsv32_jax
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
                                               overrides=dict(config.model_overrides) or None)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:
             perturb_params(model, perturb)

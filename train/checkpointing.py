@@ -130,6 +130,54 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
                 "it with its own config, or start a new --workdir")
 
 
+# config.data fields a resume must keep: the data state is a position in the stream these define
+RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle")
+
+
+def resume_point(workdir: str):
+    """The latest finished checkpoint of `workdir` (an orbax_io.TrainingCheckpoint: step, model config, meta), the
+    one a run there resumes from; None for a workdir without one."""
+    from dsv32_jax.checkpoint import orbax_io  # noqa: PLC0415
+
+    root = os.path.join(workdir, CHECKPOINTS_DIR)
+    if not os.path.isdir(root):
+        return None
+    with ocp.CheckpointManager(os.path.abspath(root), options=ocp.CheckpointManagerOptions(create=False)) as mngr:
+        if mngr.latest_step() is None:
+            return None
+    return orbax_io.training_checkpoint(workdir)
+
+
+def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=()) -> None:
+    """A run resuming `point` (resume_point) has the configuration that wrote it: the stage, the model (every field
+    of its config but `ignore_model`; model_cfg None: not compared) and the data fields of RESUME_DATA_FIELDS
+    (`data`: config.data; compared where the checkpoint recorded them). A change that keeps every array's shape
+    (rope_theta, data.seq_len, data.seed) resumed silently into another run. Raises ResumeError naming each."""
+    meta = point.meta
+    problems = []
+    if meta.get("stage", stage) != stage:
+        problems.append(f"config.stage {meta['stage']!r} there, {stage!r} here")
+    if model_cfg is not None:
+        there, here = point.cfg.to_hf(), model_cfg.to_hf()
+        keys = sorted(k for k in set(there) | set(here) if k not in ignore_model and there.get(k) != here.get(k))
+        problems += [f"model field {k} {there.get(k)!r} there, {here.get(k)!r} here" for k in keys[:6]]
+        if len(keys) > 6:
+            problems.append(f"{len(keys) - 6} more model fields")
+    recorded = meta.get("data_config")
+    if data is not None and isinstance(recorded, dict):
+        problems += [f"config.data.{k} {recorded[k]!r} there, {data[k]!r} here" for k in RESUME_DATA_FIELDS
+                     if k in recorded and recorded[k] != data_fingerprint(data)[k]]
+    if problems:
+        raise ResumeError(f"{point.workdir}: its checkpoint at step {point.step} was written with another "
+                          f"configuration ({'; '.join(problems)}): resume it with the config that wrote it, or "
+                          "start a new --workdir")
+
+
+def data_fingerprint(data) -> dict:
+    """What check_resume compares of config.data (JSON values, as the checkpoint's meta records them)."""
+    return json_lib.loads(json_lib.dumps({k: data[k] for k in RESUME_DATA_FIELDS if k in data}))
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: tuple = ()) -> dict:
     """Restores step `step`. `arrays`: name -> (nnx.State, its shardings); each of those states is updated in
     place. `json`: names of JSON items. Returns name -> restored value (pure dicts for the array items). A stored

@@ -299,6 +299,18 @@ def check_config(config) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (above and v == lo):
             fail(field, f"a finite number {'>' if above else '>='} {lo}")
 
+    from dsv32_jax.model import sharding as shd
+
+    sizes = shd.parse_mesh_spec(config.get("mesh", "") or "fsdp:-1", flag=f"config.mesh={config.get('mesh', '')!r}")
+    if sum(v == -1 for v in sizes.values()) > 1:
+        fail("mesh", "at most one axis of size -1")
+    from dsv32_jax.model.options import RunOptions
+
+    try:  # the model's run options, under the names the config gives them
+        RunOptions(**{f: config[f] for f in ("attention", "attn_chunk", "index_chunk", "remat", "kl_key_grad",
+                                             "mla_bwd", "mla_fwd", "mla_pds", "mla_dqkv") if f in config})
+    except ValueError as e:
+        raise ValueError(str(e).replace("RunOptions.", "config.")) from None
     integer("steps", 0)  # (0: build and checkpoint nothing, e.g. to evaluate)
     integer("log_every", 0)
     for field in ("dtype", "param_dtype", "optimizer.master_dtype"):

@@ -28,7 +28,7 @@ from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import model_config
+from dsv32_jax.train.trainer import resumed_model_config
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
                 "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
@@ -75,7 +75,7 @@ class GRPOLearner:
         g = config.grpo
         self.g = g
         self.tasks = [t.strip() for t in g.tasks.split(",") if t.strip()]
-        self.cfg = model_config(config)
+        self.cfg, self.resume = resumed_model_config(config, workdir, "grpo")
         if self.cfg.vocab_size < rl_tasks.VOCAB_SIZE:
             raise ValueError(f"config.model: vocab_size {self.cfg.vocab_size} < the task vocabulary "
                              f"({rl_tasks.VOCAB_SIZE})")
@@ -90,7 +90,8 @@ class GRPOLearner:
         if not 0.0 <= self.letters <= 1.0:
             raise ValueError(f"config.grpo.letters must be in [0, 1], got {self.letters}")
         self.prompt_width = max(len(rl_tasks.make_prompt(k, np.random.default_rng(0))[0]) for k in self.tasks)
-        check_init_from(config)
+        if self.resume is None:
+            check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         check_group_size(g.group_size, "config.grpo.group_size")
         check_minibatches("config.grpo: prompts_per_step", g.prompts_per_step * g.group_size, g.minibatches,
@@ -100,11 +101,12 @@ class GRPOLearner:
         options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
                              remat=config.get("remat", "none"), scan_layers=config.get("scan_layers", False),
                              indexer_fp8=config.get("indexer_fp8", False))
-        if config.init_from:
+        if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
                                               overrides=dict(config.model_overrides) or None)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("grpo", mtp=False, indexer=bool(float(g.get("indexer_weight", 1.0))))
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=self.trainable)
@@ -197,7 +199,8 @@ class GRPOLearner:
     # -------------------------------------------------------------- checkpoints
     def save_checkpoint(self, mngr, step: int, force: bool = False) -> bool:
         return checkpointing.save(mngr, step, arrays={"params": self.state[0], "opt": self.state[1], "ref": self.ref},
-                                  json={"meta": {"step": step, "model_config": self.cfg.to_hf()}}, force=force)
+                                  json={"meta": {"step": step, "stage": "grpo", "model_config": self.cfg.to_hf()}},
+                                  force=force)
 
     def restore_checkpoint(self, mngr, step: int) -> None:
         r = checkpointing.restore(mngr, step, arrays={"params": (self.state[0], self.shardings[0]),

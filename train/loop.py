@@ -43,6 +43,10 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                 stage.restore_checkpoint(mngr, latest)
                 logging.info("resumed from %s step %d", mngr.directory, latest)
             step = stage.step
+            writer.resume_at(step)
+            if step > config.steps:
+                logging.warning("%s holds a checkpoint at step %d, past config.steps=%d: nothing to run",
+                                mngr.directory, step, config.steps)
             with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
                 while step < config.steps and not stop.requested:
                     metrics = stage.run_step()

@@ -121,8 +121,31 @@ def _parse_flags(argv):
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-        print(f"error: {_plain(e)}", file=sys.stderr, flush=True)
+        print(f"error: {_unknown_field(e, argv) or _plain(e)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _unknown_field(e: BaseException, argv) -> str | None:
+    """For an override of a field the config does not have (ml_collections raises a KeyError of the bare key,
+    wrapped in an AttributeError): the flag, the section and the hint, e.g. "--config.optimizer.zzz=1:
+    config.optimizer has no field 'zzz'" instead of "zzz"."""
+    cause = e.args[0] if isinstance(e, AttributeError) and e.args and isinstance(e.args[0], KeyError) else e
+    if not isinstance(cause, KeyError) or not cause.args:
+        return None
+    text = str(cause.args[0])
+    key, _, hint = text.partition("\n")
+    key = key.strip("'\"")
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        parts = name[len("--config."):].split(".") if name.startswith("--config.") else []
+        if key in parts[1:] or (parts and parts[0] == key):
+            section = ".".join(["config", *parts[:parts.index(key)]])
+            msg = f"{arg}: {section} has no field {key!r}" + (f" ({hint.strip()})" if hint.strip() else "")
+            if "model_overrides" in parts[:parts.index(key)]:
+                msg += ("; a command line can override only the keys the config file sets, so add it to the "
+                        "config's c.model_overrides = {...}")
+            return msg
+    return None
 
 
 def cli() -> None:

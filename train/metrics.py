@@ -11,6 +11,8 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
+from dsv32_jax.checkpoint.io_utils import write_text_atomic
+
 LM_KEYS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm", "lr", "eval_loss", "tokens_per_s",
            "step_time_s", "mfu")
 _TB_MISSING_LOGGED = False
@@ -63,6 +65,29 @@ class MetricsWriter:
         self._jsonl = open(self.path, "a")
         if tensorboard:
             self._tb = _summary_writer(os.path.join(workdir, "tb"))
+
+    def resume_at(self, step: int) -> None:
+        """Drops the rows of steps after `step` (where the run resumes): a run that failed or was killed after its
+        last checkpoint logged steps it then runs again, and metrics.jsonl held those steps twice."""
+        if not self.enabled:
+            return
+        self._jsonl.flush()
+        with open(self.path) as f:
+            lines = f.readlines()
+
+        def after(line):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return False
+            return isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step
+
+        keep = [line for line in lines if not after(line)]
+        if len(keep) == len(lines):
+            return
+        self._jsonl.close()
+        write_text_atomic(self.path, "".join(keep))
+        self._jsonl = open(self.path, "a")
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -31,7 +31,7 @@ from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_config, check_init_from, check_model_overrides
 from dsv32_jax.train.loop import run_loop
-from dsv32_jax.train.metrics import LM_KEYS
+from dsv32_jax.train.metrics import LM_KEYS, read_steps
 from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "TPU v5p": 459.0, "TPU v5e": 197.0,
@@ -76,6 +76,21 @@ def model_config(config) -> dsv32_jax.ModelConfig:
         logging.warning("config.model=%r is not the architecture of config.init_from=%s; the model is built as "
                         "init_from records it (config.model_overrides on top)", config.model, init)
     return _with_overrides(cfg, config)
+
+
+def resumed_model_config(config, workdir: str, stage: str, data=None):
+    """(the model config to build, the resume point or None) of a run in `workdir`. A workdir with a checkpoint
+    resumes from it: the model is the one recorded there, init_from is not read again (it may be gone by now), and
+    the stage, the model this config describes (when init_from can still be read; the MTP layer follows
+    init_from's) and `data` (config.data) must be those of the run that wrote it (checkpointing.check_resume)."""
+    point = checkpointing.resume_point(workdir)
+    if point is None:
+        return model_config(config), None
+    init = config.init_from
+    readable = not init or os.path.exists(init)
+    checkpointing.check_resume(point, stage=stage, model_cfg=model_config(config) if readable else None, data=data,
+                               ignore_model=("num_nextn_predict_layers",) if init else ())
+    return point.cfg, point
 
 
 def _with_overrides(cfg, config):
@@ -125,7 +140,11 @@ class Trainer:
         self.stage = config.stage
         self.filter = trainable_filter(self.stage, mtp=bool(config.loss.get("mtp_weight", 0.0)),
                                        indexer=bool(config.loss.get("indexer_weight", 1.0)))
-        self.cfg = model_config(config)
+        self.resume = None
+        if allocate:
+            self.cfg, self.resume = resumed_model_config(config, workdir, self.stage, data=config.data)
+        else:
+            self.cfg = model_config(config)
         self.dtype = jnp.dtype(config.dtype)
         self.param_dtype = jnp.dtype(config.param_dtype)
         self.options = run_options(config)
@@ -133,7 +152,8 @@ class Trainer:
         self.rng = jax.random.key_data(jax.random.key(config.seed))
         if not allocate:
             return
-        check_init_from(config)
+        if self.resume is None:
+            check_init_from(config)
         check_batch_mesh(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = steps.lm_batch_sharding(self.mesh)
@@ -156,7 +176,7 @@ class Trainer:
     def _init_state(self) -> TrainState:
         init = self.config.init_from
         model = None
-        if init:
+        if init and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             model = self._load_model(init)
             self.cfg = model.config  # e.g. a checkpoint without the MTP layer
         graphdef, state = self.abstract_state()
@@ -231,7 +251,8 @@ class Trainer:
 
     def save(self, mngr, step: int, data_state, force: bool = False) -> bool:
         meta = {"step": step, "stage": self.stage, "rng": np.asarray(self.rng).tolist(),
-                "model_config": self.cfg.to_hf(), "tokenizer": tokenizer_record(self.config.data.tokenizer)}
+                "model_config": self.cfg.to_hf(), "tokenizer": tokenizer_record(self.config.data.tokenizer),
+                "data_config": checkpointing.data_fingerprint(self.config.data)}
         return checkpointing.save(mngr, step, arrays={"params": self.ts.state[0], "opt": self.ts.state[1]},
                                   json={"data": data_state, "meta": meta}, force=force)
 
@@ -323,8 +344,13 @@ DATA_STATE_KEY = "dsv32_data"  # beside the iterator's state in a checkpoint's d
 
 
 def write_summary(workdir: str, history: list[dict]) -> None:
+    """summary.json: the run's step count and its first and last steps' metrics, from metrics.jsonl (the whole
+    run: `history` holds only the steps this process ran, so a resumed run's "first" was its first resumed step)."""
     if not history or jax.process_index() != 0:
         return
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.isfile(path):
+        history = [r for r in read_steps(path) if r["step"] <= history[-1]["step"]] or history
     keys = [k for k in history[-1] if k != "step"]
     summary = {"steps": history[-1]["step"], "first": {k: history[0].get(k) for k in keys},
                "last": {k: history[-1].get(k) for k in keys}}

@@ -47,23 +47,24 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 _CONTEXT: dict = {"mesh": None, "rules": DEFAULT_RULES}
 
 
-def parse_mesh_spec(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """'fsdp:2,tensor:2,expert:2' (or a dict) -> sizes for every mesh axis; one axis may be -1 (the rest)."""
+def parse_mesh_spec(spec: str | Mapping[str, int], flag: str = "--mesh") -> dict[str, int]:
+    """'fsdp:2,tensor:2,expert:2' (or a dict) -> sizes for every mesh axis; one axis may be -1 (the rest).
+    Errors name `flag`, where the spec came from (the CLIs' --mesh, the trainer's config.mesh)."""
     if isinstance(spec, str):
         sizes = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             name, sep, size = (x.strip() for x in part.partition(":"))
             if not sep or name not in MESH_AXES or not size.lstrip("-").isdigit() or int(size) == 0 or int(size) < -1:
-                raise ValueError(f"--mesh: bad entry {part!r}; expected name:size with name in {MESH_AXES}, "
+                raise ValueError(f"{flag}: bad entry {part!r}; expected name:size with name in {MESH_AXES}, "
                                  "e.g. 'fsdp:2,tensor:4'")
             if name in sizes:
-                raise ValueError(f"--mesh: axis {name!r} given twice in {spec!r}")
+                raise ValueError(f"{flag}: axis {name!r} given twice in {spec!r}")
             sizes[name] = int(size)
     else:
         sizes = dict(spec)
     unknown = set(sizes) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"mesh axes {sorted(unknown)} unknown; expected a subset of {MESH_AXES}")
+        raise ValueError(f"{flag}: mesh axes {sorted(unknown)} unknown; expected a subset of {MESH_AXES}")
     return {a: int(sizes.get(a, 1)) for a in MESH_AXES}
 
 
