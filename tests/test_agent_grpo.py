@@ -519,3 +519,14 @@ def test_init_perturb_moves_bf16_parameters_or_is_refused():
             if x.dtype == jnp.bfloat16]
     changed = sum(int(np.sum((a != b) & (a != 0))) for a, b in bf16) / sum(int(np.sum(a != 0)) for a, _ in bf16)
     assert changed > 0.6, changed
+
+
+def test_kl_weights_of_a_domain_no_environment_has_are_refused(tmp_path):
+    """A misspelled domain in agent.kl_weights silently took agent.kl_weight instead."""
+    import ml_collections
+
+    from dsv32_jax.train.agent_grpo import AgentLearner
+
+    with pytest.raises(ValueError, match=r"config\.agent\.kl_weights\.cod: no environment of config\.agent\.envs has "
+                                         r"that domain \(the domains: code, search\)"):
+        AgentLearner(_config(kl_weights=ml_collections.ConfigDict({"cod": 0.1})), str(tmp_path / "w"))

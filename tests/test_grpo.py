@@ -245,6 +245,14 @@ def test_a_group_of_one_is_refused_by_name(tmp_path):
         learner(tmp_path, 1, **{"grpo.group_size": 1, "grpo.minibatches": 1})
 
 
+def test_kl_weights_of_a_task_not_trained_are_refused(tmp_path):
+    """A misspelled task in grpo.kl_weights silently took grpo.kl_weight instead."""
+    import ml_collections
+
+    with pytest.raises(ValueError, match=r"config\.grpo\.kl_weights\.mapp: not one of config\.grpo\.tasks \(map\)"):
+        learner(tmp_path, 1, **{"grpo.kl_weights": ml_collections.ConfigDict({"mapp": 0.1})})
+
+
 @pytest.mark.parametrize("every,want", [(0, [5]), (2, [2, 4, 5]), (1, [1, 2, 3, 4, 5])])
 def test_eval_every_zero_evaluates_at_the_end_only(every, want):
     """config.grpo.eval_every / config.agent.eval_every = 0 (0 means off elsewhere in the config) failed with a
