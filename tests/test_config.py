@@ -158,16 +158,9 @@ def test_trainer_checks_batch_and_mesh_before_building_anything(tmp_path):
 
 def _training_config(stage, **fields):
     from dsv32_jax.train.config import default_config
+    from tests.test_train import override
 
-    c = default_config()
-    c.stage = stage
-    for key, value in fields.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return override(default_config(), stage=stage, **fields)
 
 
 @pytest.mark.parametrize("stage,field,value,needle", [

@@ -30,7 +30,12 @@ def load_config(name, **overrides):
     module = config_flags.config_flags._LoadConfigModule(name, path)  # noqa: SLF001 (same loader as the CLI)
     config = module.get_config()
     config.eval.every = 0  # held-out evaluation off unless a test asks for it (tests/test_eval.py)
-    for key, value in overrides.items():
+    return override(config, **overrides)
+
+
+def override(config, **fields):
+    """config with each dotted field ("optimizer.lr") set, in place."""
+    for key, value in fields.items():
         target = config
         *parents, leaf = key.split(".")
         for p in parents:
