@@ -184,9 +184,10 @@ class AgentLearner:
         self.domains = {spec: self.make_env(spec).domain for spec in self.envs}
         self.check_first_prompts()
         unknown = sorted(set(a.kl_weights) - set(self.domains.values()))
-        if unknown:  # (a misspelled domain silently took config.agent.kl_weight)
-            raise ValueError(f"config.agent.kl_weights.{unknown[0]}: no environment of config.agent.envs has that "
-                             f"domain (the domains: {', '.join(sorted(set(self.domains.values())))})")
+        if unknown:  # a misspelled domain silently took config.agent.kl_weight (a config may name more domains)
+            logging.warning("config.agent.kl_weights: %s is the domain of no environment of config.agent.envs (the "
+                            "domains: %s); it applies to nothing", ", ".join(unknown),
+                            ", ".join(sorted(set(self.domains.values()))))
         self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
         self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                        top_p=a.top_p, max_candidates=a.max_candidates, eos_id=self.codec.eos_id,

@@ -85,10 +85,10 @@ class GRPOLearner:
         self.greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, greedy=True, eos_id=rl_tasks.EOS)
         self.rewards = {k: rl_tasks.make_reward(k, g.length_target if g.length_target >= 0 else None,
                                                 g.language_weight, g.grm_weight) for k in self.tasks}
-        unknown = sorted(set(g.kl_weights) - set(self.tasks))
+        unknown = sorted(set(g.kl_weights) - set(rl_tasks.MARKERS))
         if unknown:  # (a misspelled task silently took config.grpo.kl_weight)
-            raise ValueError(f"config.grpo.kl_weights.{unknown[0]}: not one of config.grpo.tasks "
-                             f"({', '.join(self.tasks)})")
+            raise ValueError(f"config.grpo.kl_weights.{unknown[0]}: not a task (one of "
+                             f"{', '.join(sorted(rl_tasks.MARKERS))})")
         self.beta = {k: float(g.kl_weights.get(k, g.kl_weight)) for k in self.tasks}
         self.letters = float(g.get("letters", 0.0))
         if not 0.0 <= self.letters <= 1.0:
