@@ -151,10 +151,11 @@ def test_greedy_at_temperature_zero_is_the_argmax_with_finite_logprobs(rng, top_
     (dict(max_candidates=0, top_p=0.5), r"max_candidates must be >= 1, got 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
     (dict(temperature=float("nan")), r"temperature must be > 0"),
+    (dict(temperature=float("inf")), r"temperature must be > 0 and finite .*got inf"),
 ])
 def test_sampling_config_refuses_what_it_would_run_differently(fields, match):
     """top_k above the candidate set silently ran as top-k max_candidates; max_candidates = 0 silently turned top-p
-    off; max_new_tokens = 0 failed inside jit with a shape error."""
+    off; max_new_tokens = 0 failed inside jit with a shape error; an infinite temperature sampled uniformly."""
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**fields)
 

@@ -51,8 +51,9 @@ class SamplingConfig:
         return limit if limit < vocab else 0
 
     def __post_init__(self):
-        if not self.temperature > 0 and not self.greedy:  # (nan refused too)
-            raise ValueError("SamplingConfig.temperature must be > 0 (use greedy=True for argmax decoding)")
+        if not 0 < self.temperature < float("inf") and not self.greedy:  # (nan refused too; inf sampled uniformly)
+            raise ValueError(f"SamplingConfig.temperature must be > 0 and finite (use greedy=True for argmax "
+                             f"decoding), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
