@@ -102,7 +102,7 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
     tree): orbax's own refusal of a mismatch prints both whole trees. Raises ResumeError."""
     from dsv32_jax.checkpoint.orbax_io import CheckpointError, ParamsReader  # noqa: PLC0415
 
-    step_dir = os.path.join(os.fspath(mngr.directory), str(step))
+    step_dir = os.fspath(ocp.step.standard_name_format().find_step(mngr.directory, step).path)
     workdir = os.path.dirname(os.path.normpath(os.fspath(mngr.directory)))
     for name, tree in arrays.items():
         if not os.path.isdir(os.path.join(step_dir, name)):
@@ -165,8 +165,9 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
             problems.append(f"{len(keys) - 6} more model fields")
     recorded = meta.get("data_config")
     if data is not None and isinstance(recorded, dict):
-        problems += [f"config.data.{k} {recorded[k]!r} there, {data[k]!r} here" for k in RESUME_DATA_FIELDS
-                     if k in recorded and recorded[k] != data_fingerprint(data)[k]]
+        here = data_fingerprint(data)
+        problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
+                     if k in recorded and recorded[k] != here.get(k)]
     if problems:
         raise ResumeError(f"{point.workdir}: its checkpoint at step {point.step} was written with another "
                           f"configuration ({'; '.join(problems)}): resume it with the config that wrote it, or "
