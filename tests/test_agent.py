@@ -637,7 +637,7 @@ def test_a_row_that_overflows_the_shared_cache_ends_alone(monkeypatch):
             def fits(self, pieces):
                 return self.index + max([len(p) for p in pieces] + [1]) + max_new <= self.capacity
 
-            def step(self, pieces, live, rng):
+            def step(self, pieces, live, rng, limits=None):
                 assert self.fits(pieces)
                 widths.append([len(p) for p in pieces])
                 self.index += max([len(p) for p in pieces] + [1]) + max_new

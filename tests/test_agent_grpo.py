@@ -3,6 +3,7 @@ lowers the assistant-token loss, a GRPO step over multi-turn trajectories runs w
 log-probs equal the trainer's at pi_old, and per-domain KL weights reach the batch."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,9 +347,18 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
         c = _config(codec="tiny")
         c.model_overrides["vocab_size"] = 64
         AgentLearner(c, str(tmp_path))
-    with pytest.raises(ValueError, match=r"config.agent.capacity=300 is too small: the first prompt of environment "
-                                         r"'lookup' \(seed 0\) has \d+ tokens .* config.agent.max_new_tokens=12"):
+    with pytest.raises(ValueError, match=r"config.agent.capacity=300 is too small: the longest first prompt of "
+                                         r"environment 'lookup' at 35 seeds \(seed \d+\) has \d+ tokens .* "
+                                         r"config.agent.max_new_tokens=12 it needs \d+") as e:
         AgentLearner(_config(capacity=300), str(tmp_path))
+    # the sampler pads the prompt to its 16-slot bucket: the old minimum (prompt + max_new_tokens) ended every
+    # rollout "context full"; the capacity the message names passes (the model is then built: `fail`)
+    n, need = (int(re.search(p, str(e.value)).group(1)) for p in (r"has (\d+) tokens", r"it needs (\d+)"))
+    assert need == -(-n // 16) * 16 + 12
+    with pytest.raises(ValueError, match=r"config.agent.capacity=\d+ is too small"):
+        AgentLearner(_config(envs="lookup", capacity=need - 1), str(tmp_path))
+    with pytest.raises(AssertionError, match="the model was built"):
+        AgentLearner(_config(envs="lookup", capacity=need), str(tmp_path))
     (tmp_path / "accented_env.py").write_text(
         "from dsv32_jax.posttrain.envs import LookupEnv\n\nclass Accented(LookupEnv):\n    name = 'accented'\n"
         "    instructions = 'r\u00e9ponds.'\n")
@@ -379,7 +389,8 @@ def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
     assert lrn.sampling.vocab_size == lrn.greedy.vocab_size == 113
     assert lrn.make_env("dsv32_jax.posttrain.envs.lookup:LookupEnv").max_steps == 2
     _, stats = lrn.rollout(0)
-    assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts"} <= set(stats)
+    assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts", "context_full"} <= set(stats)
+    assert 0.0 <= stats["context_full"] <= 1.0
 
 
 @pytest.mark.slow
@@ -535,3 +546,61 @@ def test_kl_weights_of_a_domain_no_environment_has_are_reported(tmp_path, caplog
     assert lrn.beta == {"lookup": 0.0, "calculator": 0.05}  # (_config sets code: 0.05)
     assert any("config.agent.kl_weights: cod is the domain of no environment" in r.getMessage() and
                "(the domains: code, search)" in r.getMessage() for r in caplog.records), caplog.text
+
+
+class _StopAfter:
+    """A stand-in for checkpointing.StopSignal: `requested` turns True at its n-th reading (prepare reads it once
+    per SFT update)."""
+
+    def __init__(self, n: int):
+        self.n, self.reads = n, 0
+
+    @property
+    def requested(self) -> bool:
+        self.reads += 1
+        return self.reads >= self.n
+
+
+@pytest.mark.heavy
+def test_step_zero_sft_continues_from_its_checkpoint_after_a_stop(tmp_path):
+    """Step 0's recall stage and cold start (hours at scale, ~30 CPU minutes in `make agent-demo`) had no
+    checkpoint: a kill or a preemption during them lost all of it, and a stop signal waited for its end. Now
+    prepare() saves its progress in W/sft_checkpoints (every sft_checkpoint_every updates and on a stop); a new
+    learner in that workdir continues there and ends with the same parameters, bitwise, as an uninterrupted run,
+    keeping the start metrics. Another configuration is refused by name; the first RL checkpoint replaces it."""
+    import jax
+
+    from dsv32_jax.train import checkpointing
+    from dsv32_jax.train.agent_grpo import SFT_CHECKPOINTS_DIR
+
+    kw = dict(envs="lookup", max_turns=1, eval_episodes=1, recall_steps=2, recall_batch=2, cold_start_steps=3,
+              anneal_steps=1, anneal_lr=1e-4, sft_checkpoint_every=2)
+    params = lambda lrn: [np.asarray(x) for x in jax.tree.leaves(jax.device_get(lrn.state))]  # noqa: E731
+
+    whole = AgentLearner(_config(**kw), str(tmp_path / "a"))
+    whole.prepare()
+    assert os.path.isdir(tmp_path / "a" / SFT_CHECKPOINTS_DIR)
+
+    stopped = AgentLearner(_config(**kw), str(tmp_path / "b"))
+    stopped.prepare(_StopAfter(3))  # stops after the 3rd of 5 updates (the first of the cold start)
+    assert stopped._prepared is None
+    saved = sorted(os.listdir(tmp_path / "b" / SFT_CHECKPOINTS_DIR))
+    assert saved == ["3"], saved  # max_to_keep 1: the periodic save at 2 is gone
+
+    with pytest.raises(checkpointing.ResumeError, match=r"sft_checkpoints: its step-0 checkpoint \(3 SFT updates.*"
+                                                        r"config\.agent\.recall_batch 2 there, 4 here"):
+        AgentLearner(_config(**{**kw, "recall_batch": 4}), str(tmp_path / "b")).prepare()
+
+    resumed = AgentLearner(_config(**kw), str(tmp_path / "b"))
+    resumed.prepare()
+    for x, y in zip(params(whole), params(resumed), strict=True):
+        np.testing.assert_array_equal(x, y)
+    for key in ("start_eval_success", "recall_loss", "sft_loss", "pre_eval_success"):
+        assert resumed._prepared[key] == whole._prepared[key], key
+    assert resumed._prepared["recall_s"] > 0 and resumed._prepared["cold_start_s"] > 0
+    # the run itself: step 1's row holds step 0's metrics (from the checkpoint); its RL checkpoint replaces it
+    history = AgentLearner(_config(**kw), str(tmp_path / "b")).fit()
+    assert history[0]["start_eval_success"] == whole._prepared["start_eval_success"]
+    assert history[0]["sft_loss"] == whole._prepared["sft_loss"] and "reward_mean" in history[0]
+    assert not os.path.exists(tmp_path / "b" / SFT_CHECKPOINTS_DIR)
+    assert os.listdir(tmp_path / "b" / checkpointing.CHECKPOINTS_DIR) == ["1"]

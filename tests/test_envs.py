@@ -612,6 +612,30 @@ def test_a_non_finite_verifier_reward_is_zero_and_reported(returned):
     assert info["reward_error"] == f"Odd.score() returned {returned!r}, not a finite number: reward 0"
 
 
+@pytest.mark.parametrize("returned,reward,details", [
+    (0.5, 0.5, {}), ((1.0, None), 1.0, {}), ((0.25, ["why"]), 0.25, {"details_error": "Odd.score() returned details "
+                                                                                     "['why'], not a dict: ignored"}),
+    ((0.5, {}, "extra"), 0.0, {"reward_error": "Odd.score() returned (0.5, {}, 'extra'), not a finite number: "
+                                               "reward 0"})])
+def test_a_verifier_that_returns_another_shape_is_data(returned, reward, details):
+    """score() must return (reward, details); a bare number or None details ended the rollout with "cannot unpack
+    non-iterable float object" / "'NoneType' object is not iterable", naming neither score() nor the environment.
+    Now a bare number is the reward, None details are none, other details are noted, another shape scores 0."""
+
+    class Odd(_BrokenEnv):
+        def score(self, instance, answer):
+            return returned
+
+    env = Odd(tool_timeout=None)
+    env.reset(3)
+    _, got, done, info = env.step({"content": "3"})
+    assert got == reward and done and info["success"] == (reward == 1.0)
+    assert {k: info[k] for k in details} == details
+    assert not set(info) & ({"details_error", "reward_error"} - set(details))
+    env.reset(3)
+    assert env.verify("3") == (returned if not isinstance(returned, tuple) or len(returned) != 2 else returned[0])
+
+
 def test_trip_verifier_answers_that_json_cannot_read_score_zero():
     """An integer of over 4300 digits makes json.loads raise a plain ValueError (not JSONDecodeError), deep nesting a
     RecursionError: model text, so a zero reward with the reason, never an exception out of the rollout."""

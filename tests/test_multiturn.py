@@ -92,7 +92,7 @@ def test_batched_rollout_appends_only_new_context_and_rows_stop_at_different_tur
         def __init__(self, model, b, capacity, cfg):
             self.turn = [0] * b
 
-        def step(self, pieces, live, rng):
+        def step(self, pieces, live, rng, limits=None):
             out = []
             for i, (piece, on) in enumerate(zip(pieces, live)):
                 seen[i].extend(piece)
@@ -138,6 +138,14 @@ def test_batched_rollout_with_the_model_records_every_generated_token():
         real = rec["segments"][i] > 0
         np.testing.assert_array_equal(rec["tokens"][i][real], t.ids)
         assert rec["generated"][i].sum() == t.completions[0].length
+    # an episode limit below the sampler's (run_episode's max_new_tokens): the sampler still draws 8 tokens a row,
+    # the episode keeps 3, and only those 3 are marked generated (trained): the layout marked all 8 before
+    trajs, rec = BatchedRollout(model, codec, scfg, capacity=2048).run(envs, [0, 1], max_new_tokens=3)
+    for i, t in enumerate(trajs):
+        assert t.info["error"].startswith("truncated") and t.completions[0].length == 3, t.info
+        assert rec["generated"][i].sum() == 3 and (rec["segments"][i] > 0).sum() > len(t.ids)
+        gen = rec["generated"][i] > 0
+        np.testing.assert_array_equal(rec["tokens"][i][gen], t.ids[-3:])
 
 
 def test_batched_rollout_ends_episodes_when_the_shared_cache_is_full():
@@ -170,7 +178,7 @@ def _scripted_sampler(scripts):
         def __init__(self, model, b, capacity, cfg):
             self.turn = [0] * b
 
-        def step(self, pieces, live, rng):
+        def step(self, pieces, live, rng, limits=None):
             out = []
             for i, on in enumerate(live):
                 out.append(list(scripts[i].completions[self.turn[i]]) if on else [])

@@ -131,6 +131,28 @@ def test_loop_stops_after_a_signal_and_saves_that_step(signum, tmp_path):
     assert len(metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 3
 
 
+class PreparingStage(FakeStage):
+    """A stage with work before step 1 (the agent's SFT stages) that a signal ends early."""
+
+    def __init__(self, signum):
+        super().__init__(signum, signal_at=None)
+        self.prepared = []
+
+    def prepare(self, stop):
+        self.prepared.append(stop.requested)
+        os.kill(os.getpid(), self.signum)
+        self.prepared.append(stop.requested)
+
+
+def test_loop_prepares_at_step_zero_and_a_signal_there_stops_the_run(tmp_path):
+    """run_loop calls a stage's prepare(stop) before step 1 with the live stop signal (the agent's recall stage and
+    cold start checkpoint their progress and return on it); a signal there runs no step."""
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    stage = PreparingStage(signal.SIGTERM)
+    history = loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
+    assert stage.prepared == [False, True] and history == [] and stage.saved == []
+
+
 def test_second_sigint_interrupts():
     with checkpointing.StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGINT)

@@ -20,13 +20,17 @@ padded one is masked when sampling: `SamplingConfig.vocab_size`); each error nam
 from __future__ import annotations
 
 import functools
+import json
+import os
 import random
+import shutil
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
@@ -46,6 +50,8 @@ from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import resumed_model_config
 
+# step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
+SFT_CHECKPOINTS_DIR = "sft_checkpoints"
 TOOL_KEYS = ("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts")
 CONSOLE_KEYS = ("reward_mean", "success", "eval_success", "turns", "kl", "opsm_masked_fraction",
                 "logprob_mismatch_max", "indexer_kl", "sft_loss", "grad_norm")
@@ -123,6 +129,12 @@ def perturb_params(model, rel: float, seed: int = 0) -> None:
 def _format_error(t) -> bool:
     """The episode ended on a malformed completion (chat.parse_completion's "format: ..." errors)."""
     return str(t.info.get("error", "")).startswith("format")
+
+
+def _context_full(t) -> bool:
+    """The episode ended because its context or the shared rollout cache had no room (run_episode's "context full":
+    reward 0 whatever the model would have done; agent.capacity too small for the tasks' turns)."""
+    return str(t.info.get("error", "")).startswith("context full")
 
 
 def _log_progress(phase: str, i: int, total: int, history: list[float], every: int = 50) -> None:
@@ -241,6 +253,8 @@ class AgentLearner:
         self.state = jax.device_put(state, self.shardings)
         self.ref = None  # pi_ref: the policy after cold start (set at the first RL step)
         self.step = 0
+        self._prepared = None  # step 0's metrics once prepare() is done
+        self._warned_full = False
         t, w = self.sampling.temperature, float(a.indexer_weight)
         self._train = jax.jit(functools.partial(steps.grpo_trajectory_train_step, graphdef=self.rl_graphdef,
                                                 temperature=t, eps=a.eps, delta=a.delta, indexer_weight=w),
@@ -259,13 +273,19 @@ class AgentLearner:
     def make_env(self, spec: str):
         return make_env(spec, **self.env_kwargs[spec])
 
-    def check_first_prompts(self, seeds=(0, 10**6, 10**7)) -> None:
-        """Before any work: every environment's texts are encodable by the codec and its first prompt (at the first
-        seed of the RL, cold-start and evaluation ranges) plus `max_new_tokens` fits `capacity`."""
+    def check_first_prompts(self, seeds=(0, 10**6, 10**7), sample: int = 32) -> None:
+        """Before any work: every environment's texts are encodable by the codec and its first prompt plus
+        `max_new_tokens` fits `capacity` as the rollout's sampler lays it out (the prompt padded to its 16-slot
+        bucket), at the first seed of the RL, cold-start and evaluation ranges and at `sample` RL seeds (prompt
+        lengths vary by task: checking three seeds let a capacity through that half of the tasks overran). A
+        longer task that still overruns ends "context full" (the `context_full` metric)."""
         a = self.a
+        bucket = 16  # MultiTurnSampler's
+        rl = [int(x) for x in np.random.default_rng(12345).integers(0, 10**6, sample)]
         for spec in self.envs:
             env = self.make_env(spec)
-            for seed in seeds:
+            longest = (0, None)
+            for seed in list(seeds) + rl:
                 obs = env.reset(seed)
                 try:
                     check_env_text(env, obs, self.codec, seed)
@@ -274,12 +294,16 @@ class AgentLearner:
                 n = len(chat.encode_tokens([chat.System(obs.system), chat.User(obs.task)], self.codec,
                                            tools=chat_tools(env), thinking=a.thinking, drop_thinking=a.drop_thinking,
                                            tools_prompt=a.tools_prompt)[0])
-                if n + a.max_new_tokens > a.capacity:
-                    raise ValueError(f"config.agent.capacity={a.capacity} is too small: the first prompt of "
-                                     f"environment {spec!r} (seed {seed}) has {n} tokens with config.agent.codec="
-                                     f"{a.codec!r} and config.agent.tools_prompt={a.tools_prompt!r}, plus "
-                                     f"config.agent.max_new_tokens={a.max_new_tokens}; raise capacity to at least "
-                                     f"{n + a.max_new_tokens}")
+                longest = max(longest, (n, seed))
+            n, seed = longest
+            need = -(-n // bucket) * bucket + a.max_new_tokens
+            if need > a.capacity:
+                raise ValueError(f"config.agent.capacity={a.capacity} is too small: the longest first prompt of "
+                                 f"environment {spec!r} at {len(seeds) + sample} seeds (seed {seed}) has {n} tokens "
+                                 f"with config.agent.codec={a.codec!r} and config.agent.tools_prompt="
+                                 f"{a.tools_prompt!r}; padded to the sampler's {bucket}-slot bucket "
+                                 f"({need - a.max_new_tokens}) plus config.agent.max_new_tokens={a.max_new_tokens} "
+                                 f"it needs {need}; raise capacity to at least that (more for longer tasks and later turns)")
 
     def _episode_kwargs(self):
         return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
@@ -322,18 +346,22 @@ class AgentLearner:
             self.state, m = step(self.state, jax.device_put(batch, self.batch_sharding))
         return float(m["sft_loss"])
 
-    def recall_stage(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
-        """SFT steps `start` .. `start + steps_ - 1` on synthetic copying conversations (loss on the answers)."""
+    def recall_stage(self, steps_: int, batch_size: int, start: int = 0, after=None) -> list[float]:
+        """SFT steps `start` .. `start + steps_ - 1` on synthetic copying conversations (loss on the answers).
+        `after(s, loss) -> bool` runs after step s; True ends the stage there (a stop signal)."""
         history = []
         for s in range(start, start + steps_):
             history.append(self._sft_update(self.recall_data(s, batch_size)))
             _log_progress("recall", s - start, steps_, history)
+            if after is not None and after(s, history[-1]):
+                break
         return history
 
-    def cold_start(self, steps_: int, batch_size: int, start: int = 0) -> list[float]:
+    def cold_start(self, steps_: int, batch_size: int, start: int = 0, after=None) -> list[float]:
         """SFT steps `start` .. `start + steps_ - 1` on fresh oracle demonstrations (seeds disjoint from RL's:
         10^6 + ...); `config.agent.recall_mix` of each batch are copying conversations instead. The last
-        `config.agent.anneal_steps` of the `cold_start_steps` run at `config.agent.anneal_lr`."""
+        `config.agent.anneal_steps` of the `cold_start_steps` run at `config.agent.anneal_lr`. `after` as in
+        recall_stage."""
         history = []
         n_recall = int(round(self.a.recall_mix * batch_size))
         for s in range(start, start + steps_):
@@ -343,7 +371,105 @@ class AgentLearner:
                 examples += self.recall_data(10**6 + s, n_recall)
             history.append(self._sft_update(examples, anneal=s >= self.a.cold_start_steps - self.a.anneal_steps))
             _log_progress("cold start", s - start, steps_, history)
+            if after is not None and after(s, history[-1]):
+                break
         return history
+
+    # ------------------------------------------------------- before step 1
+    def prepare(self, stop=None) -> None:
+        """Step 0's work before the first rollout: greedy evaluation at the start (`start_*` metrics), the recall
+        stage, the cold start, evaluation after them (`pre_*`); the metrics join step 1's row. It can take hours
+        (`make agent-demo`: ~30 CPU minutes), so its progress is checkpointed in W/sft_checkpoints every
+        `config.agent.sft_checkpoint_every` SFT updates and when `stop` (checkpointing.StopSignal) is requested,
+        which ends it early; a run in a workdir holding such a checkpoint (and no RL one) continues from it, with
+        the configuration that wrote it (checkpointing.ResumeError otherwise). No-op after step 0 or once done."""
+        a = self.a
+        total = a.recall_steps + a.cold_start_steps
+        if self.step or self._prepared is not None or not total:
+            return
+        every = int(a.sft_checkpoint_every)
+        with self._sft_manager() as mngr:
+            done, meta = self._restore_sft(mngr)
+            metrics = dict(meta.get("metrics", {}))
+            if done == 0:
+                metrics.update({f"start_{k}": v for k, v in self.evaluate().items()})  # the chance level
+
+            stopped = [False]
+
+            def after(loss_key: str, time_key: str, offset: int):
+                t = [time.perf_counter()]
+
+                def fn(s, loss):  # after SFT update `s` of a stage that starts at update `offset`
+                    n = offset + s + 1  # SFT updates done
+                    now = time.perf_counter()
+                    metrics[loss_key], metrics[time_key] = loss, metrics.get(time_key, 0.0) + now - t[0]
+                    t[0] = now
+                    stopped[0] = stop is not None and stop.requested
+                    if stopped[0] or (every and n % every == 0) or n == total:
+                        self._save_sft(mngr, n, metrics)
+                    return stopped[0]
+                return fn
+
+            if done < a.recall_steps:
+                done += len(self.recall_stage(a.recall_steps - done, a.recall_batch, start=done,
+                                              after=after("recall_loss", "recall_s", 0)))
+            if a.recall_steps <= done < total and not stopped[0]:
+                s0 = done - a.recall_steps
+                done += len(self.cold_start(a.cold_start_steps - s0, a.cold_start_batch, start=s0,
+                                            after=after("sft_loss", "cold_start_s", a.recall_steps)))
+            mngr.wait_until_finished()
+        if done < total:  # stopped: the checkpoint above holds the progress
+            logging.info("stopped by a signal after %d of %d SFT updates (saved in %s)", done, total,
+                         os.path.join(self.workdir, SFT_CHECKPOINTS_DIR))
+            return
+        metrics.update({f"pre_{k}": v for k, v in self.evaluate().items()})
+        self._prepared = metrics
+
+    def _sft_fingerprint(self) -> dict:
+        """What a continued step 0 must share with the run that saved it: the seed, the model, the optimizer and
+        config.agent (JSON values; not sft_checkpoint_every)."""
+        agent = {k: v for k, v in self.a.to_dict().items() if k != "sft_checkpoint_every"}
+        return json.loads(json.dumps({"seed": self.config.seed, "model": self.cfg.to_hf(),
+                                      "optimizer": self.config.optimizer.to_dict(), "agent": agent}, default=str))
+
+    def _sft_manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(os.path.abspath(os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)),
+                                     options=ocp.CheckpointManagerOptions(
+                                         max_to_keep=1, enable_async_checkpointing=self.config.checkpoint.use_async))
+
+    def _save_sft(self, mngr, n: int, metrics: dict) -> None:
+        checkpointing.save(mngr, n, arrays={"params": self.state[0], "opt": self.state[1]}, force=True,
+                           json={"meta": {"sft_updates": n, "stage": "agent", "metrics": metrics,
+                                          "config": self._sft_fingerprint()}})
+
+    def _restore_sft(self, mngr) -> tuple[int, dict]:
+        """(SFT updates done, meta) of the workdir's step-0 checkpoint; (0, {}) without one. Raises
+        checkpointing.ResumeError naming what differs when another configuration wrote it."""
+        n = mngr.latest_step()
+        if n is None:
+            return 0, {}
+        where = os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)
+        meta = mngr.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        there, here = meta.get("config", {}), self._sft_fingerprint()
+        diff = []
+        for sec in sorted(set(there) | set(here)):
+            x, y = there.get(sec), here.get(sec)
+            if isinstance(x, dict) and isinstance(y, dict):
+                name = "model field {}" if sec == "model" else f"config.{sec}.{{}}"
+                diff += [f"{name.format(k)} {x.get(k)!r} there, {y.get(k)!r} here" for k in sorted(set(x) | set(y))
+                         if x.get(k) != y.get(k)]
+            elif x != y:
+                diff.append(f"config.{sec} {x!r} there, {y!r} here")
+        if diff:
+            raise checkpointing.ResumeError(
+                f"{where}: its step-0 checkpoint ({n} SFT updates of the recall stage / cold start) was written with "
+                f"another configuration ({'; '.join(diff[:6])}{f'; {len(diff) - 6} more' if len(diff) > 6 else ''}"
+                f"): continue it with the config that wrote it, or delete {where} to start step 0 again")
+        checkpointing.restore(mngr, n, arrays={"params": (self.state[0], self.shardings[0]),
+                                               "opt": (self.state[1], self.shardings[1])})
+        logging.info("continuing step 0 from %s: %d of %d SFT updates done", where, n,
+                     self.a.recall_steps + self.a.cold_start_steps)
+        return n, meta
 
     # ------------------------------------------------------------------ rollout
     def tasks(self, step: int):
@@ -373,6 +499,7 @@ class AgentLearner:
         stats = {"reward_mean": float(rewards.mean()), "success": float(np.mean([t.success for t in trajs])),
                  "turns": float(np.mean([t.turns for t in trajs])),
                  "format_errors": float(np.mean([_format_error(t) for t in trajs])),
+                 "context_full": float(np.mean([_context_full(t) for t in trajs])),
                  "model_tokens": float(batch["gen"].sum() / len(trajs)),
                  **{k: float(np.mean([getattr(t, k) for t in trajs])) for k in TOOL_KEYS}}
         return batch, stats
@@ -442,19 +569,15 @@ class AgentLearner:
     def run_step(self) -> dict:
         t0 = time.perf_counter()
         metrics = {}
-        if self.step == 0 and (self.a.cold_start_steps or self.a.recall_steps):
-            metrics.update({f"start_{k}": v for k, v in self.evaluate().items()})  # the chance level
-        if self.step == 0 and self.a.recall_steps:
-            t_rec = time.perf_counter()
-            metrics["recall_loss"] = self.recall_stage(self.a.recall_steps, self.a.recall_batch)[-1]
-            metrics["recall_s"] = time.perf_counter() - t_rec
-        if self.step == 0 and self.a.cold_start_steps:
-            t_sft = time.perf_counter()
-            sft = self.cold_start(self.a.cold_start_steps, self.a.cold_start_batch)
-            metrics["sft_loss"], metrics["cold_start_s"] = sft[-1], time.perf_counter() - t_sft
-        if self.step == 0 and (self.a.cold_start_steps or self.a.recall_steps):
-            metrics.update({f"pre_{k}": v for k, v in self.evaluate().items()})
+        if self.step == 0:
+            self.prepare()  # (run_loop has called it already)
+            metrics.update(self._prepared or {})
         batch, stats = self.rollout(self.step)
+        if stats["context_full"] and not self._warned_full:
+            self._warned_full = True
+            logging.warning("step %d: %.0f%% of the rollouts ended \"context full\" (reward 0 whatever the model did):"
+                            " config.agent.capacity=%d is too small for these tasks' turns (metric context_full)",
+                            self.step + 1, 100 * stats["context_full"], self.a.capacity)
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         self.step += 1
@@ -465,8 +588,11 @@ class AgentLearner:
         return metrics
 
     def fit(self) -> list[dict]:
-        return run_loop(self, workdir=self.workdir, config=self.config, keys=CONSOLE_KEYS, desc="agent",
-                        show=lambda metrics: "eval_success" in metrics)
+        history = run_loop(self, workdir=self.workdir, config=self.config, keys=CONSOLE_KEYS, desc="agent",
+                           show=lambda metrics: "eval_success" in metrics)
+        if self.step and jax.process_index() == 0:  # an RL checkpoint holds step 0's result now
+            shutil.rmtree(os.path.join(self.workdir, SFT_CHECKPOINTS_DIR), ignore_errors=True)
+        return history
 
 
 def run_agent(config, workdir: str):

@@ -156,7 +156,10 @@ def default_config() -> ml_collections.ConfigDict:
         # the codec), each copied after its marker, with 0-`recall_span_gap` filler tokens before every marker)
         recall_steps=0, recall_batch=32, recall_kinds="repeat,recall,quote", recall_mix=0.0,
         recall_induction_len=24, recall_span_items=4, recall_span_gap=24,
-        recall_chars=""))  # the characters the raw kinds copy ("": recall.INDUCTION_CHARS, lookup's keys and values)
+        recall_chars="",  # the characters the raw kinds copy ("": recall.INDUCTION_CHARS, lookup's keys and values)
+        # step 0's recall stage / cold start saves its progress every this many SFT updates (0: only at its end and
+        # on a stop signal) in W/sft_checkpoints; a run killed during it continues from there
+        sft_checkpoint_every=100))
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
     # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /
@@ -364,3 +367,5 @@ def check_config(config) -> None:
         integer("agent.max_turns", 1)
         integer("agent.eval_episodes", 0)
         integer("agent.cold_start_steps", 0)
+        integer("agent.sft_checkpoint_every", 0)
+        integer("agent.recall_steps", 0)

@@ -6,6 +6,8 @@ A stage (train/trainer.py's Trainer, train/grpo.py's GRPOLearner) provides:
     restore_checkpoint(m, s)    load step s from CheckpointManager m
     run_step() -> dict          one training step; host-side scalar metrics
     save_checkpoint(m, s, f)    save step s (forced: f)
+and may provide prepare(stop): work before step 1 that checkpoints its own progress and returns early once
+`stop.requested` (train/agent_grpo.py: the recall stage and cold start); run_loop calls it at step 0.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
             if step > config.steps:
                 logging.warning("%s holds a checkpoint at step %d, past config.steps=%d: nothing to run",
                                 mngr.directory, step, config.steps)
+            prepare = getattr(stage, "prepare", None)
+            if prepare is not None and step == 0 < config.steps:
+                prepare(stop)
             with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
                 while step < config.steps and not stop.requested:
                     metrics = stage.run_step()

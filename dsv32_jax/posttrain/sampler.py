@@ -269,9 +269,11 @@ class MultiTurnSampler:
         """Whether `step(pieces, ...)` fits the remaining cache slots (the pieces' width + max_new_tokens)."""
         return self.index + self._width(pieces) + self.cfg.max_new_tokens <= self.capacity
 
-    def step(self, pieces: list[list[int]], live, rng) -> list[list[int]]:
+    def step(self, pieces: list[list[int]], live, rng, limits=None) -> list[list[int]]:
         """pieces: per row, the ids to append (may be empty for finished rows); live [B] bool: rows that generate.
-        Returns each live row's sampled ids (up to and including EOS, or cut at cfg.max_new_tokens)."""
+        Returns each live row's sampled ids (up to and including EOS, or cut at cfg.max_new_tokens). limits [B]
+        (None: cfg.max_new_tokens each): how many of a row's sampled ids its caller keeps; the record marks only
+        those as generated (the rest stay in the cache as context nobody trains on)."""
         import numpy as np
 
         live = np.asarray(live, bool)
@@ -302,10 +304,13 @@ class MultiTurnSampler:
         steps = int(steps)
         gen_pos = np.asarray(pos[:, -1])[:, None] + 1 + np.arange(steps)[None, :]
         mask = np.asarray(r.mask[:, :steps])
+        generated = mask.astype(np.float32)
+        if limits is not None:  # (a row's mask is a prefix: its sampled ids up to EOS)
+            generated *= np.cumsum(mask, axis=1) <= np.asarray(limits, np.int64)[:, None]
         self._write(self.index, toks, seg, pos, np.zeros_like(seg, np.float32), None, piece_routing, piece_topk)
         self._write(self.index + width, np.asarray(r.tokens[:, :steps]),
                     mask.astype(np.int32) * np.asarray(self.row_seg, np.int32)[:, None], gen_pos,
-                    mask.astype(np.float32), r, {k: v[:, :steps] for k, v in r.routing.items()},
+                    generated, r, {k: v[:, :steps] for k, v in r.routing.items()},
                     {k: v[:, :steps] for k, v in r.topk.items()}, steps)
         out = []
         for i in range(self.b):

@@ -125,7 +125,10 @@ class BatchedRollout:
                         break
                     pieces[row], live[row] = [], False
                 if any(live):
-                    outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn))
+                    # a row's episode keeps at most its own limit (run_episode: max_new_tokens, the context room):
+                    # the sampled ids past it are not trained on
+                    limits = [pending[row][1] if row in pending else 0 for row in range(b)]
+                    outs = sampler.step(pieces, live, jax.random.fold_in(jax.random.key(self.seed), turn), limits)
                     turn += 1
                 else:  # the shared cache is full: these rows' completions are empty (run_episode: "context full")
                     outs = [[] for _ in range(b)]

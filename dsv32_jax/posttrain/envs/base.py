@@ -196,8 +196,7 @@ class Env:
             outputs = [self.run_tool(c) for c in action.tool_calls]
             return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
                     {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
-        reward, details = self.score(self.instance, action.content)
-        details = dict(details)
+        reward, details = self._scored(self.score(self.instance, action.content))
         try:
             value = float(reward)
         except (TypeError, ValueError):
@@ -214,7 +213,18 @@ class Env:
         """The verifier's reward for `answer` to the current instance (no effect on the episode)."""
         if self.instance is None:
             raise RuntimeError(f"{self.name}: verify() before reset(seed)")
-        return self.score(self.instance, answer)[0]
+        return self._scored(self.score(self.instance, answer))[0]
+
+    def _scored(self, out) -> tuple[Any, dict[str, Any]]:
+        """score()'s (reward, details); a bare reward (a number: the likeliest slip) has no details, details that
+        are no mapping are noted in `details_error`. Never raises: the reward is checked by `step`."""
+        reward, details = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+        if details is None:
+            return reward, {}
+        if not isinstance(details, Mapping):
+            return reward, {"details_error": f"{type(self).__name__}.score() returned details {details!r}, not a "
+                                             "dict: ignored"}
+        return reward, dict(details)
 
     def demonstration(self, seed: int) -> list[Action]:
         """Oracle trajectory for `seed`'s instance (for cold-start SFT); replay it after `reset(seed)`."""
