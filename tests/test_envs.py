@@ -636,6 +636,34 @@ def test_a_verifier_that_returns_another_shape_is_data(returned, reward, details
     assert env.verify("3") == (returned if not isinstance(returned, tuple) or len(returned) != 2 else returned[0])
 
 
+def test_a_verifier_past_its_deadline_scores_zero_and_one_that_raises_ends_the_episode():
+    """score() had no deadline (only tools had): a verifier that hangs on a model's answer (a backtracking regex)
+    held the rollout, and the training step, for ever. Past Env.score_timeout the answer scores 0, named in the
+    info; score()'s own exception still reaches the caller (the environment's bug)."""
+    import time
+
+    class Slow(_BrokenEnv):
+        score_timeout = 0.2
+
+        def score(self, instance, answer):
+            if answer == "boom":
+                raise ZeroDivisionError("verifier bug")
+            time.sleep(5 if answer == "hang" else 0)
+            return 1.0, {}
+
+    env = Slow(tool_timeout=None)
+    env.reset(3)
+    t0 = time.perf_counter()
+    _, reward, done, info = env.step({"content": "hang"})
+    assert time.perf_counter() - t0 < 2 and reward == 0.0 and done and not info["success"]
+    assert info["reward_error"] == "Slow.score() ran past score_timeout=0.2 s: reward 0"
+    env.reset(3)
+    assert env.step({"content": "fine"})[1] == 1.0
+    env.reset(3)
+    with pytest.raises(ZeroDivisionError, match="verifier bug"):
+        env.step({"content": "boom"})
+
+
 def test_trip_verifier_answers_that_json_cannot_read_score_zero():
     """An integer of over 4300 digits makes json.loads raise a plain ValueError (not JSONDecodeError), deep nesting a
     RecursionError: model text, so a zero reward with the reason, never an exception out of the rollout."""

@@ -10,7 +10,9 @@ result JSON cannot encode and a call past the deadline all become `error: ...` r
 step's info (`tool_errors`, `tool_crashes`, `tool_timeouts`). The deadline is `Env.tool_timeout` seconds (default
 10; None: no deadline, the call runs inline): each call then runs in a daemon worker thread. Python cannot stop a
 thread, so one that overruns is left to finish and the environment refuses further calls (as `timeout` errors)
-until it has: at most one runaway thread per environment, never a pile of them.
+until it has: at most one runaway thread per environment, never a pile of them. The verifier runs on the model's
+answer under its own deadline, `Env.score_timeout` (default 60 s): past it the answer scores 0 (info
+"reward_error"). A `score()` that raises is the environment's bug and ends the rollout.
 
 Writing an environment: docs/environments.md. What an environment returns is data to the chat encoding (plain text,
 never special tokens). This module imports neither jax nor numpy.
@@ -26,6 +28,29 @@ from typing import Any, Mapping, Sequence
 
 from dsv32_jax.posttrain.chat import ToolCall
 from dsv32_jax.posttrain.envs.tools import Tool, ToolOutput, sanitize, tool_counts
+
+
+def _within(timeout: float | None, fn, *args):
+    """fn(*args), or TimeoutError once it has run `timeout` seconds (None: inline). Python cannot stop a thread: one
+    that overruns is a daemon left to finish. fn's own exception is raised here."""
+    if timeout is None:
+        return fn(*args)
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            box["err"] = e
+
+    worker = threading.Thread(target=run, daemon=True, name=getattr(fn, "__qualname__", "fn"))
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimeoutError
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 @dataclasses.dataclass
@@ -79,6 +104,7 @@ class Env:
     instructions: str = ""  # the system prompt's first sentence(s): answer format
     max_steps: int = 4
     tool_timeout: float | None = 10.0  # seconds a tool call may run (None: no deadline, run inline)
+    score_timeout: float | None = 60.0  # seconds the verifier may take on an answer (None: no deadline, run inline)
     instance: Any = None
     steps: int = 0
     done: bool = True
@@ -196,7 +222,11 @@ class Env:
             outputs = [self.run_tool(c) for c in action.tool_calls]
             return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
                     {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
-        reward, details = self._scored(self.score(self.instance, action.content))
+        try:
+            reward, details = self._scored(_within(self.score_timeout, self.score, self.instance, action.content))
+        except TimeoutError:  # (the model's answer drives the verifier: e.g. a regex that backtracks for ever)
+            reward, details = 0.0, {"reward_error": f"{type(self).__name__}.score() ran past score_timeout="
+                                                    f"{self.score_timeout:g} s: reward 0"}
         try:
             value = float(reward)
         except (TypeError, ValueError):
