@@ -76,6 +76,37 @@ def test_sft_batch_trains_only_on_the_assistant_tokens():
     np.testing.assert_array_equal(b["segment_ids"][0], [1] * 5 + [0] * 3)
 
 
+def test_sft_batches_are_padded_to_the_mesh_with_rows_no_loss_sees():
+    """A recall / cold-start batch whose example count the mesh's batch shards do not divide (cold_start_batch 6 on
+    fsdp:4; with drop_thinking="every_turn" the row count follows the demonstrations' segments) failed in the first
+    SFT step with jit's IndivisibleError. It is padded with empty rows, and the step is the same: equal loss and
+    parameters, on one device, with and without the padding."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv32_jax import Transformer, load_preset
+    from dsv32_jax.train.agent_grpo import sft_step
+
+    rng = np.random.default_rng(0)
+    examples = [(list(rng.integers(3, 100, n)), [0] * (n // 2) + [1] * (n - n // 2)) for n in (9, 14, 5)]
+    plain, padded = sft_batch(examples, 16), sft_batch(examples, 16, rows_multiple=4)
+    assert padded["tokens"].shape == (4, 16)
+    for k in plain:
+        np.testing.assert_array_equal(padded[k][:3], plain[k])
+        assert not padded[k][3].any(), k
+    model = Transformer(load_preset("tiny").replace(index_topk=4, num_hidden_layers=2), rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, __import__("optax").sgd(1.0), wrt=nnx.Param)  # (Adam: sign-like, noisy)
+    graphdef, state = nnx.split((model, optimizer))
+    step = jax.jit(lambda st, b: sft_step(st, b, graphdef=graphdef, indexer_weight=1.0))
+    (s1, m1), (s2, m2) = step(state, plain), step(state, padded)
+    np.testing.assert_allclose(float(m2["sft_loss"]), float(m1["sft_loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m2["indexer_kl"]), float(m1["indexer_kl"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(s1, nnx.Param)), jax.tree.leaves(nnx.state(s2, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    assert jnp.isfinite(m1["sft_loss"]) and float(m1["indexer_kl"]) > 0
+
+
 @pytest.mark.heavy
 def test_cold_start_then_one_grpo_step_over_trajectories(tmp_path):
     lrn = AgentLearner(_config(recall_mix=0.5), str(tmp_path))

@@ -143,6 +143,20 @@ def test_batch_and_mesh_are_validated_at_config_time():
     c.data.batch_size = 6
     with pytest.raises(ValueError, match=r"batch_size=6 .* fsdp:4 .* = 4 shards"):
         check_batch_mesh(c, num_devices=4)
+    # the held-out batches take the same sharding: they failed at the first evaluation (jit's IndivisibleError)
+    c = base_config("sparse_tiny")
+    c.mesh, c.data.batch_size, c.data.seq_len, c.eval.every = "fsdp:2,seq:2", 4, 32, 10
+    check_batch_mesh(c, num_devices=4)
+    for field, value, needle in (("batch_size", 5, r"data:1 x fsdp:2 x expert:1 .*\(= 2 shards\): use a multiple of 2, or 0 \(the "
+                                                   r"training data's 4\)"),
+                                 ("seq_len", 31, r"seq:2 .*\(= 2 shards\): use a multiple of 2, or 0 \(the training "
+                                                 r"data's 32\)")):
+        c.eval[field] = value
+        with pytest.raises(ValueError, match=rf"config.eval.{field}={value} cannot be split over {needle}"):
+            check_batch_mesh(c, num_devices=4)
+        c.eval.every = 0  # no evaluation: not checked
+        check_batch_mesh(c, num_devices=4)
+        c.eval.every, c.eval[field] = 10, 0
 
 
 def test_trainer_checks_batch_and_mesh_before_building_anything(tmp_path):

@@ -44,8 +44,9 @@ for stage in stages:
     # 2 layers (a dense one and an MoE one) + the MTP layer: every kind of block, less to compile
     config.model_overrides = {"initializer_range": 0.3, "index_topk": 8, "num_hidden_layers": 2}
     trainer = Trainer(config, os.path.join(root, stage, mesh))
+    i, n = trainer.data_shard
     it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size,
-                                process_index=jax.process_index(), process_count=jax.process_count())
+                                process_index=i, process_count=n)
     try:
         out[f"{stage} {mesh}"] = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.fit(it)]
     finally:
@@ -93,3 +94,22 @@ def test_one_device_eight_devices_and_two_processes_agree_and_resume_across(tmp_
         print(stage, "resumed on 1 process:", got.tolist())
         np.testing.assert_array_equal(got[:, 0], [STEPS])
         np.testing.assert_allclose(got[:, 1:], want[STEPS - 1:, 1:], rtol=1e-5)
+
+
+@pytest.mark.heavy
+@pytest.mark.xdist_group("multiprocess")
+def test_a_tensor_axis_across_processes_shares_the_batch_rows(tmp_path):
+    """mesh tensor:2,expert:4 on 2 processes x 4 devices: the mesh's outermost axis of size > 1, tensor, spans the
+    processes, so both processes' devices own all 8 rows of the batch (over expert). Each process used to load its
+    process index's half (rows it does not own) and build a [4, 32] "global" batch of its own: another loss on each
+    process (8.18 vs 8.36 at step 1), then a hang. Now both load row block 0 of 1 (trainer.data_shard) and the
+    losses and gradient norms equal one device's."""
+    mesh = "tensor:2,expert:4"
+    ref = _run(1, os.path.join(str(tmp_path), "one"), 2, meshes=("fsdp:1",), stages=("dense",))[0]
+    two = run_processes(SCRIPT, 2, os.path.join(str(tmp_path), "two"), "2", mesh, "dense", timeout=400)
+    want = np.asarray(ref["out"]["dense fsdp:1"])
+    for r in two:
+        got = np.asarray(r["out"][f"dense {mesh}"])
+        print(f"process {r['process']}:", got.tolist(), "1 device:", want.tolist())
+        np.testing.assert_array_equal(got[:, 0], [1, 2])
+        np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-5)

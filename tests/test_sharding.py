@@ -125,3 +125,33 @@ def test_expert_parallel_moe_matches_single_device():
     res = subprocess.run([sys.executable, "-c", EP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(res.stdout.strip().splitlines()) == 7
+
+
+def test_process_row_block_names_the_rows_each_process_loads():
+    """Which block of the global batch's rows a process's devices own (the data shard it reads): a tensor axis across
+    processes gives both the same block (they must load the same rows: loading their process index's half made a
+    different batch on each); batch axes across processes give each its own; rows that are no block are refused."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.model.sharding import process_row_block
+
+    class Dev(SimpleNamespace):
+        __hash__ = object.__hash__
+
+    def sharding(owner):  # owner: per device, (process, first row, end row)
+        idx = {Dev(process_index=p, id=i): (slice(a, z), slice(None)) for i, (p, a, z) in enumerate(owner)}
+        return SimpleNamespace(devices_indices_map=lambda shape: idx)
+
+    tensor_across = sharding([(0, 0, 2), (0, 2, 4), (0, 4, 6), (0, 6, 8), (1, 0, 2), (1, 2, 4), (1, 4, 6), (1, 6, 8)])
+    assert [process_row_block(tensor_across, (8, 32), p) for p in (0, 1)] == [(0, 1), (0, 1)]
+    fsdp_across = sharding([(0, 0, 2), (0, 2, 4), (1, 4, 6), (1, 6, 8)])
+    assert [process_row_block(fsdp_across, (8, 32), p) for p in (0, 1)] == [(0, 2), (1, 2)]
+    four = sharding([(p, 4 * (p // 2), 4 * (p // 2) + 4) for p in range(4)])  # pairs of processes share a block
+    assert [process_row_block(four, (8, 32), p) for p in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match=r"process 0 own rows \[\(0, 2\), \(4, 6\)\].*not one block"):
+        process_row_block(sharding([(0, 0, 2), (0, 4, 6), (1, 2, 4), (1, 6, 8)]), (8, 32), 0)
+    with pytest.raises(ValueError, match="not an even tiling"):
+        process_row_block(sharding([(0, 0, 6), (1, 6, 8)]), (8, 32), 0)
+    replicated = SimpleNamespace(devices_indices_map=lambda shape: {Dev(process_index=p): ()
+                                                                     for p in (0, 1)})
+    assert process_row_block(replicated, (8, 32), 1) == (0, 1)

@@ -74,10 +74,12 @@ def env_specs(value) -> list[str]:
     return specs
 
 
-def sft_batch(trajectories, width: int, bucket: int = 0) -> dict:
+def sft_batch(trajectories, width: int, bucket: int = 0, rows_multiple: int = 1) -> dict:
     """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token.
-    `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to a multiple of `bucket`."""
-    b = len(trajectories)
+    `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to a multiple of `bucket`.
+    `rows_multiple`: empty rows (segment 0, no loss: the token-averaged losses ignore them) are added up to a
+    multiple of it (the mesh's batch shards: the example count of a step need not divide them)."""
+    b = -(-len(trajectories) // rows_multiple) * rows_multiple
     if bucket:
         width = min(width, -(-max(len(ids) for ids, _ in trajectories) // bucket) * bucket)
     out = {k: np.zeros((b, width), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
@@ -340,7 +342,7 @@ class AgentLearner:
                                span_gap=self.a.recall_span_gap, chars=self.a.recall_chars or INDUCTION_CHARS)
 
     def _sft_update(self, examples, anneal: bool = False) -> float:
-        batch = sft_batch(examples, self.a.capacity, bucket=64)
+        batch = sft_batch(examples, self.a.capacity, bucket=64, rows_multiple=steps.batch_devices(self.mesh))
         with shd.use_mesh(self.mesh):
             step = self._sft_anneal if anneal else self._sft
             self.state, m = step(self.state, jax.device_put(batch, self.batch_sharding))

@@ -210,6 +210,15 @@ def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:
     if config.data.seq_len % seq_shards:
         raise ValueError(f"config.data.seq_len={config.data.seq_len} cannot be split over seq:{seq_shards} of "
                          f"config.mesh={spec!r}")
+    ev = config.get("eval")
+    if ev is not None and ev.get("every") and config.get("stage") in ("dense", "warmup", "sparse"):
+        # the held-out batches take the same sharding (they failed at the first evaluation, in jit's IndivisibleError)
+        for field, value, default, parts, axes in (("batch_size", ev.get("batch_size"), batch, shards, split),
+                                                   ("seq_len", ev.get("seq_len"), config.data.seq_len, seq_shards,
+                                                    f"seq:{seq_shards}")):
+            if value and value % parts:
+                raise ValueError(f"config.eval.{field}={value} cannot be split over {axes} of config.mesh={spec!r} "
+                                 f"(= {parts} shards): use a multiple of {parts}, or 0 (the training data's {default})")
     return sizes
 
 

@@ -64,11 +64,12 @@ def eval_data_config(data_cfg: dict, eval_cfg, seq_len: int | None = None, long:
     return data_lib.DataConfig(**d)
 
 
-def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int) -> list[dict]:
+def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int, shard=None) -> list[dict]:
     """The first `num_batches` batches of this process's part of the held-out stream (fixed: every evaluation
-    sees the same tokens)."""
-    it = data_lib.make_iterator(cfg, vocab_size=vocab_size, process_index=jax.process_index(),
-                                process_count=jax.process_count())
+    sees the same tokens). shard: (i, n), the block of rows this process's devices own (trainer.data_shard;
+    None: the process index of the process count)."""
+    i, n = shard or (jax.process_index(), jax.process_count())
+    it = data_lib.make_iterator(cfg, vocab_size=vocab_size, process_index=i, process_count=n)
     try:
         return [{k: np.asarray(b[k]) for k in EVAL_KEYS} for b in (next(it) for _ in range(num_batches))]
     finally:
@@ -96,13 +97,14 @@ class Evaluator:
 
     @classmethod
     def create(cls, batches: list[dict], *, graphdef, options: RunOptions, model_shardings=None,
-               batch_sharding=None):
+               batch_sharding=None, rows: int | None = None):
+        """rows: the global batch's (default: the local batches' rows times the process count)."""
         fn = functools.partial(lm_eval_step, graphdef=graphdef, options=options)
         if batch_sharding is None:
             return cls(batches, jax.jit(fn), lambda b: b)
         step = jax.jit(fn, in_shardings=(model_shardings, {k: batch_sharding for k in EVAL_KEYS}))
-        put = lambda b: {k: jax.make_array_from_process_local_data(batch_sharding, v)  # noqa: E731
-                         for k, v in b.items()}
+        put = lambda b: {k: jax.make_array_from_process_local_data(  # noqa: E731
+            batch_sharding, v, ((rows or len(v) * jax.process_count()),) + np.shape(v)[1:]) for k, v in b.items()}
         return cls(batches, step, put)
 
     def __call__(self, model_state) -> dict:

@@ -36,8 +36,8 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
         else:
             trainer = Trainer(config, workdir)
             data_cfg = data_lib.DataConfig(**config.data.to_dict())
-            it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size,
-                                        process_index=jax.process_index(), process_count=jax.process_count())
+            i, n = trainer.data_shard  # the block of the batch's rows this process's devices own
+            it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=i, process_count=n)
 
             def fit():
                 try:

@@ -78,6 +78,18 @@ def model_config(config) -> dsv32_jax.ModelConfig:
     return _with_overrides(cfg, config)
 
 
+def data_shard(batch_sharding, batch_size: int, seq_len: int, mesh_spec: str, field: str) -> tuple[int, int]:
+    """(i, n): the block of the global batch this process's devices own (shd.process_row_block), the shard its
+    data pipeline reads (make_iterator's process_index / process_count). A mesh that gives a process rows that are
+    no such block is refused, naming it."""
+    try:
+        return shd.process_row_block(batch_sharding, (batch_size, seq_len))
+    except ValueError as e:
+        raise ValueError(f"config.mesh={mesh_spec or 'fsdp:-1'!r} over {jax.process_count()} processes with "
+                         f"{field}.batch_size={batch_size}: {e}; order the mesh so that each process's devices own "
+                         "one block of rows (the batch axes data, fsdp, expert outside the ones within a process)") from None
+
+
 def resumed_model_config(config, workdir: str, stage: str, data=None):
     """(the model config to build, the resume point or None) of a run in `workdir`. A workdir with a checkpoint
     resumes from it: the model is the one recorded there, init_from is not read again (it may be gone by now), and
@@ -157,6 +169,8 @@ class Trainer:
         check_batch_mesh(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")
         self.batch_sharding = steps.lm_batch_sharding(self.mesh)
+        self.data_shard = data_shard(self.batch_sharding, config.data.batch_size, config.data.seq_len, config.mesh,
+                                     "config.data")
         self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
         self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
@@ -229,8 +243,11 @@ class Trainer:
             microbatches=self.config.get("microbatches", 1))
 
     def device_batch(self, batch: dict) -> dict:
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
-                for k in BATCH_KEYS}
+        """This process's rows (block `data_shard` of the data pipeline) -> global arrays of config.data.batch_size
+        rows (a shape that disagrees raises instead of silently making a smaller batch)."""
+        rows = self.config.data.batch_size
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]),
+                                                          (rows,) + np.shape(batch[k])[1:]) for k in BATCH_KEYS}
 
     def train_step(self, batch: dict) -> dict:
         with shd.use_mesh(self.mesh):
@@ -318,13 +335,14 @@ class Trainer:
             from dsv32_jax.train import eval as eval_lib
 
             cfg = eval_lib.eval_data_config(self.config.data.to_dict(), self.config.eval)
-            batches = eval_lib.eval_batches(cfg, self.cfg.vocab_size, self.config.eval.batches)
+            shard = data_shard(self.batch_sharding, cfg.batch_size, cfg.seq_len, self.config.mesh, "config.eval")
+            batches = eval_lib.eval_batches(cfg, self.cfg.vocab_size, self.config.eval.batches, shard=shard)
             model_graphdef = nnx.split(self.model)[0]
             self._evaluator = eval_lib.Evaluator.create(
                 batches, graphdef=model_graphdef,
                 options=eval_lib.ATTENTIONS["dense" if self.stage == "dense" else "dsa"].replace(
                     attn_chunk=self.options.attn_chunk, index_chunk=self.options.index_chunk),
-                model_shardings=self.ts.shardings[0], batch_sharding=self.batch_sharding)
+                model_shardings=self.ts.shardings[0], batch_sharding=self.batch_sharding, rows=cfg.batch_size)
         return self._evaluator
 
     def evaluate(self) -> dict:

@@ -85,6 +85,34 @@ def make_mesh(spec: str | Mapping[str, int] = "", devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
 
 
+def process_row_block(sharding, shape, process_index: int | None = None) -> tuple[int, int]:
+    """(i, n): the devices of process `process_index` (default: this one) own rows [i B/n, (i+1) B/n) of an array
+    of `shape` [B, ...] placed with `sharding`, the n blocks tiling [0, B). Processes whose devices own the same rows
+    (a tensor or seq axis that spans processes replicates the batch over them) get the same i: each process loads
+    block i of n, not its process index of the process count (which gave those processes different halves of a
+    batch they must share: a wrong loss, then a hang). Raises ValueError when a process's rows are no such block."""
+    b = shape[0]
+    me = jax.process_index() if process_index is None else process_index
+    spans: dict[int, set] = {}
+    for dev, idx in sharding.devices_indices_map(tuple(shape)).items():
+        start, stop, _ = (idx[0] if idx else slice(None)).indices(b)
+        spans.setdefault(dev.process_index, set()).add((start, stop))
+    blocks = {}
+    for p, got in spans.items():
+        lo = hi = min(a for a, _ in got)
+        for a, z in sorted(got):
+            if a > hi:
+                raise ValueError(f"the devices of process {p} own rows {sorted(got)} of the batch's {b}: not one block")
+            hi = max(hi, z)
+        blocks[p] = (lo, hi)
+    distinct = sorted(set(blocks.values()))
+    n = len(distinct)
+    if b % n or distinct != [(i * b // n, (i + 1) * b // n) for i in range(n)]:
+        raise ValueError(f"the processes' devices own the row blocks {distinct} of the batch's {b} rows: not an even "
+                         "tiling")
+    return distinct.index(blocks[me]), n
+
+
 def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES,
                     mesh_shape: Mapping[str, int] | None = None) -> P:
     """Logical axis names -> PartitionSpec; a mesh axis is used at most once, size-1 mesh axes are dropped."""
