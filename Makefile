@@ -113,7 +113,8 @@ tpu-compile-table: $(STAMP_TPU)
 # Whole sharded train steps with attention="kernel", compiled without devices for the chip the mesh is made of: the
 # tiny sparse and warm-up steps on a 4-chip v5p slice (fsdp:2,tensor:2) and the tiny sparse step on 8 H100s
 # (fsdp:2,tensor:2,seq:2); each fails if the compiled program holds no Pallas kernel, and the negative control (the
-# same TPU step with the plain-JAX attention) must fail that check.
+# same TPU step with the plain-JAX attention) must fail that check. Then the 671B recipes' data layout on a
+# 2048-chip v5p (512 hosts): the block of batch rows each host loads (bench/row_blocks.py; fails if one is no block).
 STEP_COMPILE := bench/abstract_step.py --compile --layers=2 --require_kernels
 test-step-compile: $(STAMP_TPU) $(STAMP_CUDA)
 	@set -eo pipefail; mkdir -p runs; t0=$$(date +%s); \
@@ -123,6 +124,8 @@ test-step-compile: $(STAMP_TPU) $(STAMP_CUDA)
 	  if $(PY_TPU) $(STEP_COMPILE) --config=sparse_tiny --platform=tpu --topology=v5p:2x2x1 --mesh=fsdp:2,tensor:2 --attention=sparse > runs/step_compile_negative.log 2>&1; then \
 	    echo "FAILED: the negative control (attention=sparse) passed --require_kernels"; exit 1; fi; \
 	  grep -E "^FAILED" runs/step_compile_negative.log; \
+	  for c in sparse_671b_v5p warmup_671b; do \
+	    $(PY_TPU) bench/row_blocks.py --config=$$c --topology=v5p:16x16x8 2>&1 | grep -E "^($$c|FAILED)"; done; \
 	  echo "test-step-compile: ok in $$(( $$(date +%s) - t0 )) s"
 
 # The fast suite (< 15 min on 2 cores); `make test-heavy` the integration checks CI also runs; `make test-slow` the
