@@ -16,7 +16,7 @@ class DataConfig:
     text_field: str = "text"  # JSONL key / Parquet column / JSON key inside ArrayRecord records
     tokenizer: str = "byte"  # "byte", a tokenizer.json, or a checkpoint dir containing tokenizer.json
     seq_len: int = 128
-    batch_size: int = 4  # global batch (rows); each host yields batch_size // process_count
+    batch_size: int = 4  # global batch (rows); each host yields its row block's: batch_size // blocks
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = None  # None = repeat forever

@@ -5,7 +5,9 @@ Pipeline (``make_dataset``)::
     documents (random-access source: builtin / JSONL / Parquet / ArrayRecord / text)
       -> per-epoch shuffle (global; per row group for Parquet) -> repeat(num_epochs)
       -> one shard  [process_index::process_count] of the document stream (make_iterator: data.shards shards,
-         each process reading its own; their batches concatenated in shard order form the global batch)
+         each process reading those of its row block; their batches concatenated in shard order form the global
+         batch. process_index / process_count here: the block of the batch's rows this process's devices own and
+         the number of blocks, trainer.data_shard; processes that share a block read the same shards)
       -> tokenize (+ EOS)  (in ReadOptions threads, or in `worker_count` processes via mp_prefetch)
       -> drop empty documents, add next-token targets + loss mask per document
       -> pack into rows of seq_len (concatenate, then split: grain.experimental.ConcatThenSplitIterDataset)
