@@ -635,3 +635,52 @@ def test_step_zero_sft_continues_from_its_checkpoint_after_a_stop(tmp_path):
     assert history[0]["sft_loss"] == whole._prepared["sft_loss"] and "reward_mean" in history[0]
     assert not os.path.exists(tmp_path / "b" / SFT_CHECKPOINTS_DIR)
     assert os.listdir(tmp_path / "b" / checkpointing.CHECKPOINTS_DIR) == ["1"]
+
+
+SFT_MESH_SCRIPT = r"""
+import json, os, sys, tempfile
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+import numpy as np
+sys.path.insert(0, os.getcwd())
+from tests.test_train import load_config
+from dsv32_jax.train.agent_grpo import AgentLearner
+
+def learner(mesh):
+    c = load_config("agent_tiny", steps=10, log_every=1000, mesh=mesh, **{"checkpoint.use_async": False,
+                    "optimizer.warmup_steps": 0})
+    c.model_overrides = dict(c.model_overrides, num_hidden_layers=2)
+    return AgentLearner(c, tempfile.mkdtemp())
+
+out = {}
+for mesh in ("fsdp:1", "fsdp:2,tensor:2,expert:2"):
+    lrn = learner(mesh)
+    loss = lrn._sft_update(lrn.recall_data(0, 3))  # 3 examples: 8 batch shards do not divide them
+    moved = jax.tree.leaves(jax.tree.map(  # (optax's MaskedNode placeholders hold no array)
+        lambda s, h: int(not h.sharding.is_equivalent_to(s, h.ndim)) if hasattr(h, "sharding") else 0,
+        lrn.shardings, lrn.state))
+    out[mesh] = {"loss": loss, "moved": sum(moved), "leaves": len(moved)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.heavy
+def test_sft_on_a_mesh_pads_the_batch_and_keeps_the_layout():
+    """The agent's SFT step on 8 CPU devices (fsdp:2,tensor:2,expert:2) with 3 examples: it failed with jit's
+    IndivisibleError (the batch is now padded with rows no loss sees), and its jit had no out_shardings, so XLA
+    moved 6 state leaves (2 parameters and their Adam moments) to another layout than the rule table's (a
+    recompile and another checkpoint layout). Now the loss equals one device's and every state leaf keeps its layout."""
+    import json
+
+    from conftest import child_xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", SFT_MESH_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads([x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    print(out)
+    one, mesh = out["fsdp:1"], out["fsdp:2,tensor:2,expert:2"]
+    assert mesh["moved"] == 0 and mesh["leaves"] > 100, mesh
+    np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5)

@@ -258,16 +258,21 @@ class AgentLearner:
         self._prepared = None  # step 0's metrics once prepare() is done
         self._warned_full = False
         t, w = self.sampling.temperature, float(a.indexer_weight)
+        # the updated state keeps the rule table's layout (XLA's propagation moved some leaves elsewhere: a
+        # recompile at the next step, and another layout in the checkpoint); metrics replicated
+        keep_layout = (self.shardings, None)
         self._train = jax.jit(functools.partial(steps.grpo_trajectory_train_step, graphdef=self.rl_graphdef,
                                                 temperature=t, eps=a.eps, delta=a.delta, indexer_weight=w),
-                              donate_argnums=0)
+                              out_shardings=keep_layout, donate_argnums=0)
         self._reference = jax.jit(functools.partial(steps.trajectory_reference_logprobs,
                                                     graphdef=self.model_graphdef, temperature=t))
         self._diagnostics = jax.jit(functools.partial(steps.trajectory_diagnostics, graphdef=self.model_graphdef,
                                                       temperature=t))
-        self._sft = jax.jit(functools.partial(sft_step, graphdef=self.graphdef, indexer_weight=w), donate_argnums=0)
+        self._sft = jax.jit(functools.partial(sft_step, graphdef=self.graphdef, indexer_weight=w),
+                            out_shardings=keep_layout, donate_argnums=0)
         self._sft_anneal = jax.jit(functools.partial(sft_step, graphdef=graphdef_at(anneal_optimizer(config)),
-                                                     indexer_weight=w), donate_argnums=0) if a.anneal_steps else self._sft
+                                                     indexer_weight=w), out_shardings=keep_layout,
+                                   donate_argnums=0) if a.anneal_steps else self._sft
 
     def _model(self):
         return nnx.merge(self.graphdef, self.state)[0]
