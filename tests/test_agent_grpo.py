@@ -320,7 +320,7 @@ def test_evaluate_reports_the_mean_verifier_reward(tmp_path):
     success rate, and eval_reward averages it over the environments."""
     from types import SimpleNamespace
 
-    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=2), str(tmp_path))
+    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=2, capacity=800), str(tmp_path))
     rewards = {"trip": [0.5, 0.25], "lookup": [1.0, 0.0]}
     seg = SimpleNamespace(ids=[1, 2, 3], loss_mask=[0, 1, 1])
     lrn.run = lambda rows, cfg, key_seed: ([SimpleNamespace(reward=r, success=r == 1.0, segments=[seg])
@@ -337,7 +337,8 @@ def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
     eval_sampled_reward averages the environments like eval_reward."""
     from types import SimpleNamespace
 
-    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=3, eval_samples=2, top_p=0.9), str(tmp_path))
+    lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=3, eval_samples=2, top_p=0.9, capacity=800),
+                       str(tmp_path))
     assert lrn.sampling.top_p == 0.9 and lrn.sampling.top_k == 8 and not lrn.greedy.truncated
     calls = []
 

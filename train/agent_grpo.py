@@ -171,6 +171,9 @@ def anneal_optimizer(config):
 
 
 class AgentLearner:
+    _prepared = None  # step 0's metrics once prepare() is done
+    _warned_full = False  # the context_full warning was logged
+
     def __init__(self, config, workdir: str):
         check_config(config)
         self.config, self.workdir, self.a = config, workdir, config.agent
@@ -255,8 +258,6 @@ class AgentLearner:
         self.state = jax.device_put(state, self.shardings)
         self.ref = None  # pi_ref: the policy after cold start (set at the first RL step)
         self.step = 0
-        self._prepared = None  # step 0's metrics once prepare() is done
-        self._warned_full = False
         t, w = self.sampling.temperature, float(a.indexer_weight)
         # the updated state keeps the rule table's layout (XLA's propagation moved some leaves elsewhere: a
         # recompile at the next step, and another layout in the checkpoint); metrics replicated
@@ -580,7 +581,7 @@ class AgentLearner:
             self.prepare()  # (run_loop has called it already)
             metrics.update(self._prepared or {})
         batch, stats = self.rollout(self.step)
-        if stats["context_full"] and not self._warned_full:
+        if stats.get("context_full") and not self._warned_full:
             self._warned_full = True
             logging.warning("step %d: %.0f%% of the rollouts ended \"context full\" (reward 0 whatever the model did):"
                             " config.agent.capacity=%d is too small for these tasks' turns (metric context_full)",
