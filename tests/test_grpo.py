@@ -127,6 +127,19 @@ def test_keep_routing_and_sampling_mask_through_the_learner(tmp_path):
         np.testing.assert_array_equal(np.asarray(replayed["routing"][k])[valid], np.asarray(ids)[valid])
         flipped += int(np.any(np.asarray(native["routing"][k])[valid] != np.asarray(ids)[valid]))
     assert flipped > 0
+    # the train step itself replays the sampler's routing: its ratio pi_theta / pi_old is the replayed forward's (a
+    # step that routed natively passed every test: tests/mutate.sh survivor, 2026-11-30)
+    from dsv32_jax.train.steps import grpo_train_step
+
+    batch = dict(batch, logp_ref=batch["logp_old"])
+    mask = np.asarray(batch["mask"], np.float64)
+    ratio = {r: float(np.sum(mask * np.exp(np.asarray(forward_logprobs(model, batch, 1.0, replay=r)[0], np.float64)
+                                         - np.asarray(batch["logp_old"], np.float64))) / mask.sum())
+             for r in (True, False)}
+    _, metrics = grpo_train_step(nnx.state((model, nnx.merge(lrn.graphdef, lrn.state)[1])), batch,
+                                 graphdef=lrn.graphdef, temperature=1.0, eps=0.2, delta=0.5)
+    assert abs(ratio[True] - ratio[False]) > 1e-4, ratio
+    np.testing.assert_allclose(float(metrics["ratio_mean"]), ratio[True], rtol=1e-5)
 
 
 @pytest.mark.heavy  # 20 s or more on 2 cores

@@ -182,3 +182,36 @@ def test_slots_the_sampler_never_wrote_give_finite_loss_and_gradients(rng):
     assert float(logp[0, 0]) == pytest.approx(z[7] - np.log(np.exp(z[3]) + np.exp(z[7])), abs=1e-6)
     assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
     assert not np.any(np.asarray(grad)[0, 1])  # the masked slot contributes nothing
+
+
+def test_processed_logprobs_match_numpy_at_a_temperature_with_the_sampled_token_kept():
+    """log pi(token) under the sampler's processed distribution, against float64 numpy: logits / T, restricted to the
+    recorded kept set plus the sampled token (a kept set the sampler recorded without it, e.g. its mask cut at
+    top-p before the token it then drew, still holds it), renormalized; the full softmax at T without a kept set;
+    entropy and the untruncated mass of the set. The tests before used T = 1 only: a step that dropped the
+    temperature (or the sampled token from its set) passed them (tests/mutate.sh survivors, 2026-11-30)."""
+    from dsv32_jax.train.grpo_loss import processed_logprobs
+
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((2, 3, 12)).astype(np.float32) * 2
+    kept_ids = rng.permuted(np.tile(np.arange(12), (2, 3, 1)), axis=-1)[..., :5].astype(np.int32)
+    kept_mask = np.ones((2, 3, 5), bool)
+    kept_mask[..., 3:] = False  # the last two candidates were cut (top-p)
+    tokens = kept_ids[..., 0].copy()
+    tokens[0, 1] = kept_ids[0, 1, 4]  # a token recorded outside the kept mask: it is in its own set
+    for temp in (1.0, 0.7, 1.6):
+        z = logits.astype(np.float64) / temp
+        logp, ent, mass = (np.asarray(x) for x in processed_logprobs(logits, tokens, kept_ids, kept_mask, temp))
+        full = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        for b, t in np.ndindex(2, 3):
+            keep = kept_mask[b, t] | (kept_ids[b, t] == tokens[b, t])
+            ids = kept_ids[b, t][keep]
+            logq = z[b, t, ids] - np.log(np.exp(z[b, t, ids]).sum())
+            want = logq[list(ids).index(tokens[b, t])]
+            np.testing.assert_allclose(logp[b, t], want, rtol=1e-5, atol=1e-6, err_msg=f"T={temp} {b},{t}")
+            np.testing.assert_allclose(ent[b, t], -(np.exp(logq) * logq).sum(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(mass[b, t], np.exp(full[b, t, ids]).sum(), rtol=1e-5, atol=1e-6)
+        logp_full, ent_full, _ = processed_logprobs(logits, tokens, kept_ids[..., :0], kept_mask[..., :0], temp)
+        np.testing.assert_allclose(np.asarray(logp_full), np.take_along_axis(full, tokens[..., None], -1)[..., 0],
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ent_full), -(np.exp(full) * full).sum(-1), rtol=1e-5, atol=1e-6)
