@@ -184,3 +184,21 @@ def test_reference_attention_gives_the_indexer_the_sparse_paths_kl(attention, ml
     assert g_got.keys() == g_want.keys() and len(g_want) > 0
     for path in g_want:
         np.testing.assert_allclose(g_got[path], g_want[path], rtol=1e-4, atol=1e-9, err_msg=str(path))
+
+
+def test_the_sparse_objective_weighs_each_term_by_its_config_weight(tmp_path, rng):
+    """loss = lm_loss + indexer_weight * indexer_kl + mtp_weight * mtp_loss + balance_weight * balance_loss, each
+    term as the objective logs it, at weights far from 1 (a step that added the MTP loss unweighted passed every
+    test at the default weights: tests/mutate.sh survivor, 2026-11-30); the warm-up stage's loss is the KL alone."""
+    c = tiny_config("sparse", mtp=True)
+    trainer = Trainer(c, str(tmp_path / "w"), allocate=False)
+    model, _ = trainer._build()
+    batch = {k: jnp.asarray(v) for k, v in random_batch(rng, trainer.cfg.vocab_size).items()}
+    weights = steps.LossWeights(indexer_weight=0.3, mtp_weight=0.7, balance_weight=0.05)
+    loss, (m, _, _) = steps.lm_objective(model, batch, stage="sparse", weights=weights, model_cfg=trainer.cfg)
+    terms = {k: float(m[k]) for k in ("lm_loss", "indexer_kl", "mtp_loss", "balance_loss")}
+    assert all(v > 0 for v in terms.values()), terms
+    want = terms["lm_loss"] + 0.3 * terms["indexer_kl"] + 0.7 * terms["mtp_loss"] + 0.05 * terms["balance_loss"]
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+    warm, (mw, _, _) = steps.lm_objective(model, batch, stage="warmup", weights=weights, model_cfg=trainer.cfg)
+    np.testing.assert_allclose(float(warm), float(mw["indexer_kl"]), rtol=1e-6)
