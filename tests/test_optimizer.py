@@ -161,6 +161,15 @@ def test_parameters_no_loss_reaches_stay_out_of_the_optimizer(stage, mtp, indexe
     assert everything - kept == set().union(*(part(name) for name in frozen))
 
 
+def test_the_warmup_stage_trains_the_indexer_alone():
+    """Eq. (3)'s dense warm-up trains only the lightning indexer, the rest frozen (a filter that let every parameter
+    into the optimizer passed every test: tests/mutate.sh survivor, 2026-11-30)."""
+    model = Transformer(load_preset("tiny").replace(num_nextn_predict_layers=1), rngs=nnx.Rngs(0))
+    everything = _paths(nnx.state(model, nnx.Param))
+    indexer = {p for p in everything if "indexer" in p.split("/")}
+    assert indexer and _paths(nnx.state(model, trainable_filter("warmup"))) == indexer
+
+
 def test_grpo_learner_with_weight_decay_leaves_the_mtp_layer_and_a_weightless_indexer_alone(tmp_path):
     """GRPO's policy is the main head (the MTP layers do not run) and grpo.indexer_weight = 0 gives the indexer no
     loss: with weight decay on, one update moves the rest and leaves both bitwise as they were."""
@@ -196,3 +205,35 @@ def test_bf16_grpo_learner_with_master_weights_takes_a_step(tmp_path):
         batch["logp_ref"] = lrn.steps.reference(lrn.ref, batch)
         state, metrics = lrn.steps.train(lrn.state, batch)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
+def test_each_group_decays_its_weights_at_its_own_rate():
+    """AdamW's decoupled weight decay with a zero gradient moves each parameter by -lr * weight_decay * p, at the
+    group's own weight_decay: an indexer override of 0.5 beside a main 0 (and the reverse). A tx that gave the
+    indexer the main group's decay (or put every parameter in one group) passed every test: tests/mutate.sh
+    survivors, 2026-11-30."""
+    lr = 0.1
+    for main_wd, indexer_wd in ((0.0, 0.5), (0.5, 0.0)):
+        tx = make_tx(_cfg(lr=lr, weight_decay=main_wd, indexer_weight_decay=indexer_wd))
+        params = jax.tree.map(lambda x: 2.0 * x, _params())
+        updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+        np.testing.assert_allclose(np.asarray(updates["layers"]["0"]["attn"]["indexer"]["wk"]), -lr * indexer_wd * 2.0,
+                                   rtol=1e-6)
+        for main in (updates["layers"]["0"]["attn"]["wq"], updates["embed"]):
+            np.testing.assert_allclose(np.asarray(main), -lr * main_wd * 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("warmup", [0, 10])
+def test_the_cosine_schedule_ends_at_the_final_fraction(warmup):
+    """schedule 'cosine': lr after warmup_steps, lr * final_lr_fraction at decay_steps and after (a schedule that
+    decayed to 0 passed every test: tests/mutate.sh survivor, 2026-11-30), the half-way point of the cosine at
+    their mean."""
+    from dsv32_jax.train.optimizer import learning_rate_schedule
+
+    c = _cfg(lr=1e-3, warmup_steps=warmup, decay_steps=110, final_lr_fraction=0.1)
+    c.schedule = "cosine"
+    sched = learning_rate_schedule(c)
+    np.testing.assert_allclose(float(sched(warmup)), 1e-3, rtol=1e-6)
+    for step in (110, 500):
+        np.testing.assert_allclose(float(sched(step)), 1e-4, rtol=1e-5)
+    np.testing.assert_allclose(float(sched((warmup + 110) / 2)), 1e-3 * (0.1 + 0.9 * 0.5), rtol=1e-3)
