@@ -217,3 +217,35 @@ def test_sampler_draws_follow_the_processed_distribution_at_two_temperatures(rng
         print(f"T={temperature} top_p={top_p}: kept {keep.sum()}, chi-square p {pvalue:.3g}")
         assert pvalue > 1e-6, f"T={temperature}: counts {counts[keep]} vs expected {np.round(n * q[keep])}"
         np.testing.assert_allclose(np.asarray(logp), np.log(q[tok]), atol=1e-5)
+
+
+def test_sampler_truncation_and_stopping_against_literal_expectations():
+    """Mutation survivors (tests/mutate.sh, 2026-11-30), each checked against a literal value, not the sampler's own
+    helpers: top_k=3 keeps exactly numpy's 3 largest logits (k + 1 passed: the test bounded the count by the same
+    num_candidates); a codec vocabulary of 10 ids never yields id 10, even when the model prefers it (`<=` passed);
+    a row stops at EOS: with eos_id = the first greedy token, the mask is [1, 0, ...] and the rest is padding (a
+    sampler that never stopped passed)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv32_jax import Transformer, load_preset
+    from dsv32_jax.posttrain import sampler as s
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 100)), jnp.float32)
+    _, ids, keep = s.processed_logits(logits, s.SamplingConfig(top_k=3))
+    assert sorted(np.asarray(ids)[np.asarray(keep)].tolist()) == sorted(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+
+    peaked = jnp.zeros((1, 16), jnp.float32).at[0, 10].set(5.0)  # the model prefers id 10, outside a 10-id codec
+    for cfg in (s.SamplingConfig(vocab_size=10, greedy=True), s.SamplingConfig(vocab_size=10, temperature=0.5)):
+        tok, _, ids, keep = s.sample_token(peaked, jax.random.key(0), cfg)
+        assert int(tok[0]) < 10 and np.all(np.asarray(ids)[np.asarray(keep)] < 10), (cfg, tok, ids)
+
+    model = Transformer(load_preset("tiny").replace(vocab_size=32, num_hidden_layers=2), rngs=nnx.Rngs(0))
+    prompts, lens = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.asarray([4], jnp.int32)
+    first = int(s.generate(model, prompts, lens, jax.random.key(0),
+                           s.SamplingConfig(max_new_tokens=1, greedy=True, eos_id=31)).tokens[0, 0])
+    cfg = s.SamplingConfig(max_new_tokens=6, greedy=True, eos_id=first, pad_id=0)
+    r = s.generate(model, prompts, lens, jax.random.key(0), cfg)
+    assert np.asarray(r.mask)[0].astype(int).tolist() == [1, 0, 0, 0, 0, 0]
+    assert np.asarray(r.tokens)[0].tolist() == [first, 0, 0, 0, 0, 0]
