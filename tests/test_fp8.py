@@ -121,3 +121,28 @@ def test_checkpoint_dequant_crops_ragged_edges(rng):
     np.testing.assert_allclose(out, ref, rtol=1e-7)
     with pytest.raises(ValueError, match="scale shape"):
         dequant_fp8(w, s[:4])
+
+
+def test_fp8_scales_at_the_edges_against_spec_values():
+    """Mutation survivors (tests/mutate.sh, 2026-11-30), against values from the spec, not the code: act_quant's
+    amax floor is 1e-4 (reference_spec.md, FP8 formats), so a group of tiny activations gets the ue8m0 scale
+    2^ceil(log2(1e-4 / 448)) = 2^-22 (a floor of 1e-6 passed); quantize_fp8 gives an all-zero 128 x 128 block the
+    scale 1.0, not 0 (whose codes dequantize to NaN); a checkpoint's inf weight_scale_inv makes convert_tensor report
+    the tensor non-finite (the check looked at the codes only)."""
+    import jax.numpy as jnp
+
+    from dsv32_jax.checkpoint import fp8_weights as fw
+    from dsv32_jax.model.fp8 import act_quant
+
+    x = jnp.full((1, 128), 1.234e-9, jnp.float32).at[0, 0].set(1e-5)
+    _, scale = act_quant(x)
+    assert float(scale[0, 0]) == 2.0 ** np.ceil(np.log2(1e-4 / 448)) == 2.0 ** -22
+    w = np.zeros((128, 256), np.float32)
+    w[:, 128:] = np.random.default_rng(0).standard_normal((128, 128))
+    codes, scale = fw.quantize_fp8(w)
+    assert scale[0, 0] == 1.0 and np.isfinite(fw.dequant_fp8(codes, scale)).all()
+    np.testing.assert_array_equal(fw.dequant_fp8(codes, scale)[:, :128], 0.0)
+    bad = scale.copy()
+    bad[0, 0] = np.inf
+    assert fw.convert_tensor(codes, scale, np.float32, False)[1]
+    assert not fw.convert_tensor(codes, bad, np.float32, False)[1]
