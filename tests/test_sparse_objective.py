@@ -202,3 +202,16 @@ def test_the_sparse_objective_weighs_each_term_by_its_config_weight(tmp_path, rn
     np.testing.assert_allclose(float(loss), want, rtol=1e-6)
     warm, (mw, _, _) = steps.lm_objective(model, batch, stage="warmup", weights=weights, model_cfg=trainer.cfg)
     np.testing.assert_allclose(float(warm), float(mw["indexer_kl"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 12, 64])
+def test_chunked_token_nll_equals_the_whole_heads_per_position(chunk):
+    """losses.chunked_token_nll(h, kernel, targets, chunk) = token_nll(h @ kernel, targets) at every position,
+    for chunks that divide the 12 positions, that do not, and that cover them in one; a reassembly in the wrong
+    order was caught only by a heavy test (tests/mutate.sh survivor, 2026-11-30)."""
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((2, 12, 8)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((8, 20)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 20, (2, 12)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(losses.chunked_token_nll(h, kernel, targets, chunk)),
+                               np.asarray(losses.token_nll(h @ kernel, targets)), rtol=1e-5, atol=1e-6)
