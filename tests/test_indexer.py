@@ -147,3 +147,42 @@ def test_indexer_topk_skips_key_blocks_and_selects_the_same(rng, monkeypatch):
     for chunk in (5, None):
         np.testing.assert_array_equal(np.sort(np.asarray(indexer_topk(*args, 6, q_chunk=chunk)), -1),
                                       np.sort(want, -1))
+
+
+def test_indexer_projection_matches_a_float64_numpy_model_of_the_spec(rng):
+    """Indexer.project against reference_spec.md 5.1-5.2 written out in float64 numpy: q = c_q wq_b per head, k =
+    LayerNorm(x wk) (weight and bias, eps 1e-6), rotate-half RoPE on the FIRST rope dims of both, and the head
+    weights w = x weights_proj * H_I^-1/2 * D^-1/2 (head scale times softmax_scale). The scores' top-k is blind to a
+    common scale, so HF parity could not see a missing H_I^-1/2, which the eq. 3 / eq. 4 KL the indexer learns from
+    does see (tests/mutate.sh survivor, 2026-11-30)."""
+    import jax
+    from flax import nnx
+
+    from dsv32_jax import load_preset
+
+    cfg = load_preset("tiny")
+    mod = indexer.Indexer(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32, param_dtype=jnp.float32)
+    mod.k_norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, cfg.index_head_dim), jnp.float32)
+    mod.k_norm.bias[...] = jnp.asarray(rng.normal(0, 0.1, cfg.index_head_dim), jnp.float32)
+    b, t, h, d, r = 2, 5, cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    x = rng.standard_normal((b, t, cfg.hidden_size)).astype(np.float32)
+    c_q = rng.standard_normal((b, t, cfg.q_lora_rank)).astype(np.float32)
+    ang = rng.uniform(0, 6, (b, t, r // 2))
+    q, k, w = jax.jit(lambda m, *a: m.project(*a))(mod, x, c_q, jnp.cos(ang).astype(np.float32),
+                                                    jnp.sin(ang).astype(np.float32))
+    p = lambda name: np.asarray(getattr(mod, name).kernel[...], np.float64)  # noqa: E731 ([in, out])
+
+    def rope_half(v, cos, sin):  # rotates (v[i], v[i + r/2]) by angle i, on the first r dims
+        a, bb, rest = v[..., :r // 2], v[..., r // 2:r], v[..., r:]
+        return np.concatenate([a * cos - bb * sin, a * sin + bb * cos, rest], -1)
+
+    x64 = x.astype(np.float64)
+    q_want = rope_half((c_q.astype(np.float64) @ p("wq_b")).reshape(b, t, h, d), np.cos(ang)[:, :, None],
+                       np.sin(ang)[:, :, None])
+    kl = x64 @ p("wk")
+    kl = (kl - kl.mean(-1, keepdims=True)) / np.sqrt(kl.var(-1, keepdims=True) + 1e-6)
+    k_want = rope_half(kl * np.asarray(mod.k_norm.scale[...], np.float64) + np.asarray(mod.k_norm.bias[...], np.float64),
+                       np.cos(ang), np.sin(ang))
+    w_want = x64 @ p("weights_proj") * h ** -0.5 * d ** -0.5
+    for got, want in ((q, q_want), (k, k_want), (w, w_want)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-6)
