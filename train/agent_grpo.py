@@ -41,7 +41,7 @@ from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_en
 from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import env_factory, make_env
-from dsv32_jax.posttrain.sampler import SamplingConfig
+from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates
@@ -288,7 +288,7 @@ class AgentLearner:
         lengths vary by task: checking three seeds let a capacity through that half of the tasks overran). A
         longer task that still overruns ends "context full" (the `context_full` metric)."""
         a = self.a
-        bucket = 16  # MultiTurnSampler's
+        bucket = PIECE_BUCKET  # the rollout's MultiTurnSampler pads each piece to it
         rl = [int(x) for x in np.random.default_rng(12345).integers(0, 10**6, sample)]
         for spec in self.envs:
             env = self.make_env(spec)

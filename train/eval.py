@@ -98,13 +98,15 @@ class Evaluator:
     @classmethod
     def create(cls, batches: list[dict], *, graphdef, options: RunOptions, model_shardings=None,
                batch_sharding=None, rows: int | None = None):
-        """rows: the global batch's (default: the local batches' rows times the process count)."""
+        """rows: the global batch's (with batch_sharding: each process holds its row block's share of them)."""
         fn = functools.partial(lm_eval_step, graphdef=graphdef, options=options)
         if batch_sharding is None:
             return cls(batches, jax.jit(fn), lambda b: b)
+        if rows is None:
+            raise ValueError("Evaluator.create: a batch_sharding needs the global batch's rows")
         step = jax.jit(fn, in_shardings=(model_shardings, {k: batch_sharding for k in EVAL_KEYS}))
         put = lambda b: {k: jax.make_array_from_process_local_data(  # noqa: E731
-            batch_sharding, v, ((rows or len(v) * jax.process_count()),) + np.shape(v)[1:]) for k, v in b.items()}
+            batch_sharding, v, (rows,) + np.shape(v)[1:]) for k, v in b.items()}
         return cls(batches, step, put)
 
     def __call__(self, model_state) -> dict:

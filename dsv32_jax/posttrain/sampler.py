@@ -227,6 +227,9 @@ def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, 
             {k: aux["topk"][k] for k in widths["topk"]})
 
 
+PIECE_BUCKET = 16  # a step's pieces are padded to a multiple of this many cache slots
+
+
 class MultiTurnSampler:
     """Batched multi-turn sampling over one decode cache: `step(pieces, live)` appends each row's new context
     tokens (a prompt, or tool results + the next generation prompt) after everything the row has seen, and samples
@@ -240,7 +243,7 @@ class MultiTurnSampler:
     selections per layer: the teacher-forcing layout of the whole trajectory (train/steps.py's trajectory step
     replays it)."""
 
-    def __init__(self, model, batch: int, capacity: int, cfg: SamplingConfig, bucket: int = 16):
+    def __init__(self, model, batch: int, capacity: int, cfg: SamplingConfig, bucket: int = PIECE_BUCKET):
         self.graphdef, self.state = nnx.split(model)
         self.cfg, self.b, self.capacity, self.bucket = cfg, batch, capacity, bucket
         self.cache = model.init_cache(batch, capacity)
