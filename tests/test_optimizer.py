@@ -214,7 +214,7 @@ def test_each_group_decays_its_weights_at_its_own_rate():
     survivors, 2026-11-30."""
     lr = 0.1
     for main_wd, indexer_wd in ((0.0, 0.5), (0.5, 0.0)):
-        tx = make_tx(_cfg(lr=lr, weight_decay=main_wd, indexer_weight_decay=indexer_wd))
+        tx = make_tx(_cfg(lr=lr, weight_decay=main_wd, indexer_weight_decay=indexer_wd, weight_decay_mask="all"))
         params = jax.tree.map(lambda x: 2.0 * x, _params())
         updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
         np.testing.assert_allclose(np.asarray(updates["layers"]["0"]["attn"]["indexer"]["wk"]), -lr * indexer_wd * 2.0,
@@ -246,10 +246,55 @@ def test_fp32_master_weights_decay_the_master_not_the_rounded_parameter():
     survivor, 2026-11-30)."""
     lr, wd, n = 0.01, 0.1, 50
     tx = make_tx(_cfg(lr=lr, weight_decay=wd, master_dtype="float32"), param_dtype=jnp.bfloat16)
-    params = {"w": jnp.ones((4,), jnp.bfloat16)}
+    params = {"w": jnp.ones((4, 2), jnp.bfloat16)}
     state = tx.init(params)
     for _ in range(n):
-        updates, state = tx.update({"w": jnp.zeros((4,), jnp.bfloat16)}, state, params)
+        updates, state = tx.update({"w": jnp.zeros((4, 2), jnp.bfloat16)}, state, params)
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
     np.testing.assert_allclose(np.asarray(state.master["w"], np.float64), (1 - lr * wd) ** n, rtol=2e-6)
     np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(state.master["w"].astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("mask", ["matrices", "all"])
+def test_weight_decay_reaches_the_matrices_not_the_norms(mask):
+    """weight_decay_mask "matrices" (the default, Megatron-LM's rule): with zero gradients one AdamW step moves every
+    weight matrix and the embedding by exactly -lr * wd * p and leaves every norm scale and the indexer key norm's
+    bias bitwise alone (they were decayed towards 0 with the rest: a scale decayed to 0 switches its layer's input
+    off); "all" decays those too. Checked on the tiny model's own parameter tree, through nnx.Optimizer as the
+    trainers build it, so the names the mask reads are the ones training sees."""
+    lr, wd = 0.1, 0.5
+    cfg = _cfg(lr=lr, weight_decay=wd, indexer_weight_decay=wd, weight_decay_mask=mask, master_dtype="")
+    model = Transformer(load_preset("tiny"), rngs=nnx.Rngs(0))
+    # (every value away from 0: the key norm's bias starts at 0, where decay is invisible)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.5, nnx.state(model, nnx.Param)))
+    opt = nnx.Optimizer(model, make_tx(cfg), wrt=nnx.Param)
+    before = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    before = {k: np.array(v, np.float64) for k, v in before.items()}
+    opt.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    after = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    norms = [k for k in before if k[-1] in ("scale", "bias")]
+    assert len(norms) >= 16 and any(k[-1] == "bias" for k in norms) and any(k[-2] == "k_norm" for k in norms)
+    for k, p in before.items():
+        decayed = mask == "all" or k not in norms
+        want = p * (1 - lr * wd) if decayed else p
+        np.testing.assert_allclose(np.asarray(after[k], np.float64), want, rtol=1e-6, atol=0, err_msg=str(k))
+        if not decayed:
+            np.testing.assert_array_equal(np.asarray(after[k]), before[k], err_msg=str(k))
+
+
+def test_an_unknown_weight_decay_mask_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"config\.optimizer\.weight_decay_mask must be one of \('matrices', 'all'\), "
+                                         r"got 'norms'"):
+        make_tx(_cfg(weight_decay_mask="norms"))
+
+
+def test_the_decay_mask_reads_names_and_ranks():
+    """decay_mask: a norm scale or bias stacked over layers ([L, D], as a scanned-layers layout stores it) is still
+    not decayed (its name says what it is), a 1-D parameter of any name is not (Megatron-LM's rank rule), a matrix
+    or a stacked matrix is."""
+    from dsv32_jax.train.optimizer import decay_mask
+
+    tree = {"norm": {"scale": jnp.ones((3, 8))}, "k_norm": {"bias": jnp.ones((3, 8))}, "gate": jnp.ones((8,)),
+            "wq": {"kernel": jnp.ones((8, 4))}, "experts": {"w_up": jnp.ones((3, 8, 4))}, "embed": jnp.ones((5, 8))}
+    assert decay_mask(tree) == {"norm": {"scale": False}, "k_norm": {"bias": False}, "gate": False,
+                                "wq": {"kernel": True}, "experts": {"w_up": True}, "embed": True}

@@ -83,6 +83,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer = ml_collections.ConfigDict(dict(
         lr=1e-3, schedule="cosine", warmup_steps=10, hold_steps=0, decay_steps=100, final_lr_fraction=0.1, b1=0.9,
         b2=0.95, eps=1e-8, weight_decay=0.0, grad_clip=1.0, master_dtype="float32"))
+    # weight decay reaches the weight matrices and the embedding ("matrices": the norms' scales and biases are not
+    # decayed) or every trained parameter ("all")
+    c.optimizer.weight_decay_mask = "matrices"
     # The lightning indexer's own optimizer (train/optimizer.py): a separate AdamW and global-norm clip over the
     # indexer's parameters; each field left None takes config.optimizer's value.
     c.optimizer.indexer = ml_collections.ConfigDict({

@@ -23,6 +23,8 @@ GROUP_FIELDS = ("lr", "schedule", "warmup_steps", "hold_steps", "decay_steps", "
 _FIELD_DEFAULTS = {"hold_steps": 0}  # fields a config written before they existed may lack
 
 STAGES = ("dense", "warmup", "sparse", "grpo", "agent")
+DECAY_MASKS = ("matrices", "all")
+NO_DECAY = ("scale", "bias")  # the parameter names weight_decay_mask="matrices" leaves undecayed (norms, biases)
 
 
 def in_indexer(path, _value) -> bool:
@@ -100,6 +102,21 @@ def param_groups(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: "indexer" if _is_indexer_path(path) else "main", params)
 
 
+def _leaf_name(path) -> str:
+    """The parameter's own name: the last key of its path (an nnx.Variable's trailing `.value` skipped)."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    while names and names[-1] == "value":
+        names.pop()
+    return names[-1] if names else ""
+
+
+def decay_mask(params):
+    """True on the leaves weight_decay_mask="matrices" decays: every parameter of 2 or more dimensions that is no
+    norm scale or bias (`NO_DECAY`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: _leaf_name(path) not in NO_DECAY and jnp.ndim(x) >= 2, params)
+
+
 def group_norms(grads) -> dict[str, jax.Array]:
     """Global L2 norm of each group's gradients (zero for a group without parameters)."""
     leaves = jax.tree_util.tree_leaves_with_path(grads)
@@ -141,11 +158,13 @@ def check_group(g) -> None:
                          f"ends (warmup_steps={g.warmup_steps}): need warmup_steps <= decay_steps")
 
 
-def _group_tx(g) -> optax.GradientTransformation:
+def _group_tx(g, mask: str = "matrices") -> optax.GradientTransformation:
     check_group(g)
+    # (no mask without decay: the optimizer state keeps the structure checkpoints written before the mask have)
     return optax.chain(
         optax.clip_by_global_norm(g.grad_clip) if g.grad_clip else optax.identity(),
-        optax.adamw(learning_rate_schedule(g), b1=g.b1, b2=g.b2, eps=g.eps, weight_decay=g.weight_decay),
+        optax.adamw(learning_rate_schedule(g), b1=g.b1, b2=g.b2, eps=g.eps, weight_decay=g.weight_decay,
+                    mask=decay_mask if mask == "matrices" and g.weight_decay else None),
     )
 
 
@@ -182,12 +201,16 @@ def with_master_weights(inner: optax.GradientTransformation, dtype=jnp.float32) 
 
 def make_tx(cfg, param_dtype=None) -> optax.GradientTransformation:
     """AdamW with global-norm clipping, separately for the indexer and the main model (`group_config`); wrapped
-    in fp32 master weights when cfg.master_dtype is set and wider than param_dtype."""
+    in fp32 master weights when cfg.master_dtype is set and wider than param_dtype. cfg.weight_decay_mask (both
+    groups): "matrices" (default) decays the weight matrices and the embedding, "all" every trained parameter."""
+    mask = cfg.get("weight_decay_mask", "matrices")
+    if mask not in DECAY_MASKS:
+        raise ValueError(f"config.optimizer.weight_decay_mask must be one of {DECAY_MASKS}, got {mask!r}")
     txs = {}
     for g in GROUPS:
         settings = group_config(cfg, g)
         try:
-            txs[g] = _group_tx(settings)
+            txs[g] = _group_tx(settings, mask)
         except ValueError as e:
             if g == "main":
                 raise
