@@ -391,6 +391,9 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
         AgentLearner(_config(envs="lookup", capacity=need - 1), str(tmp_path))
     with pytest.raises(AssertionError, match="the model was built"):
         AgentLearner(_config(envs="lookup", capacity=need), str(tmp_path))
+    # a capacity past the model's context (tiny: 2560 positions) is refused here, not after the step-0 SFT
+    with pytest.raises(ValueError, match=r"config.agent.capacity=2561 exceeds the model's context of 2560 positions"):
+        AgentLearner(_config(envs="lookup", capacity=2561), str(tmp_path))
     (tmp_path / "accented_env.py").write_text(
         "from dsv32_jax.posttrain.envs import LookupEnv\n\nclass Accented(LookupEnv):\n    name = 'accented'\n"
         "    instructions = 'r\u00e9ponds.'\n")

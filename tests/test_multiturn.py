@@ -279,3 +279,15 @@ def test_a_larger_model_vocabulary_is_masked_to_the_codec():
         BatchedRollout(SimpleNamespace(config=SimpleNamespace(vocab_size=64)), codec, scfg, 2048)
     with pytest.raises(ValueError, match="SamplingConfig.vocab_size=300 exceeds the model's vocabulary of 256"):
         SamplingConfig(vocab_size=300).kept_width(256)
+
+
+def test_the_sampler_refuses_a_capacity_past_the_models_context():
+    """A row's positions never pass the cache slots used, so capacity <= max_position_embeddings keeps every position
+    inside the model's context; a larger capacity let long episodes run at positions the model never saw."""
+    cfg = load_preset("tiny").replace(initializer_range=0.1, max_position_embeddings=64)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    scfg = SamplingConfig(max_new_tokens=4, eos_id=1, pad_id=0)
+    assert MultiTurnSampler(model, batch=1, capacity=64, cfg=scfg).capacity == 64
+    with pytest.raises(ValueError, match=r"MultiTurnSampler: capacity=65 slots exceed the model's context of 64 "
+                                         r"positions \(config max_position_embeddings\)"):
+        MultiTurnSampler(model, batch=1, capacity=65, cfg=scfg)

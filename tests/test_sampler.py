@@ -249,3 +249,18 @@ def test_sampler_truncation_and_stopping_against_literal_expectations():
     r = s.generate(model, prompts, lens, jax.random.key(0), cfg)
     assert np.asarray(r.mask)[0].astype(int).tolist() == [1, 0, 0, 0, 0, 0]
     assert np.asarray(r.tokens)[0].tolist() == [first, 0, 0, 0, 0, 0]
+
+
+def test_generate_refuses_positions_past_the_models_context():
+    """A prompt plus max_new_tokens past config max_position_embeddings sampled at RoPE positions the model was
+    never given (it extrapolated, silently); the streaming generator cut there, `generate` did not. The longest
+    real prompt counts, not the padded width: 5 + 11 = 16 positions fit a 16-position context, 5 + 12 do not."""
+    cfg = load_preset("tiny").replace(initializer_range=0.1, vocab_size=32, index_topk=4, max_position_embeddings=16)
+    small = Transformer(cfg, rngs=nnx.Rngs(0))
+    prompts = jnp.zeros((2, 8), jnp.int32).at[:, 3:].set(5)
+    lengths = jnp.asarray([5, 2], jnp.int32)
+    r = generate(small, prompts, lengths, jax.random.key(0), SamplingConfig(max_new_tokens=11, greedy=True))
+    assert r.tokens.shape == (2, 11)
+    with pytest.raises(ValueError, match=r"generate: a prompt of 5 tokens plus max_new_tokens=12 exceeds the model's "
+                                         r"context of 16 positions \(config max_position_embeddings\)"):
+        generate(small, prompts, lengths, jax.random.key(0), SamplingConfig(max_new_tokens=12, greedy=True))

@@ -288,6 +288,10 @@ class AgentLearner:
         lengths vary by task: checking three seeds let a capacity through that half of the tasks overran). A
         longer task that still overruns ends "context full" (the `context_full` metric)."""
         a = self.a
+        ctx = int(self.cfg.max_position_embeddings)
+        if a.capacity > ctx:  # (the rollout's sampler refuses it, but only after the step-0 SFT)
+            raise ValueError(f"config.agent.capacity={a.capacity} exceeds the model's context of {ctx} positions "
+                             "(max_position_embeddings of the model config)")
         bucket = PIECE_BUCKET  # the rollout's MultiTurnSampler pads each piece to it
         rl = [int(x) for x in np.random.default_rng(12345).integers(0, 10**6, sample)]
         for spec in self.envs:

@@ -197,6 +197,11 @@ def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollou
         if bad:
             raise ValueError(f"prompt_lengths must be in [1, P={prompts.shape[1]}] (the prompts' padded width); "
                              f"got {bad[:4]}")
+    ctx = int(model.config.max_position_embeddings)
+    longest = prompts.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jax.device_get(lengths).max())
+    if longest + cfg.max_new_tokens > ctx:  # (RoPE past the trained context: the model extrapolates, silently)
+        raise ValueError(f"generate: a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the "
+                         f"model's context of {ctx} positions (config max_position_embeddings)")
     graphdef, state = nnx.split(model)
     return _generate(graphdef, state, prompts, lengths, rng, cfg)
 
@@ -244,6 +249,10 @@ class MultiTurnSampler:
     replays it)."""
 
     def __init__(self, model, batch: int, capacity: int, cfg: SamplingConfig, bucket: int = PIECE_BUCKET):
+        ctx = int(model.config.max_position_embeddings)
+        if capacity > ctx:  # (a row's positions never pass the slots used: capacity <= context bounds them)
+            raise ValueError(f"MultiTurnSampler: capacity={capacity} slots exceed the model's context of {ctx} "
+                             "positions (config max_position_embeddings)")
         self.graphdef, self.state = nnx.split(model)
         self.cfg, self.b, self.capacity, self.bucket = cfg, batch, capacity, bucket
         self.cache = model.init_cache(batch, capacity)
