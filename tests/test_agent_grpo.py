@@ -423,9 +423,18 @@ def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
     lrn = AgentLearner(c, str(tmp_path))
     assert lrn.sampling.vocab_size == lrn.greedy.vocab_size == 113
     assert lrn.make_env("dsv32_jax.posttrain.envs.lookup:LookupEnv").max_steps == 2
+    run = lrn.run
+
+    def one_broken_verifier(*args, **kwargs):  # (a random policy seldom reaches the verifier: mark one episode)
+        trajs, rec = run(*args, **kwargs)
+        trajs[0].info["reward_error"] = "Lookup.score() returned '0.7', not a finite number: reward 0"
+        return trajs, rec
+
+    lrn.run = one_broken_verifier
     _, stats = lrn.rollout(0)
     assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts", "context_full"} <= set(stats)
     assert 0.0 <= stats["context_full"] <= 1.0
+    assert stats["reward_errors"] == 1 / 4  # tasks_per_step 2 x group_size 2 episodes, one without a usable reward
 
 
 @pytest.mark.slow

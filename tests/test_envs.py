@@ -5,6 +5,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 
 from dsv32_jax.posttrain.envs import (CHARSET, ENVS, Action, Env, Tool, ToolCall, ToolError, in_charset, make_env,
@@ -634,6 +635,31 @@ def test_a_verifier_that_returns_another_shape_is_data(returned, reward, details
     assert not set(info) & ({"details_error", "reward_error"} - set(details))
     env.reset(3)
     assert env.verify("3") == (returned if not isinstance(returned, tuple) or len(returned) != 2 else returned[0])
+
+
+@pytest.mark.parametrize("returned,reward,error", [
+    ("0.7", 0.0, "Odd.score() returned '0.7', not a finite number: reward 0"),
+    (b"1", 0.0, "Odd.score() returned b'1', not a finite number: reward 0"),
+    (5, 1.0, "Odd.score() returned 5, outside [0, 1]: clamped to 1, not a success"),
+    (-0.5, 0.0, "Odd.score() returned -0.5, outside [0, 1]: clamped to 0, not a success"),
+    (1.0000001, 1.0, "Odd.score() returned 1.0000001, outside [0, 1]: clamped to 1, not a success"),
+    (True, 1.0, None), (np.float32(1.0), 1.0, None), (np.int64(0), 0.0, None), (0.25, 0.25, None)])
+def test_a_verifier_reward_outside_the_contract_is_reported_and_no_success(returned, reward, error):
+    """score()'s reward must be a number in [0, 1]. A string that float() reads ("0.7") was taken as the reward, and
+    a 5 was clamped to 1 and counted as a success, both unreported: a broken verifier trained the policy as if it
+    were right. Now a string scores 0 and an out-of-range number is clamped, each named in info["reward_error"],
+    and neither is a success; a bool or a numpy scalar in range is a reward as before."""
+
+    class Odd(_BrokenEnv):
+        def score(self, instance, answer):
+            return returned, {}
+
+    env = Odd(tool_timeout=None)
+    env.reset(3)
+    _, got, done, info = env.step({"content": "3"})
+    assert got == reward and type(got) is float and done
+    assert info.get("reward_error") == error
+    assert info["success"] == (error is None and reward == 1.0)
 
 
 def test_a_verifier_past_its_deadline_scores_zero_and_one_that_raises_ends_the_episode():

@@ -139,6 +139,12 @@ def _context_full(t) -> bool:
     return str(t.info.get("error", "")).startswith("context full")
 
 
+def _reward_error(t) -> bool:
+    """The verifier's result was no usable reward (Env.step's info "reward_error": not a finite number, outside [0, 1],
+    past score_timeout): a broken verifier, not the model."""
+    return "reward_error" in t.info
+
+
 def _log_progress(phase: str, i: int, total: int, history: list[float], every: int = 50) -> None:
     """An INFO line every `every` SFT steps of step 0's recall stage / cold start (minutes without a bar step)."""
     if (i + 1) % every == 0 or i + 1 == total:
@@ -173,6 +179,8 @@ def anneal_optimizer(config):
 class AgentLearner:
     _prepared = None  # step 0's metrics once prepare() is done
     _warned_full = False  # the context_full warning was logged
+    _warned_reward = False  # the reward_errors warning was logged
+    _last_trajs: tuple = ()  # the last rollout's trajectories (the warning quotes one)
 
     def __init__(self, config, workdir: str):
         check_config(config)
@@ -500,6 +508,7 @@ class AgentLearner:
     def rollout(self, step: int):
         rows, group_ids = self.tasks(step)
         trajs, rec = self.run(rows, self.sampling, key_seed=self.config.seed * 100_003 + step)
+        self._last_trajs = trajs
         rewards = np.array([t.reward for t in trajs], np.float32)
         adv = group_advantages(rewards, group_ids)
         width = -(-rec["tokens"].shape[1] // 64) * 64  # bucket the layout width: fewer recompiles
@@ -512,6 +521,7 @@ class AgentLearner:
                  "turns": float(np.mean([t.turns for t in trajs])),
                  "format_errors": float(np.mean([_format_error(t) for t in trajs])),
                  "context_full": float(np.mean([_context_full(t) for t in trajs])),
+                 "reward_errors": float(np.mean([_reward_error(t) for t in trajs])),
                  "model_tokens": float(batch["gen"].sum() / len(trajs)),
                  **{k: float(np.mean([getattr(t, k) for t in trajs])) for k in TOOL_KEYS}}
         return batch, stats
@@ -590,6 +600,11 @@ class AgentLearner:
             logging.warning("step %d: %.0f%% of the rollouts ended \"context full\" (reward 0 whatever the model did):"
                             " config.agent.capacity=%d is too small for these tasks' turns (metric context_full)",
                             self.step + 1, 100 * stats["context_full"], self.a.capacity)
+        if stats.get("reward_errors") and not self._warned_reward:
+            self._warned_reward = True
+            bad = next((t.info["reward_error"] for t in self._last_trajs if _reward_error(t)), "")
+            logging.warning("step %d: %.0f%% of the rollouts got no usable reward from their verifier (metric "
+                            "reward_errors), e.g. %s", self.step + 1, 100 * stats["reward_errors"], bad)
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         self.step += 1

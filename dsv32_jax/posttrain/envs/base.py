@@ -12,7 +12,9 @@ step's info (`tool_errors`, `tool_crashes`, `tool_timeouts`). The deadline is `E
 thread, so one that overruns is left to finish and the environment refuses further calls (as `timeout` errors)
 until it has: at most one runaway thread per environment, never a pile of them. The verifier runs on the model's
 answer under its own deadline, `Env.score_timeout` (default 60 s): past it the answer scores 0 (info
-"reward_error"). A `score()` that raises is the environment's bug and ends the rollout.
+"reward_error"). A reward that is no finite number (a string among them) also scores 0, one outside [0, 1] is clamped
+and is no success, each noted in "reward_error" (the agent stage's `reward_errors` metric counts them). A `score()`
+that raises is the environment's bug and ends the rollout.
 
 Writing an environment: docs/environments.md. What an environment returns is data to the chat encoding (plain text,
 never special tokens). This module imports neither jax nor numpy.
@@ -227,16 +229,21 @@ class Env:
         except TimeoutError:  # (the model's answer drives the verifier: e.g. a regex that backtracks for ever)
             reward, details = 0.0, {"reward_error": f"{type(self).__name__}.score() ran past score_timeout="
                                                     f"{self.score_timeout:g} s: reward 0"}
-        try:
-            value = float(reward)
+        try:  # (a string is no reward, even one float() reads: "0.7" from a verifier is a bug to report)
+            value = math.nan if isinstance(reward, (str, bytes)) else float(reward)
         except (TypeError, ValueError):
             value = math.nan
+        name = type(self).__name__
         if not math.isfinite(value):  # (max(nan, 0) is nan: one nan reward made its group's advantages and the loss nan)
-            details["reward_error"] = f"{type(self).__name__}.score() returned {reward!r}, not a finite number: reward 0"
+            details["reward_error"] = f"{name}.score() returned {reward!r}, not a finite number: reward 0"
             value = 0.0
+        elif not 0.0 <= value <= 1.0:  # (a 5 was clamped to 1 and counted as a success, unreported)
+            details["reward_error"] = (f"{name}.score() returned {reward!r}, outside [0, 1]: clamped to "
+                                       f"{min(max(value, 0.0), 1.0):g}, not a success")
         reward = min(max(value, 0.0), 1.0)
         self.done = True
-        return self._observation(), reward, True, {"success": reward == 1.0, "steps": self.steps, "truncated": False,
+        success = reward == 1.0 and "reward_error" not in details
+        return self._observation(), reward, True, {"success": success, "steps": self.steps, "truncated": False,
                                                    **details}
 
     def verify(self, answer: str) -> float:
