@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -411,6 +412,15 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
             AgentLearner(_config(tasks_per_step=tasks, group_size=group, minibatches=minibatches), str(tmp_path))
     with pytest.raises(ValueError, match=r"config.agent.group_size must be >= 2 .*got 1"):  # advantages always 0
         AgentLearner(_config(group_size=1, tasks_per_step=2), str(tmp_path))
+    # the reward terms: a language weight needs an environment with a language to check; ranges named
+    with pytest.raises(ValueError, match=r"config.agent.language_weight=0.5: no environment of config.agent.envs "
+                                         r"\(lookup, calculator\) has a language to check"):
+        AgentLearner(_config(language_weight=0.5), str(tmp_path))
+    for field, value, want in (("length_penalty", -0.1, "a finite number >= 0.0"),
+                               ("language_weight", float("inf"), "a finite number >= 0.0"),
+                               ("length_target", -2, "an integer >= -1")):
+        with pytest.raises(ValueError, match=rf"config.agent.{field} must be {want}"):
+            AgentLearner(_config(**{field: value}), str(tmp_path))
 
 
 def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
@@ -431,10 +441,72 @@ def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
         return trajs, rec
 
     lrn.run = one_broken_verifier
-    _, stats = lrn.rollout(0)
+    seen = []
+    lrn.reward_terms = lambda trajs, rows: seen.append(trajs) or {"length_penalty": np.float32([-0.5, 0, 0, -0.25])}
+    batch, stats = lrn.rollout(0)
     assert {"tool_calls", "tool_errors", "tool_crashes", "tool_timeouts", "context_full"} <= set(stats)
     assert 0.0 <= stats["context_full"] <= 1.0
     assert stats["reward_errors"] == 1 / 4  # tasks_per_step 2 x group_size 2 episodes, one without a usable reward
+    # the advantages are the group-centred verifier reward plus the reward terms (groups of 2: rows 0-1, 2-3)
+    total = np.float32([t.reward for t in seen[0]]) + np.float32([-0.5, 0, 0, -0.25])
+    want = total - np.repeat(total.reshape(2, 2).mean(1), 2)
+    np.testing.assert_allclose(np.asarray(batch["adv"]), want, atol=1e-6)
+    assert stats["length_penalty"] == -0.1875 and stats["reward_total"] == pytest.approx(float(total.mean()))
+
+
+class _Episode:
+    """The parts of a Trajectory reward_terms reads."""
+
+    def __init__(self, lengths, texts):
+        from dsv32_jax.posttrain import chat
+        from dsv32_jax.posttrain.agent.episode import Completion
+
+        self.completions = [Completion(0, 0, n, i) for i, n in enumerate(lengths)]
+        self.history = [chat.User("task")] + [chat.Assistant(content=c, reasoning=r) for r, c in texts]
+        self.info = {}
+
+
+class _Spanish(PingEnv):
+    """A task whose language is Spanish (tests only): the fraction of the model's words in a small Spanish word list;
+    seed 3's instance returns what the test sets (a broken hook)."""
+
+    words = {"hola", "siete", "el", "numero", "es"}
+    broken = None
+
+    def language_consistency(self, instance, text):
+        if self.broken is not None:
+            return self.broken
+        words = text.split()
+        return sum(w in self.words for w in words) / len(words) if words else 0.0
+
+
+def test_the_length_penalty_and_language_reward_terms_follow_the_paper():
+    """reward_terms (the paper's "length penalty, and language consistency reward" beside the verifier's outcome):
+    -length_penalty per model token past length_target, counted over every completion of the episode, and
+    language_weight x the environment's language_consistency of the model's reasoning and answers; an environment
+    without the hook adds 0, a hook's value that is no number in [0, 1] adds 0 and is noted in reward_error."""
+    from types import SimpleNamespace
+
+    a = ml_collections.ConfigDict(dict(length_target=10, length_penalty=0.01, language_weight=0.5))
+    envs = {"es": _Spanish(), "ping": PingEnv()}
+    fake = SimpleNamespace(a=a, _envs=envs)
+    trajs = [_Episode([4, 3], [("hola el numero", "siete")]),           # 7 tokens: no penalty; 4 of 4 words
+             _Episode([8, 5], [(None, "siete es"), ("think", "7")]),   # 13: -0.03; 2 of 4 words (think, 7)
+             _Episode([12], [("hola", "seven")]),                      # 12: -0.02; the ping task has no language
+             _Episode([0], [])]                                         # no text: 0 of 0 words
+    rows = [("es", 1), ("es", 2), ("ping", 1), ("es", 3)]
+    terms = AgentLearner.reward_terms(fake, trajs, rows)
+    np.testing.assert_allclose(terms["length_penalty"], [0.0, -0.03, -0.02, 0.0], atol=1e-7)
+    np.testing.assert_allclose(terms["language_reward"], [0.5, 0.25, 0.0, 0.0], atol=1e-7)
+    assert not any(t.info for t in trajs)
+    for broken in (2.0, "1", float("nan"), [1]):
+        envs["es"].broken = broken
+        trajs[0].info = {}
+        got = AgentLearner.reward_terms(fake, trajs[:1], rows[:1])["language_reward"]
+        assert got[0] == 0.0 and "not a number in [0, 1]: language reward 0" in trajs[0].info["reward_error"]
+    # off unless configured: no term at all (the advantages are the verifier's alone, as before)
+    fake.a = ml_collections.ConfigDict(dict(length_target=-1, length_penalty=0.01, language_weight=0.0))
+    assert AgentLearner.reward_terms(fake, trajs, rows) == {}
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -40,7 +41,7 @@ from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
 from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.posttrain.agent.rollout import BatchedRollout
-from dsv32_jax.posttrain.envs import env_factory, make_env
+from dsv32_jax.posttrain.envs import Env, env_factory, make_env
 from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
@@ -145,6 +146,20 @@ def _reward_error(t) -> bool:
     return "reward_error" in t.info
 
 
+def model_tokens(t) -> int:
+    """The tokens the model generated in an episode (every completion it keeps; the length penalty's count)."""
+    return sum(c.length for c in t.completions)
+
+
+def model_text(t) -> str:
+    """The model's reasoning and answers of an episode, one per line (what language_consistency reads)."""
+    parts = []
+    for m in t.history:
+        if isinstance(m, chat.Assistant):
+            parts += [x for x in (m.reasoning, m.content) if x]
+    return "\n".join(parts)
+
+
 def _log_progress(phase: str, i: int, total: int, history: list[float], every: int = 50) -> None:
     """An INFO line every `every` SFT steps of step 0's recall stage / cold start (minutes without a bar step)."""
     if (i + 1) % every == 0 or i + 1 == total:
@@ -206,7 +221,14 @@ class AgentLearner:
         if a.drop_thinking not in chat.DROP_MODES:
             raise ValueError(f"config.agent.drop_thinking must be one of {', '.join(chat.DROP_MODES)}, "
                              f"got {a.drop_thinking!r}")
-        self.domains = {spec: self.make_env(spec).domain for spec in self.envs}
+        self._envs = {spec: self.make_env(spec) for spec in self.envs}  # (also the reward terms' instances)
+        self.domains = {spec: env.domain for spec, env in self._envs.items()}
+        if a.get("language_weight", 0.0):
+            langs = [s for s, e in self._envs.items() if type(e).language_consistency is not Env.language_consistency]
+            if not langs:
+                raise ValueError(f"config.agent.language_weight={a.language_weight}: no environment of "
+                                 f"config.agent.envs ({', '.join(self.envs)}) has a language to check (an Env "
+                                 "subclass implements language_consistency(instance, text); the built-in ones do not)")
         self.check_first_prompts()
         unknown = sorted(set(a.kl_weights) - set(self.domains.values()))
         if unknown:  # a misspelled domain silently took config.agent.kl_weight (a config may name more domains)
@@ -510,14 +532,18 @@ class AgentLearner:
         trajs, rec = self.run(rows, self.sampling, key_seed=self.config.seed * 100_003 + step)
         self._last_trajs = trajs
         rewards = np.array([t.reward for t in trajs], np.float32)
-        adv = group_advantages(rewards, group_ids)
+        terms = self.reward_terms(trajs, rows)
+        total = rewards + sum(terms.values(), np.zeros_like(rewards))
+        adv = group_advantages(total, group_ids)
         width = -(-rec["tokens"].shape[1] // 64) * 64  # bucket the layout width: fewer recompiles
         padw = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         batch = {"tokens": padw(rec["tokens"]), "positions": padw(rec["positions"]), "segments": padw(rec["segments"]),
                  "gen": padw(rec["generated"]), "logp_old": padw(rec["logprobs"]), "kept_ids": padw(rec["kept_ids"]),
                  "kept_mask": padw(rec["kept_mask"]), "routing": {k: padw(v) for k, v in rec["routing"].items()},
                  "adv": adv, "beta": np.asarray([self.beta[name] for name, _ in rows], np.float32)}
-        stats = {"reward_mean": float(rewards.mean()), "success": float(np.mean([t.success for t in trajs])),
+        stats = {"reward_mean": float(rewards.mean()), **{k: float(v.mean()) for k, v in terms.items()},
+                 **({"reward_total": float(total.mean())} if terms else {}),
+                 "success": float(np.mean([t.success for t in trajs])),
                  "turns": float(np.mean([t.turns for t in trajs])),
                  "format_errors": float(np.mean([_format_error(t) for t in trajs])),
                  "context_full": float(np.mean([_context_full(t) for t in trajs])),
@@ -525,6 +551,34 @@ class AgentLearner:
                  "model_tokens": float(batch["gen"].sum() / len(trajs)),
                  **{k: float(np.mean([getattr(t, k) for t in trajs])) for k in TOOL_KEYS}}
         return batch, stats
+
+    def reward_terms(self, trajs, rows) -> dict[str, np.ndarray]:
+        """The paper's reward terms beside the verifier's outcome (section 3.1: "rule-based outcome reward, length
+        penalty, and language consistency reward" for agent tasks), per episode, each only when configured:
+        length_penalty = -agent.length_penalty per model token beyond agent.length_target (>= 0) in the episode;
+        language_reward = agent.language_weight x the environment's language_consistency(instance, model_text)
+        (0 for an environment without one; a value that is no number in [0, 1] is data: 0, noted in reward_error)."""
+        a, out = self.a, {}
+        target = int(a.get("length_target", -1))
+        if target >= 0:
+            out["length_penalty"] = np.array([-float(a.length_penalty) * max(0, model_tokens(t) - target)
+                                              for t in trajs], np.float32)
+        weight = float(a.get("language_weight", 0.0))
+        if weight:
+            values = []
+            for t, (spec, seed) in zip(trajs, rows):
+                env = self._envs[spec]
+                got = env.language_consistency(env.generate(seed), model_text(t))
+                try:
+                    v = math.nan if got is None or isinstance(got, (str, bytes)) else float(got)
+                except (TypeError, ValueError):
+                    v = math.nan
+                if got is not None and not 0.0 <= v <= 1.0:  # (nan fails it too)
+                    t.info["reward_error"] = (f"{type(env).__name__}.language_consistency() returned {got!r}, not a "
+                                              "number in [0, 1]: language reward 0")
+                values.append(weight * v if 0.0 <= v <= 1.0 else 0.0)
+            out["language_reward"] = np.array(values, np.float32)
+        return out
 
     def update(self, batch) -> dict:
         with shd.use_mesh(self.mesh):

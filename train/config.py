@@ -162,7 +162,11 @@ def default_config() -> ml_collections.ConfigDict:
         recall_chars="",  # the characters the raw kinds copy ("": recall.INDUCTION_CHARS, lookup's keys and values)
         # step 0's recall stage / cold start saves its progress every this many SFT updates (0: only at its end and
         # on a stop signal) in W/sft_checkpoints; a run killed during it continues from there
-        sft_checkpoint_every=100))
+        sft_checkpoint_every=100,
+        # the paper's reward terms beside the verifier's (train/agent_grpo.py reward_terms): length_target >= 0
+        # subtracts length_penalty per model token beyond it in an episode; language_weight > 0 adds that times the
+        # environment's language_consistency (an Env hook; the built-in environments have none)
+        length_target=-1, length_penalty=0.001, language_weight=0.0))
     # Held-out evaluation (train/eval.py) every `every` steps and at the last step (0: off): metric eval_loss, the
     # next-token loss on `batches` fixed batches of the held-out split (built-in data: data.split='heldout'; other
     # sources: `paths`), with dense attention in the dense stage and DSA top-k attention otherwise. batch_size /
@@ -377,6 +381,9 @@ def check_config(config) -> None:
             fail("grpo.tasks", "one or more comma-separated tasks (map, sum, rev, copy)")
     if config.stage == "agent":
         integer("agent.max_turns", 1)
+        integer("agent.length_target", -1)
+        number("agent.length_penalty")
+        number("agent.language_weight")
         integer("agent.eval_episodes", 0)
         integer("agent.cold_start_steps", 0)
         integer("agent.sft_checkpoint_every", 0)

@@ -113,7 +113,7 @@ class Env:
 
     #: hook name -> the arguments it is called with (besides self)
     HOOKS = {"generate": ("seed",), "make_tools": (), "render_task": ("instance",), "score": ("instance", "answer"),
-             "solve": ("instance",)}
+             "solve": ("instance",), "language_consistency": ("instance", "text")}
 
     def __init_subclass__(cls, **kwargs):
         """A hook whose signature cannot take its arguments (e.g. the earlier `score(answer)`, or the private
@@ -156,6 +156,13 @@ class Env:
     def solve(self, instance: Any) -> list[Action]:
         """Oracle trajectory for `instance`: tool-call turns, then the final answer."""
         raise NotImplementedError(f"{type(self).__name__}.solve(instance)")
+
+    def language_consistency(self, instance: Any, text: str) -> float | None:
+        """Optional: the fraction of `text` (the model's reasoning and answers of one episode, one per line) in the
+        language `instance` asks for, in [0, 1]: the paper's language-consistency reward, weighted by
+        config.agent.language_weight. None (the default): this task has no language to check; the built-in tasks
+        are all in one script (CHARSET)."""
+        return None
 
     # --- tools ---
     @property
