@@ -769,3 +769,23 @@ def test_sft_on_a_mesh_pads_the_batch_and_keeps_the_layout():
     one, mesh = out["fsdp:1"], out["fsdp:2,tensor:2,expert:2"]
     assert mesh["moved"] == 0 and mesh["leaves"] > 100, mesh
     np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-5)
+
+
+def test_a_step_zero_checkpoint_from_before_a_field_existed_still_continues():
+    """The step-0 fingerprint compares every field of config.optimizer and config.agent: a checkpoint written before
+    a version added one (optimizer.weight_decay_mask, agent.length_target, ...) was refused as "another
+    configuration", so a run could not continue after an upgrade. A field the stored fingerprint lacks and this
+    one holds at its default is no difference; a non-default value, or a changed field, still is."""
+    from dsv32_jax.train.agent_grpo import fingerprint_diff
+
+    here = {"seed": 0, "model": {"hidden_size": 64}, "optimizer": {"lr": 0.001, "weight_decay_mask": "matrices"},
+            "agent": {"recall_batch": 2, "length_target": -1, "language_weight": 0.0}}
+    old = {"seed": 0, "model": {"hidden_size": 64}, "optimizer": {"lr": 0.001}, "agent": {"recall_batch": 2}}
+    assert fingerprint_diff(old, here) == []
+    assert fingerprint_diff(old, {**here, "agent": {**here["agent"], "length_target": 40}}) == [
+        "config.agent.length_target None there, 40 here"]
+    assert fingerprint_diff({**old, "agent": {"recall_batch": 4}}, here) == [
+        "config.agent.recall_batch 4 there, 2 here"]
+    assert fingerprint_diff(old, {**here, "model": {"hidden_size": 32}}) == ["model field hidden_size 64 there, 32 here"]
+    assert fingerprint_diff({**old, "agent": {"recall_batch": 2, "gone": 1}}, here) == [
+        "config.agent.gone 1 there, None here"]

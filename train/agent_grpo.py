@@ -146,6 +146,28 @@ def _reward_error(t) -> bool:
     return "reward_error" in t.info
 
 
+def fingerprint_diff(there: dict, here: dict) -> list[str]:
+    """What differs between two step-0 fingerprints (AgentLearner._sft_fingerprint), one line a field. A field of
+    config.optimizer / config.agent the stored one lacks and this one holds at its default is no difference: a
+    checkpoint written before this version added the field could not have set it (it was refused as another
+    configuration, and the run could not continue under the new version)."""
+    from dsv32_jax.train.config import default_config
+
+    defaults = json.loads(json.dumps({sec: default_config()[sec].to_dict() for sec in ("optimizer", "agent")},
+                                     default=str))
+    diff = []
+    for sec in sorted(set(there) | set(here)):
+        x, y = there.get(sec), here.get(sec)
+        if isinstance(x, dict) and isinstance(y, dict):
+            name = "model field {}" if sec == "model" else f"config.{sec}.{{}}"
+            new = {k for k in set(y) - set(x) if k in defaults.get(sec, {}) and y[k] == defaults[sec][k]}
+            diff += [f"{name.format(k)} {x.get(k)!r} there, {y.get(k)!r} here" for k in sorted(set(x) | set(y))
+                     if k not in new and x.get(k) != y.get(k)]
+        elif x != y:
+            diff.append(f"config.{sec} {x!r} there, {y!r} here")
+    return diff
+
+
 def model_tokens(t) -> int:
     """The tokens the model generated in an episode (every completion it keeps; the length penalty's count)."""
     return sum(c.length for c in t.completions)
@@ -492,16 +514,7 @@ class AgentLearner:
             return 0, {}
         where = os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)
         meta = mngr.restore(n, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        there, here = meta.get("config", {}), self._sft_fingerprint()
-        diff = []
-        for sec in sorted(set(there) | set(here)):
-            x, y = there.get(sec), here.get(sec)
-            if isinstance(x, dict) and isinstance(y, dict):
-                name = "model field {}" if sec == "model" else f"config.{sec}.{{}}"
-                diff += [f"{name.format(k)} {x.get(k)!r} there, {y.get(k)!r} here" for k in sorted(set(x) | set(y))
-                         if x.get(k) != y.get(k)]
-            elif x != y:
-                diff.append(f"config.{sec} {x!r} there, {y!r} here")
+        diff = fingerprint_diff(meta.get("config", {}), self._sft_fingerprint())
         if diff:
             raise checkpointing.ResumeError(
                 f"{where}: its step-0 checkpoint ({n} SFT updates of the recall stage / cold start) was written with "
