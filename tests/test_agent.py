@@ -670,3 +670,163 @@ def test_a_row_that_overflows_the_shared_cache_ends_alone(monkeypatch):
     trajs, _ = run(max(p0, p1) + max_new + r0 + max_new)
     assert trajs[0].success, trajs[0].info
     assert not trajs[1].success and trajs[1].info["error"].startswith("context full"), trajs[1].info
+
+
+# --- gaps found by mutation testing ---
+
+def _initial_prompt_len(env, seed, **kw):
+    obs = env.reset(seed)
+    return len(chat.encode_tokens([System(obs.system), User(obs.task)], CODEC, tools=chat_tools(env), **kw)[0])
+
+
+def test_max_turns_counts_generations_exactly():
+    """`max_turns` is the number of generations: the oracle's n-turn demonstration succeeds with max_turns=n and
+    stops after n - 1 generations with max_turns=n - 1. Mutant guarded: `range(max_turns - 1)` (one turn short;
+    the max_turns=1 test above still passes, with zero turns)."""
+    env, seed = make_env("calculator"), 3
+    n = len(env.demonstration(seed))
+    ok = run_episode(env, seed, OraclePolicy(env, CODEC, seed), CODEC, max_turns=n, context_budget=100_000)
+    assert ok.success and ok.turns == n
+    short = run_episode(env, seed, OraclePolicy(env, CODEC, seed), CODEC, max_turns=n - 1, context_budget=100_000)
+    assert short.turns == n - 1 and short.info["error"] == f"max_turns={n - 1} reached without a final answer"
+
+
+def test_the_trigger_argument_sets_the_threshold():
+    """run_episode(trigger=...) replaces the 80%: with a trigger just above the initial prompt, every later turn
+    (which has a tool-call history) is over it, so the lookup oracle's 2-turn episode resets once; at the default
+    80% of a 100k budget it never does. Mutant guarded: the runner calling over_budget without `trigger`."""
+    env, seed = make_env("lookup"), 0
+    p0, n = _initial_prompt_len(env, seed), len(env.demonstration(seed))
+    default = run_episode(env, seed, OraclePolicy(env, CODEC, seed), CODEC, context_budget=100_000,
+                          strategy="discard_all")
+    assert default.success and default.resets == 0
+    low = run_episode(env, seed, OraclePolicy(env, CODEC, seed), CODEC, context_budget=100_000,
+                      strategy="discard_all", trigger=(p0 + 0.5) / 100_000)
+    assert low.success and low.resets == n - 1 and [s.reason for s in low.segments] == ["start", "discard_all"]
+
+
+@pytest.mark.parametrize("strategy", ["summary", "discard75", "discard_all"])
+def test_no_reset_is_counted_when_there_is_no_history_to_drop(strategy):
+    """A prompt over the 80% trigger at the first turn (system + task only): the strategy has nothing to rewrite, so
+    no reset is counted and no new segment starts; the guess still fits in the room left. Mutant guarded: counting
+    a reset whenever the trigger fires (`if managed != messages` dropped)."""
+    env = make_env("lookup")
+    p0 = _initial_prompt_len(env, 0)
+    budget = p0 + 40
+    assert p0 > 0.8 * budget
+    traj = run_episode(env, 0, GuessPolicy(CODEC), CODEC, context_budget=budget, strategy=strategy)
+    assert traj.turns == 1 and "error" not in traj.info, traj.info
+    assert traj.resets == 0 and [s.reason for s in traj.segments] == ["start"]
+
+
+def test_peak_prompt_tokens_is_the_largest_prompt():
+    """Trajectory.peak_prompt_tokens is the max over the turns' prompts, not the last one (discard_all shrinks the
+    context after its peak). Mutant guarded: `peak = len(prompt)`."""
+    env = make_env("lookup", max_steps=16)
+    rec = Recorder(verbose(env, CODEC, 4))
+    traj = run_episode(env, 4, rec, CODEC, context_budget=2000, strategy="discard_all", max_turns=16)
+    lengths = [len(p) for p, _ in rec.calls]
+    assert traj.resets >= 1 and lengths[-1] < max(lengths)
+    assert traj.peak_prompt_tokens == max(lengths)
+
+
+def test_recovery_demonstration_refuses_a_near_miss_that_names_another_key(monkeypatch):
+    """recovery_demonstration's contract: None when the near miss does not produce an error result (it names
+    another valid key: the "mistake" then is a correct call, nothing to recover from). Mutant guarded: checking
+    only that the episode succeeds."""
+    from dsv32_jax.posttrain.agent import episode as episode_lib
+
+    env = make_env("lookup", sum_fraction=0.0)
+    inst = env.generate(0)
+    other = next(k for k in inst.table if k not in inst.asked)
+    monkeypatch.setattr(episode_lib, "near_miss", lambda call, rng: ToolCall("get", {"key": other}))
+    assert episode_lib.recovery_demonstration(env, 0, CODEC, random.Random(0)) is None
+
+
+def test_summary_items_keep_results_that_contain_the_separator():
+    """Summary items are split where `, name(` starts an item (module docstring: results may contain ", "), so a
+    re-summary keeps such a result whole; an empty summary leaves the plain task (no dangling marker). Mutants
+    guarded: splitting on every ", " (the result "x, y" loses "y"), and writing SummarizedUser for an empty
+    summary."""
+    assert parse_summary("get(a)=x, y, calc(1+2)=3") == {"get(a)": "x, y", "calc(1+2)": "3"}
+    msgs = [System("sys"), User("t"), Assistant(tool_calls=[get("a")]), ToolResult("x, y")]
+    later = manage(msgs, "summary") + [Assistant(tool_calls=[get("b")]), ToolResult("2")]
+    assert manage(later, "summary") == [System("sys"), summarized("t", "get(a)=x, y, get(b)=2")]
+    assert manage(msgs, "summary", summarize=lambda m: "") == [System("sys"), User("t")]
+
+
+def test_visible_facts_only_after_the_last_user_message():
+    """visible_facts reads the current task's calls (docstring: after the LAST user message); an earlier task's
+    results are not facts for this one. Mutant guarded: `prompt.find(USER)` (the first user message)."""
+    msgs = [System("sys"), User("q1"), Assistant(tool_calls=[get("a")]), ToolResult("1"), Assistant("1"),
+            User("q2"), Assistant(tool_calls=[get("b")]), ToolResult("2")]
+    assert visible_facts(chat.encode(msgs, tools=chat_tools(make_env("lookup")))) == {"get(b)": "2"}
+
+
+def test_success_vs_budget_errors_count_only_runner_errors():
+    """`errors` counts episodes the runner ended with an error (a full context, a format error), not wrong answers:
+    the chance baseline answers every lookup task (the verifier scores it) and none is an error. Mutant guarded:
+    `errors` = episodes that did not succeed."""
+    rows = success_vs_budget("lookup", lambda e, c, s: GuessPolicy(c, seed=s), CODEC, [100_000], ["none"], range(5))
+    assert rows[0]["errors"] == 0 and rows[0]["success_rate"] < 1.0 and rows[0]["mean_turns"] == 1.0
+
+
+def test_recall_answers_are_the_asked_values():
+    """recall_messages' answers, derived from the user text alone: repeat -> the quoted text, recall -> the value
+    of the asked key, quote -> the one quoted word. Mutants guarded (each still "a string of the user message",
+    which the test above checks): the first key's value, the first word, the text minus its last character."""
+    from dsv32_jax.posttrain.agent.recall import recall_messages
+
+    rng = random.Random(0)
+    for _ in range(50):
+        user, answer = recall_messages(rng, "repeat")
+        assert user.content == f'repeat "{answer.content}"'
+        user, answer = recall_messages(rng, "recall")
+        pairs, asked = user.content.rsplit(". ", 1)
+        table = {k.strip('"'): v for k, v in (p.split("=") for p in pairs.split(", "))}
+        assert answer.content == table[asked.strip('"')]
+        user, answer = recall_messages(rng, "quote")
+        assert [w.strip('"') for w in user.content.split() if w.startswith('"')] == [answer.content]
+
+
+def test_batched_rollout_keeps_at_most_each_rows_limit(monkeypatch):
+    """The sampler samples up to cfg.max_new_tokens for every row; a row whose context room is smaller keeps only
+    `limit` ids (run_episode refuses more), and its episode ends "context full". Mutant guarded: handing the
+    episode every sampled id (run_episode's ValueError ends the whole rollout)."""
+    from dsv32_jax.posttrain.agent import rollout as rollout_lib
+    from dsv32_jax.posttrain.sampler import SamplingConfig
+
+    class LongSampler:
+        def __init__(self, model, b, capacity, cfg):
+            pass
+
+        def fits(self, pieces):
+            return True
+
+        def step(self, pieces, live, rng, limits=None):
+            return [CODEC.encode("a" * 64) if on else [] for on in live]
+
+        def restart(self, row):
+            pass
+
+        def layout(self):
+            return {}
+
+    monkeypatch.setattr(rollout_lib, "MultiTurnSampler", LongSampler)
+    env = make_env("lookup")
+    budget = _initial_prompt_len(env, 0, tools_prompt="compact") + 10
+    cfg = SamplingConfig(max_new_tokens=64, eos_id=CODEC.eos_id, pad_id=CODEC.pad_id)
+    trajs, _ = rollout_lib.BatchedRollout(None, CODEC, cfg, capacity=4096).run(
+        [env], [0], context_budget=budget, max_new_tokens=64, tools_prompt="compact")
+    assert trajs[0].completions[0].length == 10 and trajs[0].info["error"].startswith("context full"), trajs[0].info
+
+
+def test_random_policy_ends_with_eos_at_its_rate():
+    """RandomPolicy stops with probability eos_prob per token: with 0.05 the mean completion is 1 / 0.05 = 20 ids
+    (geometric; the mean of 300 has sd ~1.1), EOS last, never PAD / BOS. Mutant guarded: the comparison inverted
+    (EOS with probability 0.95: completions of about one id)."""
+    policy = RandomPolicy(CODEC, seed=0)
+    outs = [policy.generate([], 10_000) for _ in range(300)]
+    assert all(o[-1] == CODEC.eos_id and CODEC.eos_id not in o[:-1] for o in outs)
+    assert not any(i in (CODEC.pad_id, CODEC.bos_id) for o in outs for i in o)
+    assert 16 < sum(map(len, outs)) / len(outs) < 24

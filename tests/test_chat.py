@@ -460,3 +460,85 @@ def test_decode_completion_checks_eos_pad_and_bos():
 def test_special_tokens_in_completion_data_are_format_errors(text, match):
     with pytest.raises(ChatFormatError, match=match):
         chat.parse_completion(text)
+
+
+# ------------------------------------------------------------------------------- gaps found by mutation testing
+
+
+@pytest.mark.parametrize("msgs, match", [
+    # the conversation ends inside a results block: one result for two calls
+    ([User("a"), Assistant(tool_calls=[ToolCall("f"), ToolCall("g")]), ToolResult("x")],
+     r"messages\[1\]: the assistant made 2 tool call\(s\) but only 1 tool result\(s\) follow it"),
+    # more results than calls: the second result answers nothing
+    ([User("a"), Assistant(tool_calls=[ToolCall("f")]), ToolResult("x"), ToolResult("y")],
+     r"messages\[3\]: a tool result must follow an assistant message with tool calls \(one result per call\)"),
+])
+def test_results_must_match_the_calls_one_to_one(msgs, match):
+    """The format pairs results with calls in order (package docstring: "one per call"). Mutants guarded: dropping
+    the end-of-conversation check (a conversation ending with 1 result for 2 calls rendered, the generation prompt
+    after it), and counting only that some assistant made calls (`if not pending`: a surplus result accepted)."""
+    with pytest.raises(ChatFormatError, match=match):
+        chat.encode(msgs)
+
+
+def test_tool_schemas_are_one_json_object_per_line_without_ascii_escapes():
+    """Package docstring: one JSON object per tool inside <functions>, `json.dumps` with `ensure_ascii=False`; JSON
+    argument values likewise. Golden string written by hand. Mutants guarded: schemas joined without the newline
+    (`{...}{...}`), and `ensure_ascii=True` (\\u00e9 escapes the published encoder never writes)."""
+    tools = [Tool("a", "température", {"type": "object"}), Tool("b", "", {})]
+    text = chat.encode([User("hi")], tools=tools, tools_prompt="compact")
+    assert text == (B + "\n\n## Tools\n<functions>\n"
+                    + '{"name": "a", "description": "température", "parameters": {"type": "object"}}\n'
+                    + '{"name": "b", "description": "", "parameters": {}}\n</functions>\n' + U + "hi" + A + "<think>")
+    turn = chat.render_tool_calls([ToolCall("f", {"tags": ["café"], "s": "café"})])
+    assert turn == calls_block(invoke("f", ("tags", "false", '["café"]'), ("s", "true", "café")))
+
+
+def test_dict_messages_train_like_dataclasses():
+    """OpenAI-style dict messages: an assistant dict is trained unless it says "train": false (as the dataclass's
+    default `train=True`), and a call whose arguments are the empty string has no arguments. Mutants guarded:
+    `value.get("train", False)` (SFT on dict conversations trains nothing), and `json.loads("")` raising."""
+    codec = chat.TinyCodec()
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok", "reasoning": "r",
+             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": ""}}]},
+            {"role": "tool", "content": "1"},
+            {"role": "assistant", "content": "done", "reasoning": "s", "train": False}]
+    ids, mask = chat.encode_tokens(msgs, codec)
+    empty_call = calls_block('<｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>')
+    assert masked_runs(codec, ids, mask) == ["r</think>ok" + empty_call + E]  # the train=False turn is not trained
+    assert codec.decode(ids).endswith("<think>s</think>done" + E)
+
+
+def test_parse_completion_tool_table_edge_cases():
+    """`tools=` checks: a schema with "additionalProperties": true accepts parameters it does not list (JSON
+    schema's meaning), and an empty tool list means no call is valid. Mutants guarded: ignoring
+    additionalProperties (every extra parameter an error), and `if tools and ...` (tools=[] accepting any call)."""
+    text = ("r</think>" + OPEN + '<｜DSML｜invoke name="calc">\n' + P.format("expr", "true", "1") + "\n"
+            + P.format("extra", "false", "2") + "\n</｜DSML｜invoke>" + CLOSE)
+    open_schema = Tool("calc", "", {"type": "object", "properties": {"expr": {"type": "string"}},
+                                    "additionalProperties": True})
+    assert chat.parse_completion(text, tools=[open_schema])["tool_calls"] == [
+        {"name": "calc", "arguments": {"expr": "1", "extra": 2}}]
+    with pytest.raises(ChatFormatError, match=r"unknown tool 'calc' in invoke at offset 34 \(tools: none\)"):
+        chat.parse_completion(text, tools=[])
+
+
+def test_hf_codec_without_pad_pads_with_eos_and_still_accepts_eos():
+    """HFCodec(strict=False) over a tokenizer without PAD: pad_id falls back to EOS (documented: the only id that
+    may end a completion anyway), and decode_completion then still accepts a completion ending with EOS. Mutants
+    guarded: the fallback to BOS, and decode_completion's PAD check without `tid != codec.eos_id` (every finished
+    completion of such a tokenizer a "pad" format error)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "ok": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([t for t in chat.SPECIAL_TOKENS if t != chat.PAD])
+    with pytest.raises(ValueError, match=r"special token '<｜▁pad▁｜>' is not a single added token"):
+        chat.HFCodec(tok)
+    codec = chat.HFCodec(tok, strict=False)
+    assert codec.pad_id == codec.eos_id == tok.token_to_id(E) and codec.bos_id == tok.token_to_id(B)
+    text = chat.decode_completion([tok.token_to_id("ok"), codec.eos_id], codec)
+    assert text.replace(" ", "") == "ok" + E
+    with pytest.raises(ChatFormatError, match="begin"):
+        chat.decode_completion([codec.bos_id, codec.eos_id], codec)
