@@ -478,6 +478,15 @@ def test_bad_scale_shape(bad, tmp_path):
     assert shard_of(bad, name) in msg
 
 
+def test_bad_scale_dtype(bad, tmp_path):
+    """A block scale must be a float tensor (F32 in the official checkpoint); an integer one (e.g. ue8m0 exponents
+    stored as U8/I32) would be read as plain integer multipliers and corrupt the weights silently."""
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
+    edit_checkpoint(bad, lambda t: t.__setitem__(name, np.ones((1, 1), np.int32)))
+    msg = _convert_fails(bad, tmp_path, re.escape(f"scale '{name}' has dtype I32, expected F32"))
+    assert shard_of(bad, name) in msg
+
+
 def test_bad_scale_values(bad, tmp_path):
     name = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
     edit_checkpoint(bad, lambda t: t.__setitem__(name, np.full((1, 1), np.nan, np.float32)))
@@ -497,6 +506,19 @@ def test_bad_nan_weight(tmp_path, synth_bf16):
     def poison(t):
         t[name] = t[name].copy()
         t[name][3, 4] = np.inf
+    edit_checkpoint(src, poison)
+    _convert_fails(src, tmp_path, re.escape(f"tensor '{name}' contains NaN or Inf"))
+
+
+def test_bad_nan_in_a_vector(tmp_path, synth_bf16):
+    """1-D tensors (norm weights, biases) go through their own cast branch of convert_tensor; a NaN there must be
+    refused like one in a matrix (a dropped finiteness flag let it into the orbax checkpoint)."""
+    src = copy_checkpoint(synth_bf16, str(tmp_path / "src"))
+    name = "model.layers.1.post_attention_layernorm.weight"
+
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name][5] = np.nan
     edit_checkpoint(src, poison)
     _convert_fails(src, tmp_path, re.escape(f"tensor '{name}' contains NaN or Inf"))
 

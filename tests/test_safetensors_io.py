@@ -78,3 +78,52 @@ def test_malformed_headers_and_indexes_fail_naming_file_and_tensor(tmp_path):
     _raw_safetensors(dup / "part2.safetensors", {"w": ok})
     with pytest.raises(CheckpointError, match=r"tensor 'w' is in two shards, .*part1\.safetensors and .*part2"):
         HFCheckpoint(str(dup))
+
+
+# ------------------------------------------------------------------------------------ gaps (mutation testing)
+def test_a_byte_range_shorter_than_the_shape_is_refused(tmp_path):
+    """A header whose data_offsets span fewer bytes than shape x itemsize would memory-map the next tensor's bytes
+    (or past the end) as this one: refused by name. Here F32 [2] needs 8 bytes, the range has 4."""
+    import pytest
+
+    from dsv32_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+
+    path = _raw_safetensors(tmp_path / "short.safetensors",
+                            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]},
+                             "v": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})
+    with pytest.raises(CheckpointError, match=r"short\.safetensors: tensor 'w' byte range 4 != 8"):
+        SafetensorsFile(path)
+
+
+def test_negative_block_scales_are_refused(tmp_path):
+    """FP8 block scales are amax / 448 >= 0 (reference_spec: weight_scale_inv); a negative one (a corrupt shard)
+    would flip the sign of a whole 128x128 block silently."""
+    import pytest
+
+    from dsv32_jax.checkpoint.safetensors_io import CheckpointError, check_scale_values
+
+    write_safetensors(str(tmp_path / "model.safetensors"), {"w.weight_scale_inv": np.ones((2, 2), np.float32)})
+    ckpt = HFCheckpoint(str(tmp_path))
+    check_scale_values(ckpt, "w.weight_scale_inv", np.array([[1.0, 0.0]], np.float32))  # zero is allowed
+    bad = r"scale 'w\.weight_scale_inv' has an invalid value -0\.5 at block \[1, 0\]"  # a plain float, not np.float32(...)
+    with pytest.raises(CheckpointError, match=bad):
+        check_scale_values(ckpt, "w.weight_scale_inv", np.array([[1.0, 2.0], [-0.5, 1.0]], np.float32))
+
+
+def test_shard_plan_fills_a_shard_up_to_exactly_the_limit(tmp_path):
+    """A tensor starts a new shard only when it would make the current one exceed max_shard_bytes (HF's
+    `size + n > max` rule); two 100-byte tensors fill a 200-byte shard exactly. Written and read back."""
+    from dsv32_jax.checkpoint.safetensors_io import ShardedSafetensorsWriter
+
+    entries = [(n, (25,), "F32") for n in ("a", "b", "c")]  # 100 bytes each
+    w = ShardedSafetensorsWriter(str(tmp_path), entries, max_shard_bytes=200)
+    assert w.files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for i, (n, s, _) in enumerate(entries):
+        w.add(n, np.full(s, i, np.float32))
+    w.close()
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    assert index["weight_map"] == {"a": w.files[0], "b": w.files[0], "c": w.files[1]}
+    assert index["metadata"]["total_size"] == 300
+    ckpt = HFCheckpoint(str(tmp_path))
+    for i, n in enumerate("abc"):
+        np.testing.assert_array_equal(ckpt.get(n), np.full(25, i, np.float32))

@@ -176,7 +176,7 @@ def check_scale_values(ckpt: HFCheckpoint, scale_name: str, scale: np.ndarray) -
     if not np.all(np.isfinite(scale)) or np.any(scale < 0):
         bad = np.argwhere(~np.isfinite(scale) | (scale < 0))[0]
         raise CheckpointError(f"{ckpt.where(scale_name)}: scale '{scale_name}' has an invalid value "
-                              f"{scale[tuple(bad)]!r} at block {bad.tolist()} (expected finite and >= 0)")
+                              f"{float(scale[tuple(bad)])!r} at block {bad.tolist()} (expected finite and >= 0)")
 
 
 def check_alias(ckpt: HFCheckpoint, alias: str, main: str, chunk_bytes: int = 64 << 20) -> int:

@@ -32,8 +32,8 @@ Each element is a dict of numpy arrays, ``b = batch_size // process_count`` rows
 Deeper targets (MTP depth j predicts token t + 2 + j) are ``targets[t + 1 + j]``, valid where
 ``segment_ids[t + 1 + j] == segment_ids[t]`` and ``loss_mask[t + 1 + j] == 1``.
 
-With ``add_eos`` the tokenizer's EOS id ends every document (the byte tokenizer has none; documents are
-still separated by segment ids). Empty documents (empty or whitespace-only text, null fields) are
+With ``add_eos`` the tokenizer's EOS id ends every document, once (not again after a post-processor that appends
+it; the byte tokenizer has none; documents are still separated by segment ids). Empty documents (empty or whitespace-only text, null fields) are
 skipped: they carry no tokens. Nothing else is dropped, except, when ``num_epochs`` is finite, the final
 partial batch of each host (the last partial row is padded and kept). Hosts shard documents, so with a
 finite ``num_epochs`` they can run out a few batches apart: multi-host training should use
@@ -133,7 +133,8 @@ class _Tokenize:
         if not text or not text.strip():
             return np.zeros(0, np.int32)
         ids = self.tokenizer.encode_array(text)
-        if self.eos_id is not None:
+        # (a tokenizer whose post-processor appends EOS itself, "$A </s>": a second one trained EOS -> EOS)
+        if self.eos_id is not None and (not ids.size or int(ids[-1]) != self.eos_id):
             ids = np.append(ids, np.int32(self.eos_id))
         if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
             bad = int(ids.max()) if int(ids.max()) >= self.vocab_size else int(ids.min())
