@@ -660,6 +660,7 @@ def _cli(*args, env=None):
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_cli_round_trip(tmp_path, synth_fp8):
     """hf -> orbax -> hf through the CLI; the tokenizer files travel with the weights (a served export needs them)."""
     o, hf = str(tmp_path / "o"), str(tmp_path / "hf")

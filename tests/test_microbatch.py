@@ -142,6 +142,7 @@ def test_bad_microbatches_are_refused_naming_the_fields(micro):
     assert check_batch_mesh(c, num_devices=4)["fsdp"] == 4
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_bf16_model_hands_its_master_weights_the_float32_accumulated_gradient(tmp_path, rng):
     """param_dtype bf16 with fp32 master weights (config.optimizer.master_dtype): the sum over microbatches reaches
     AdamW unrounded. Its first moment after one step is (1 - b1) x the float32 sum of the microbatches' gradients

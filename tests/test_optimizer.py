@@ -170,6 +170,7 @@ def test_the_warmup_stage_trains_the_indexer_alone():
     assert indexer and _paths(nnx.state(model, trainable_filter("warmup"))) == indexer
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_grpo_learner_with_weight_decay_leaves_the_mtp_layer_and_a_weightless_indexer_alone(tmp_path):
     """GRPO's policy is the main head (the MTP layers do not run) and grpo.indexer_weight = 0 gives the indexer no
     loss: with weight decay on, one update moves the rest and leaves both bitwise as they were."""
@@ -191,6 +192,7 @@ def test_grpo_learner_with_weight_decay_leaves_the_mtp_layer_and_a_weightless_in
     assert len(moved) > len(before) // 2
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_bf16_grpo_learner_with_master_weights_takes_a_step(tmp_path):
     """param_dtype bf16 with fp32 master weights: the float32 parameters (router, indexer weights_proj) had master
     "copies" that were the parameters' own buffers, and GRPO's donating step failed at step 0 ("donate the same

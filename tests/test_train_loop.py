@@ -276,6 +276,7 @@ def test_checkpoint_fields_are_checked_by_name(tmp_path):
         pass
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_resume_with_another_worker_count_is_refused_by_name(tmp_path):
     """The iterator state's format depends on data.worker_count (grain's worker processes keep their own): a
     resume with another count names the field instead of failing in grain with a bare KeyError; with the same
@@ -309,6 +310,7 @@ def test_resume_with_another_worker_count_is_refused_by_name(tmp_path):
     assert [h["step"] for h in fit(steps=2)] == [2]
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_resume_into_another_configuration_is_refused_by_name(tmp_path):
     """A workdir resumed with a config that trains other parameters (here loss.mtp_weight 0 -> 0.1: the MTP layer
     joins the optimizer) or another model: orbax refused with both whole trees printed (hundreds of lines); now
@@ -350,6 +352,7 @@ def test_resume_into_another_configuration_is_refused_by_name(tmp_path):
     assert [h["step"] for h in fit(steps=2)] == [2]
 
 
+@pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
 def test_a_run_from_init_from_resumes_without_it(tmp_path):
     """A stage started from config.init_from reloaded that checkpoint at every resume (then replaced it), and failed
     with "run that stage first" once it was deleted, though its own checkpoint holds everything it needs."""
