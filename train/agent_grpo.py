@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import random
 import shutil
@@ -42,6 +41,7 @@ from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_en
 from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import Env, env_factory, make_env
+from dsv32_jax.posttrain.envs.base import as_number
 from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
@@ -582,10 +582,7 @@ class AgentLearner:
             for t, (spec, seed) in zip(trajs, rows):
                 env = self._envs[spec]
                 got = env.language_consistency(env.generate(seed), model_text(t))
-                try:
-                    v = math.nan if got is None or isinstance(got, (str, bytes)) else float(got)
-                except (TypeError, ValueError):
-                    v = math.nan
+                v = as_number(got)
                 if got is not None and not 0.0 <= v <= 1.0:  # (nan fails it too)
                     t.info["reward_error"] = (f"{type(env).__name__}.language_consistency() returned {got!r}, not a "
                                               "number in [0, 1]: language reward 0")

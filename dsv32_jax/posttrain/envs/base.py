@@ -94,6 +94,17 @@ class Observation:
     tool_results: tuple[str, ...] = ()
 
 
+def as_number(value: Any) -> float:
+    """A hook's returned number as a float; nan for what is none: a string (even one float() reads: "0.7" from a
+    verifier is a bug to report), a list, None."""
+    if isinstance(value, (str, bytes)):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 class Env:
     """Base class of the tool environments (docs/environments.md). A subclass sets `name`, `domain` and
     `instructions` and implements the hooks `generate(seed)`, `make_tools()`, `render_task(instance)`,
@@ -236,10 +247,7 @@ class Env:
         except TimeoutError:  # (the model's answer drives the verifier: e.g. a regex that backtracks for ever)
             reward, details = 0.0, {"reward_error": f"{type(self).__name__}.score() ran past score_timeout="
                                                     f"{self.score_timeout:g} s: reward 0"}
-        try:  # (a string is no reward, even one float() reads: "0.7" from a verifier is a bug to report)
-            value = math.nan if isinstance(reward, (str, bytes)) else float(reward)
-        except (TypeError, ValueError):
-            value = math.nan
+        value = as_number(reward)
         name = type(self).__name__
         if not math.isfinite(value):  # (max(nan, 0) is nan: one nan reward made its group's advantages and the loss nan)
             details["reward_error"] = f"{name}.score() returned {reward!r}, not a finite number: reward 0"
