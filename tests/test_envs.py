@@ -611,6 +611,8 @@ def test_a_non_finite_verifier_reward_is_zero_and_reported(returned):
     _, reward, done, info = env.step({"content": "3"})
     assert reward == 0.0 and done and not info["success"] and info["why"] == "0 / 0"
     assert info["reward_error"] == f"Odd.score() returned {returned!r}, not a finite number: reward 0"
+    env.reset(3)
+    assert env.verify("3") == 0.0
 
 
 @pytest.mark.parametrize("returned,reward,details", [
@@ -634,7 +636,7 @@ def test_a_verifier_that_returns_another_shape_is_data(returned, reward, details
     assert {k: info[k] for k in details} == details
     assert not set(info) & ({"details_error", "reward_error"} - set(details))
     env.reset(3)
-    assert env.verify("3") == (returned if not isinstance(returned, tuple) or len(returned) != 2 else returned[0])
+    assert env.verify("3") == reward  # (it returned score()'s raw value: the whole 3-tuple for the last case)
 
 
 @pytest.mark.parametrize("returned,reward,error", [
@@ -660,6 +662,9 @@ def test_a_verifier_reward_outside_the_contract_is_reported_and_no_success(retur
     assert got == reward and type(got) is float and done
     assert info.get("reward_error") == error
     assert info["success"] == (error is None and reward == 1.0)
+    env.reset(3)  # verify() checks as step() does (it returned "0.7", 5, b"1" as they came)
+    got = env.verify("3")
+    assert got == reward and type(got) is float
 
 
 def test_a_verifier_past_its_deadline_scores_zero_and_one_that_raises_ends_the_episode():
@@ -686,6 +691,7 @@ def test_a_verifier_past_its_deadline_scores_zero_and_one_that_raises_ends_the_e
     env.reset(3)
     assert env.step({"content": "fine"})[1] == 1.0
     env.reset(3)
+    assert env.verify("hang") == 0.0 and env.verify("fine") == 1.0
     with pytest.raises(ZeroDivisionError, match="verifier bug"):
         env.step({"content": "boom"})
 

@@ -242,11 +242,27 @@ class Env:
             outputs = [self.run_tool(c) for c in action.tool_calls]
             return (self._observation(tuple(o.text for o in outputs)), 0.0, False,
                     {"success": False, "steps": self.steps, "truncated": False, **tool_counts(outputs)})
+        reward, details = self._verified(action.content)
+        self.done = True
+        success = reward == 1.0 and "reward_error" not in details
+        return self._observation(), reward, True, {"success": success, "steps": self.steps, "truncated": False,
+                                                   **details}
+
+    def verify(self, answer: str) -> float:
+        """The verifier's reward for `answer` to the current instance, checked as `step` checks it (no effect on the
+        episode)."""
+        if self.instance is None:
+            raise RuntimeError(f"{self.name}: verify() before reset(seed)")
+        return self._verified(answer)[0]
+
+    def _verified(self, answer: str) -> tuple[float, dict[str, Any]]:
+        """score()'s (reward, details) for `answer`, checked: under score_timeout, a reward that is no finite number
+        scores 0 and one outside [0, 1] is clamped, each noted in details["reward_error"]. Never raises."""
         try:
-            reward, details = self._scored(_within(self.score_timeout, self.score, self.instance, action.content))
+            reward, details = self._scored(_within(self.score_timeout, self.score, self.instance, answer))
         except TimeoutError:  # (the model's answer drives the verifier: e.g. a regex that backtracks for ever)
-            reward, details = 0.0, {"reward_error": f"{type(self).__name__}.score() ran past score_timeout="
-                                                    f"{self.score_timeout:g} s: reward 0"}
+            return 0.0, {"reward_error": f"{type(self).__name__}.score() ran past score_timeout="
+                                         f"{self.score_timeout:g} s: reward 0"}
         value = as_number(reward)
         name = type(self).__name__
         if not math.isfinite(value):  # (max(nan, 0) is nan: one nan reward made its group's advantages and the loss nan)
@@ -255,17 +271,7 @@ class Env:
         elif not 0.0 <= value <= 1.0:  # (a 5 was clamped to 1 and counted as a success, unreported)
             details["reward_error"] = (f"{name}.score() returned {reward!r}, outside [0, 1]: clamped to "
                                        f"{min(max(value, 0.0), 1.0):g}, not a success")
-        reward = min(max(value, 0.0), 1.0)
-        self.done = True
-        success = reward == 1.0 and "reward_error" not in details
-        return self._observation(), reward, True, {"success": success, "steps": self.steps, "truncated": False,
-                                                   **details}
-
-    def verify(self, answer: str) -> float:
-        """The verifier's reward for `answer` to the current instance (no effect on the episode)."""
-        if self.instance is None:
-            raise RuntimeError(f"{self.name}: verify() before reset(seed)")
-        return self._scored(self.score(self.instance, answer))[0]
+        return min(max(value, 0.0), 1.0), details
 
     def _scored(self, out) -> tuple[Any, dict[str, Any]]:
         """score()'s (reward, details); a bare reward (a number: the likeliest slip) has no details, details that
