@@ -458,13 +458,14 @@ def test_a_padded_model_vocabulary_is_masked_to_the_codec(tmp_path):
 class _Episode:
     """The parts of a Trajectory reward_terms reads."""
 
-    def __init__(self, lengths, texts):
+    def __init__(self, lengths, texts, instance=None):
         from dsv32_jax.posttrain import chat
         from dsv32_jax.posttrain.agent.episode import Completion
 
         self.completions = [Completion(0, 0, n, i) for i, n in enumerate(lengths)]
         self.history = [chat.User("task")] + [chat.Assistant(content=c, reasoning=r) for r, c in texts]
         self.info = {}
+        self.instance = instance
 
 
 class _Spanish(PingEnv):
@@ -508,6 +509,42 @@ def test_the_length_penalty_and_language_reward_terms_follow_the_paper():
     # off unless configured: no term at all (the advantages are the verifier's alone, as before)
     fake.a = ml_collections.ConfigDict(dict(length_target=-1, length_penalty=0.01, language_weight=0.0))
     assert AgentLearner.reward_terms(fake, trajs, rows) == {}
+
+
+def test_the_language_hook_reads_the_episode_s_own_instance():
+    """run_episode keeps the task instance in the Trajectory, and reward_terms hands that object to
+    language_consistency; before, it rebuilt it with env.generate(seed) (a second generation per episode, and
+    another instance for an environment whose generate is not a pure function of the seed)."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.episode import ScriptedPolicy, run_episode
+
+    class Seen(PingEnv):
+        generated, seen = 0, []
+
+        def generate(self, seed):
+            Seen.generated += 1
+            return {"seed": seed, "n": Seen.generated}
+
+        def render_task(self, instance):
+            return f"task {instance['seed']}"
+
+        def score(self, instance, answer):
+            return 1.0, {}
+
+        def language_consistency(self, instance, text):
+            Seen.seen.append(instance)
+            return 1.0
+
+    codec = chat.TinyCodec(chat.PRINTABLE_CHARS + "｜▁")
+    env = Seen()
+    traj = run_episode(env, 5, ScriptedPolicy(codec, [Action(content="5")]), codec, max_new_tokens=64)
+    assert traj.instance == {"seed": 5, "n": 1} and traj.instance is env.instance
+    fake = SimpleNamespace(a=ml_collections.ConfigDict(dict(length_target=-1, language_weight=1.0)),
+                           _envs={"seen": Seen()})
+    got = AgentLearner.reward_terms(fake, [traj], [("seen", 5)])
+    assert got["language_reward"][0] == 1.0 and Seen.seen == [traj.instance] and Seen.generated == 1
 
 
 @pytest.mark.slow

@@ -581,7 +581,8 @@ class AgentLearner:
             values = []
             for t, (spec, seed) in zip(trajs, rows):
                 env = self._envs[spec]
-                got = env.language_consistency(env.generate(seed), model_text(t))
+                instance = t.instance if t.instance is not None else env.generate(seed)  # (the episode's own)
+                got = env.language_consistency(instance, model_text(t))
                 v = as_number(got)
                 if got is not None and not 0.0 <= v <= 1.0:  # (nan fails it too)
                     t.info["reward_error"] = (f"{type(env).__name__}.language_consistency() returned {got!r}, not a "

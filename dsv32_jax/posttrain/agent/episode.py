@@ -186,6 +186,7 @@ class Trajectory:
     tool_errors: int = 0  # every error result: bad calls, ToolError, crashes, timeouts
     tool_crashes: int = 0  # the tool raised (not ToolError), returned what JSON or the codec cannot encode
     tool_timeouts: int = 0
+    instance: Any = None  # the environment's task instance (env.instance after reset(seed)): what its hooks read
 
     @property
     def ids(self) -> list[int]:
@@ -331,7 +332,8 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
         fail(f"max_turns={max_turns} reached without a final answer")
     return Trajectory(messages=messages, history=history, reward=float(reward),
                       success=bool(info.get("success", False)) and "error" not in info, turns=turns, resets=resets,
-                      segments=segments, completions=completions, info=info, peak_prompt_tokens=peak, **counts)
+                      segments=segments, completions=completions, info=info, peak_prompt_tokens=peak,
+                      instance=env.instance, **counts)
 
 
 def near_miss(call: ToolCall, rng: random.Random) -> ToolCall | None:
