@@ -827,3 +827,12 @@ def test_a_step_zero_checkpoint_from_before_a_field_existed_still_continues():
     assert fingerprint_diff(old, {**here, "model": {"hidden_size": 32}}) == ["model field hidden_size 64 there, 32 here"]
     assert fingerprint_diff({**old, "agent": {"recall_batch": 2, "gone": 1}}, here) == [
         "config.agent.gone 1 there, None here"]
+    # weight decay: a version before the mask decayed every parameter ("all"); with decay on, the new default
+    # "matrices" is another optimization of the step-0 SFT, "all" is the same; without decay the mask is moot
+    decayed = lambda d, **kw: {**d, "optimizer": {**d["optimizer"], "weight_decay": 0.1, **kw}}  # noqa: E731
+    assert fingerprint_diff(decayed(old), decayed(here)) == [
+        "config.optimizer.weight_decay_mask None there, 'matrices' here"]
+    assert fingerprint_diff(decayed(old), decayed(here, weight_decay_mask="all")) == []
+    assert fingerprint_diff(old, {**here, "optimizer": {**here["optimizer"], "weight_decay_mask": "all"}}) == []
+    assert fingerprint_diff(decayed(here), decayed(here, weight_decay_mask="all")) == [
+        "config.optimizer.weight_decay_mask 'matrices' there, 'all' here"]

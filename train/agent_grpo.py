@@ -146,21 +146,31 @@ def _reward_error(t) -> bool:
     return "reward_error" in t.info
 
 
+# A field a version added, with the value that reproduces what the versions before it did (where that is not the
+# default): a stored fingerprint that lacks it was written under this value.
+LEGACY = {"optimizer": {"weight_decay_mask": "all"}}
+
+
 def fingerprint_diff(there: dict, here: dict) -> list[str]:
     """What differs between two step-0 fingerprints (AgentLearner._sft_fingerprint), one line a field. A field of
-    config.optimizer / config.agent the stored one lacks and this one holds at its default is no difference: a
-    checkpoint written before this version added the field could not have set it (it was refused as another
-    configuration, and the run could not continue under the new version)."""
+    config.optimizer / config.agent the stored one lacks and this one holds at the value the older version ran
+    with (LEGACY's, else the default) is no difference: a checkpoint written before this version added the field
+    could not have set it (it was refused as another configuration, and the run could not continue under the new
+    version). optimizer.weight_decay_mask is no difference where both runs have weight_decay 0."""
     from dsv32_jax.train.config import default_config
 
     defaults = json.loads(json.dumps({sec: default_config()[sec].to_dict() for sec in ("optimizer", "agent")},
                                      default=str))
+    for sec, fields in LEGACY.items():
+        defaults[sec].update(fields)
     diff = []
     for sec in sorted(set(there) | set(here)):
         x, y = there.get(sec), here.get(sec)
         if isinstance(x, dict) and isinstance(y, dict):
             name = "model field {}" if sec == "model" else f"config.{sec}.{{}}"
             new = {k for k in set(y) - set(x) if k in defaults.get(sec, {}) and y[k] == defaults[sec][k]}
+            if sec == "optimizer" and not x.get("weight_decay", 0.0) and not y.get("weight_decay", 0.0):
+                new.add("weight_decay_mask")  # (no decay: the mask decides nothing)
             diff += [f"{name.format(k)} {x.get(k)!r} there, {y.get(k)!r} here" for k in sorted(set(x) | set(y))
                      if k not in new and x.get(k) != y.get(k)]
         elif x != y:
