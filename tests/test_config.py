@@ -182,6 +182,8 @@ def _training_config(stage, **fields):
     ("sparse", "mesh", "fsdp2", r"config\.mesh='fsdp2': bad entry 'fsdp2'"),
     ("sparse", "attention", "sprase", r"config\.attention must be one of .*got 'sprase'"),
     ("sparse", "log_every", -1, r"config\.log_every must be an integer >= 0"),
+    ("sparse", "profile.start", 0, r"config\.profile\.start must be an integer >= 1"),
+    ("sparse", "profile.steps", -1, r"config\.profile\.steps must be an integer >= 0"),
     ("sparse", "dtype", "bfloat61", r"config\.dtype must be a floating-point dtype name"),
     ("sparse", "param_dtype", "int32", r"config\.param_dtype must be a floating-point dtype name"),
     ("sparse", "optimizer.master_dtype", "fp32", r"config\.optimizer\.master_dtype must be a floating-point"),

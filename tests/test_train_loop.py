@@ -153,6 +153,62 @@ def test_loop_prepares_at_step_zero_and_a_signal_there_stops_the_run(tmp_path):
     assert stage.prepared == [False, True] and history == [] and stage.saved == []
 
 
+def _traced_steps(directory, name="fake"):
+    """The step numbers of the `name` step annotations in every trace under `directory` (jax.profiler's
+    plugins/profile/<run>/<host>.trace.json.gz), one list per run directory."""
+    import glob
+    import gzip
+    import json
+
+    runs = sorted(glob.glob(os.path.join(directory, "plugins", "profile", "*")))
+    out = []
+    for run in runs:
+        steps = []
+        for f in glob.glob(os.path.join(run, "*.trace.json.gz")):
+            events = json.load(gzip.open(f))["traceEvents"]
+            steps += [int(e["args"]["step_num"]) for e in events if e.get("name") == name and "args" in e]
+        out.append(sorted(steps))
+    return out
+
+
+class ProfiledStage(FakeStage):
+    """A stage whose step runs a small XLA computation (something for the trace to hold)."""
+
+    def run_step(self):
+        jnp.ones((16, 16)).sum().block_until_ready()
+        return super().run_step()
+
+
+def test_profile_traces_the_configured_steps_and_a_resume_the_rest(tmp_path):
+    """config.profile: steps [start, start + steps) are traced by jax.profiler, each step annotated with its number
+    (TensorBoard's step view), into <workdir>/profile by default; a run resumed inside the window traces what is
+    left of it; steps 0 (the default) traces nothing."""
+    config = load_config("dense_tiny", steps=5, log_every=1000, **{"profile.start": 2, "profile.steps": 2})
+    loop.run_loop(ProfiledStage(signal.SIGTERM, signal_at=None), workdir=str(tmp_path / "a"), config=config,
+                  keys=("loss",), desc="fake")
+    assert _traced_steps(tmp_path / "a" / "profile") == [[2, 3]]
+    resumed = ProfiledStage(signal.SIGTERM, signal_at=None)
+    resumed.step = 2  # (as if restored at step 2: steps 3-5 run here, step 3 is left of the window)
+    config = load_config("dense_tiny", steps=5, log_every=1000,
+                         **{"profile.start": 2, "profile.steps": 2, "profile.dir": str(tmp_path / "own")})
+    loop.run_loop(resumed, workdir=str(tmp_path / "b"), config=config, keys=("loss",), desc="fake")
+    assert _traced_steps(tmp_path / "own") == [[3]] and not os.path.exists(tmp_path / "b" / "profile")
+    loop.run_loop(ProfiledStage(signal.SIGTERM, signal_at=None), workdir=str(tmp_path / "c"),
+                  config=load_config("dense_tiny", steps=3, log_every=1000), keys=("loss",), desc="fake")
+    assert not os.path.exists(tmp_path / "c" / "profile")
+
+
+def test_a_signal_inside_the_profile_window_closes_the_trace(tmp_path):
+    """A run stopped (SIGTERM) in the middle of the traced steps writes the trace of the steps it ran, and the
+    profiler is free again afterwards (a second trace can start: an open one would raise)."""
+    config = load_config("dense_tiny", steps=10, log_every=1000, **{"profile.start": 1, "profile.steps": 5})
+    loop.run_loop(ProfiledStage(signal.SIGTERM, signal_at=2), workdir=str(tmp_path), config=config,
+                  keys=("loss",), desc="fake")
+    assert _traced_steps(tmp_path / "profile") == [[1, 2]]
+    jax.profiler.start_trace(str(tmp_path / "again"))
+    jax.profiler.stop_trace()
+
+
 def test_second_sigint_interrupts():
     with checkpointing.StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGINT)

@@ -174,6 +174,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=0, batches=4, batch_size=0, seq_len=0, seed=0, paths=()))
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3, use_async=True))
     c.log_every = 10
+    # A jax.profiler trace of `steps` consecutive steps from step number `start` (1-based; steps 0: off) into `dir`
+    # ("": <workdir>/profile), every stage alike: TensorBoard's profile plugin reads it (tensorboard --logdir=DIR),
+    # Perfetto its plugins/profile/<run>/<host>.trace.json.gz. Step 1 of a run holds the compile: start at 2 or later.
+    c.profile = ml_collections.ConfigDict(dict(start=2, steps=0, dir=""))
     return c
 
 
@@ -332,6 +336,9 @@ def check_config(config) -> None:
         raise ValueError(str(e).replace("RunOptions.", "config.")) from None
     integer("steps", 0)  # (0: build and checkpoint nothing, e.g. to evaluate)
     integer("log_every", 0)
+    if "profile" in config:
+        integer("profile.start", 1)
+        integer("profile.steps", 0)
     for field in ("dtype", "param_dtype", "optimizer.master_dtype"):
         if field == "optimizer.master_dtype" and not config.optimizer.get("master_dtype", ""):
             continue

@@ -1,5 +1,6 @@
 """The loop that every training stage shares: resume from the workdir's latest checkpoint, step until
-config.steps, log metrics (metrics.jsonl, TensorBoard, tqdm), save checkpoints, stop cleanly on SIGTERM / SIGINT.
+config.steps, log metrics (metrics.jsonl, TensorBoard, tqdm), save checkpoints, stop cleanly on SIGTERM / SIGINT,
+and trace the steps config.profile names with jax.profiler (each step annotated with its number).
 
 A stage (train/trainer.py's Trainer, train/grpo.py's GRPOLearner) provides:
     step                        the number of finished steps (after restore)
@@ -12,6 +13,7 @@ and may provide prepare(stop): work before step 1 that checkpoints its own progr
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Protocol
 
 import jax
@@ -31,12 +33,46 @@ class Stage(Protocol):
     def save_checkpoint(self, mngr, step: int, force: bool) -> bool: ...
 
 
+class StepProfiler:
+    """config.profile: a jax.profiler trace of steps [start, start + steps) (1-based step numbers) into `dir`
+    (default <workdir>/profile). A resumed run traces what is left of that window; a run stopped inside it closes
+    the trace. Every process traces its own devices (one file per host in the same run directory)."""
+
+    def __init__(self, profile, workdir: str):
+        self.first = int(profile.get("start", 2)) if profile is not None else 0
+        self.last = self.first + (int(profile.get("steps", 0)) if profile is not None else 0) - 1
+        self.dir = (profile.get("dir", "") if profile is not None else "") or os.path.join(workdir, "profile")
+        self.active, self.traced = False, []
+
+    def before(self, step: int) -> None:
+        """Called before step number `step` runs."""
+        if not self.active and self.first <= step <= self.last:
+            jax.profiler.start_trace(self.dir)
+            self.active = True
+            logging.info("profiling step%s into %s", f" {step}" if step == self.last else f"s {step}-{self.last}",
+                         self.dir)
+
+    def after(self, step: int) -> None:
+        """Called once step number `step` has finished (its metrics on the host)."""
+        if self.active:
+            self.traced.append(step)
+            if step >= self.last:
+                self.close()
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            logging.info("profile of steps %s written to %s", ", ".join(map(str, self.traced)), self.dir)
+
+
 def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
              show: Callable[[dict], bool] = lambda metrics: False) -> list[dict]:
     """Runs `stage` until config.steps (resuming from its latest checkpoint); returns one dict per step run here
     ({"step": n, metric: float}). show(metrics) -> True also prints that step's console line."""
     main = jax.process_index() == 0
     writer = MetricsWriter(workdir, enabled=main)
+    profiler = StepProfiler(config.get("profile"), workdir)
     history = []
     try:
         with checkpointing.manager(workdir, config.checkpoint) as mngr, checkpointing.StopSignal() as stop:
@@ -54,8 +90,11 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                 prepare(stop)
             with Progress(config.steps, step, keys=keys, log_every=config.log_every, enabled=main, desc=desc) as bar:
                 while step < config.steps and not stop.requested:
-                    metrics = stage.run_step()
+                    profiler.before(step + 1)
+                    with jax.profiler.StepTraceAnnotation(desc, step_num=step + 1):
+                        metrics = stage.run_step()
                     step += 1
+                    profiler.after(step)
                     writer.write(step, metrics)
                     history.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
                     bar.update(step, metrics, force_line=show(metrics))
@@ -63,6 +102,7 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
             mngr.wait_until_finished()
             if stop.requested:
                 logging.info("stopped by a signal at step %d (checkpoint saved in %s)", step, mngr.directory)
-    finally:  # (a failed restore or step closes the metrics files too)
+    finally:  # (a failed restore or step closes the metrics files, and the trace, too)
+        profiler.close()
         writer.close()
     return history
