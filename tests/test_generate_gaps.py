@@ -411,6 +411,21 @@ def test_run_refuses_bad_flags_by_name(kw, match):
         run(ckpt, [("--prompt", {"prompt": "hi"})], write=lambda s: None, **kw)
 
 
+def test_run_refuses_a_tokenizer_one_id_larger_than_the_model(tmp_path):
+    """The boundary of the same check: a tokenizer.json of 257 ids (a word-level vocabulary built here) on the
+    256-id model is refused by name (the byte tokenizer's 256 ids pass: the other tests). Mutant guarded: the check
+    loosened (`> vocab_size + 1000`: the 1536-id chat:bpe case above still fails, a few ids too many do not)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from dsv32_jax.train.generate_main import GenerateError
+
+    vocab = {f"w{i}": i for i in range(257)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    want = r"tokenizer \S*tokenizer\.json: 257 ids, more than the model's vocab_size 256"
+    with pytest.raises(GenerateError, match=want):
+        run_cli([("--prompt", {"prompt": "w5"})], tokenizer=str(tmp_path / "tokenizer.json"))
+
+
 def test_read_prompts_refuses_an_empty_messages_list(tmp_path):
     """--chat with "messages": [] is refused by file and line (an empty conversation renders to a prompt with no
     user turn). Mutant guarded: the emptiness check dropped."""
