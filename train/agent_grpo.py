@@ -589,10 +589,9 @@ class AgentLearner:
         weight = float(a.get("language_weight", 0.0))
         if weight:
             values = []
-            for t, (spec, seed) in zip(trajs, rows):
+            for t, (spec, _) in zip(trajs, rows):
                 env = self._envs[spec]
-                instance = t.instance if t.instance is not None else env.generate(seed)  # (the episode's own)
-                got = env.language_consistency(instance, model_text(t))
+                got = env.language_consistency(t.instance, model_text(t))  # (the episode's own instance)
                 v = as_number(got)
                 if got is not None and not 0.0 <= v <= 1.0:  # (nan fails it too)
                     t.info["reward_error"] = (f"{type(env).__name__}.language_consistency() returned {got!r}, not a "

@@ -39,9 +39,10 @@ class StepProfiler:
     the trace. Every process traces its own devices (one file per host in the same run directory)."""
 
     def __init__(self, profile, workdir: str):
-        self.first = int(profile.get("start", 2)) if profile is not None else 0
-        self.last = self.first + (int(profile.get("steps", 0)) if profile is not None else 0) - 1
-        self.dir = (profile.get("dir", "") if profile is not None else "") or os.path.join(workdir, "profile")
+        profile = {} if profile is None else profile  # (a config without the section: off)
+        self.first = int(profile.get("start", 2))
+        self.last = self.first + int(profile.get("steps", 0)) - 1
+        self.dir = profile.get("dir", "") or os.path.join(workdir, "profile")
         self.active, self.traced = False, []
 
     def before(self, step: int) -> None:
