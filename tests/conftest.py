@@ -142,6 +142,22 @@ def pytest_unconfigure(config):
 from seeds import SEED_OFFSET, test_seed  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _restore_log_levels():
+    """A test that parses absl flags (a CLI's main run in-process) sets the absl logger to --verbosity's default,
+    WARNING, and a convert run sets WARNING itself; later tests on the same xdist worker would then lose absl INFO
+    records. Every test leaves the absl and root logger levels as it found them."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    loggers = (logging.getLogger(), absl_logging.get_absl_logger())
+    levels = [logger.level for logger in loggers]
+    yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
+
+
 @pytest.fixture
 def seed(request) -> int:
     value = test_seed(request.node.nodeid)
