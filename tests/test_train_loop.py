@@ -310,6 +310,32 @@ def test_cli_refused_configuration_is_one_line_and_leaves_no_workdir(args, messa
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("fields,message", [
+    ({"data.paths": ("nope.jsonl",)}, r"^data source 'jsonl': file 'nope\.jsonl' does not exist$"),
+    ({"data.paths": ("*.nojsonl",)}, r"^data source 'jsonl': no files match the pattern '\*\.nojsonl'$"),
+    ({"data.tokenizer": "no_tokenizer"}, r"^tokenizer 'no_tokenizer': no_tokenizer not found"),
+    ({"eval.every": 2, "eval.paths": ("held.jsonl",)},
+     r"^config\.eval \(the held-out data\): data source 'jsonl': file 'held\.jsonl' does not exist$"),
+    ({"eval.every": 2}, r"^config\.eval\.paths: held-out files are needed for data\.source='jsonl'"),
+])
+def test_setup_refuses_missing_data_inputs_before_it_builds_the_model(fields, message, tmp_path, monkeypatch):
+    """A missing data file or tokenizer was found only once the model state had been built (12 s of compiles for
+    the quickstart config), and a missing held-out file only at the first evaluation: a traceback after steps
+    and checkpoints had been written. setup() checks both before it builds anything."""
+    from dsv32_jax.train import run as run_lib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"text": "one document"}\n')
+    monkeypatch.setattr(run_lib, "Trainer", lambda *a, **k: pytest.fail("the model was built before the data check"))
+    config = load_config("quickstart", **{"data.source": "jsonl", "data.paths": ("d.jsonl",), **fields})
+    with pytest.raises(run_lib.SetupError, match=message):
+        run_lib.setup(config, str(tmp_path / "w"))
+    assert not os.path.exists(tmp_path / "w")
+    config = load_config("quickstart", **{"data.source": "jsonl", "data.paths": ("d.jsonl",)})
+    with pytest.raises(pytest.fail.Exception, match="built before the data check"):  # the inputs that exist pass
+        run_lib.setup(config, str(tmp_path / "w"))
+
+
 @pytest.mark.heavy  # 30 s on 2 cores
 def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
     res = cli([], cwd=tmp_path)

@@ -20,6 +20,20 @@ class SetupError(Exception):
     """The configuration or one of its inputs was refused before the first step (the cause is chained)."""
 
 
+def check_data_inputs(config, data_cfg: data_lib.DataConfig) -> None:
+    """The training data's and, when the run evaluates, the held-out data's inputs (files, tokenizer), checked
+    before the model state is built: a missing eval file used to end the run in a traceback at its first
+    evaluation, after steps and checkpoints had been written."""
+    data_lib.check_inputs(data_cfg)
+    if "eval" in config and config.eval.get("every"):
+        from dsv32_jax.train import eval as eval_lib
+        try:
+            data_lib.check_inputs(eval_lib.eval_data_config(config.data.to_dict(), config.eval))
+        except (OSError, ValueError) as e:
+            msg = str(e)
+            raise type(e)(msg if msg.startswith("config.eval") else f"config.eval (the held-out data): {msg}") from e
+
+
 def setup(config, workdir: str) -> Callable[[], list[dict]]:
     """Builds the stage's learner and data (model, optimizer, mesh, data pipeline: every configuration check
     runs here) and returns the function that trains it. Raises SetupError for a refused configuration or input;
@@ -34,8 +48,9 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
             learner = GRPOLearner(config, workdir)
             fit = lambda: finish_grpo(learner, workdir, learner.fit())  # noqa: E731
         else:
-            trainer = Trainer(config, workdir)
             data_cfg = data_lib.DataConfig(**config.data.to_dict())
+            check_data_inputs(config, data_cfg)
+            trainer = Trainer(config, workdir)
             i, n = trainer.data_shard  # the block of the batch's rows this process's devices own
             it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=i, process_count=n)
 

@@ -58,8 +58,8 @@ import grain
 import numpy as np
 
 from dsv32_jax.train.data.config import DataConfig
-from dsv32_jax.train.data.sources import make_source
-from dsv32_jax.train.data.tokenizers import make_tokenizer
+from dsv32_jax.train.data.sources import make_source, source_files
+from dsv32_jax.train.data.tokenizers import make_tokenizer, tokenizer_file
 
 
 class BlockShuffleMapDataset(grain.MapDataset):
@@ -261,6 +261,15 @@ class _PackedRowsIterator(grain.DatasetIterator):
 
 # ----------------------------------------------------------------------------------------------------
 # Entry points
+
+
+def check_inputs(cfg: DataConfig) -> None:
+    """Refuses what make_dataset would refuse about cfg's inputs without reading them: the source and split, a
+    path or pattern that names no file, a missing tokenizer file. A run calls it before it builds its model state
+    (seconds to minutes of compiles), so a typo in a path is reported at once."""
+    source_files(cfg)
+    if cfg.tokenizer != "byte":
+        tokenizer_file(cfg.tokenizer)
 
 
 def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,

@@ -359,22 +359,33 @@ class ArrayRecordSource:
         return raw.decode("utf-8", errors="replace")
 
 
-def make_source(cfg: DataConfig):
-    """The random-access document source for cfg, and its locality blocks (None = any order is cheap)."""
+# the file names each source reads in a directory (data.paths may also name files and glob patterns)
+SUFFIXES = {"jsonl": (".jsonl", ".json"), "text": (".txt",), "parquet": (".parquet",),
+            "arrayrecord": ("array_record", "arrayrecord")}
+
+
+def source_files(cfg: DataConfig) -> list[str] | None:
+    """The files cfg reads (None for the built-in corpus), after the source and split checks; opens none."""
     if cfg.source == "builtin":
-        return ListSource(builtin_documents(cfg.split)), None
+        return None
     if cfg.split != "train":
         raise ValueError(f"data.split={cfg.split!r} applies to data.source='builtin' only; for {cfg.source!r} "
                          "point data.paths (or config.eval.paths) at the held-out files")
-    what = f"data source {cfg.source!r}"
+    if cfg.source not in SUFFIXES:
+        raise ValueError(f"unknown data source {cfg.source!r}")
+    return resolve_paths(cfg.paths, suffixes=SUFFIXES[cfg.source], what=f"data source {cfg.source!r}")
+
+
+def make_source(cfg: DataConfig):
+    """The random-access document source for cfg, and its locality blocks (None = any order is cheap)."""
+    files = source_files(cfg)
+    if files is None:
+        return ListSource(builtin_documents(cfg.split)), None
     if cfg.source == "jsonl":
-        return JsonlSource(resolve_paths(cfg.paths, suffixes=(".jsonl", ".json"), what=what), cfg.text_field), None
+        return JsonlSource(files, cfg.text_field), None
     if cfg.source == "text":
-        return TextSource(resolve_paths(cfg.paths, suffixes=(".txt",), what=what)), None
+        return TextSource(files), None
     if cfg.source == "parquet":
-        src = ParquetSource(resolve_paths(cfg.paths, suffixes=(".parquet",), what=what), cfg.text_field)
+        src = ParquetSource(files, cfg.text_field)
         return src, src.blocks
-    if cfg.source == "arrayrecord":
-        files = resolve_paths(cfg.paths, suffixes=("array_record", "arrayrecord"), what=what)
-        return ArrayRecordSource(files, cfg.text_field), None
-    raise ValueError(f"unknown data source {cfg.source!r}")
+    return ArrayRecordSource(files, cfg.text_field), None

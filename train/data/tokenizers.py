@@ -121,19 +121,21 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def tokenizer_file(spec: str) -> str:
+    """The tokenizer.json a spec other than "byte" names (the file, or one in the directory); raises if absent."""
+    path = os.path.expanduser(os.fspath(spec))
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {spec!r}: {path} not found (give \"byte\", a tokenizer.json, "
+                                "or a checkpoint directory that contains tokenizer.json)")
+    return path
+
+
 def make_tokenizer(spec: str, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
     """"byte", a tokenizer.json path, or a (checkpoint) directory containing tokenizer.json. With
     ``vocab_size`` (the model's), raises if the tokenizer can produce ids >= vocab_size."""
-    if spec == "byte":
-        tok = ByteTokenizer()
-    else:
-        path = os.path.expanduser(os.fspath(spec))
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer {spec!r}: {path} not found (give \"byte\", a tokenizer.json, "
-                                    "or a checkpoint directory that contains tokenizer.json)")
-        tok = HFTokenizer(path)
+    tok = ByteTokenizer() if spec == "byte" else HFTokenizer(tokenizer_file(spec))
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{vocab_size}: token ids would fall outside the embedding table. Use a model config "
