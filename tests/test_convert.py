@@ -297,7 +297,7 @@ def test_hf_fixture_through_orbax_loads_identical_parameters(tmp_path):
         np.testing.assert_array_equal(np.asarray(flat_a[k]), np.asarray(flat_b[k]), err_msg=str(k))
 
 
-@pytest.mark.parametrize("case", ["hf_short", "hf_long", "hf_moe_bias"])
+@pytest.mark.parametrize("case", ["hf_short", pytest.param("hf_long", marks=pytest.mark.heavy), "hf_moe_bias"])
 def test_hf_golden_fixtures_through_orbax(tmp_path, case):
     """(FP8-quantizing these fixtures is no test: they are built so that small weight changes flip the indexer's
     and the router's choices.)"""

@@ -420,7 +420,7 @@ def test_indexer_topk_matches_reference_with_segments(rng, impl, fp8):
     np.testing.assert_array_equal(np.sort(np.asarray(out), -1), np.sort(np.asarray(ref), -1))
 
 
-@pytest.mark.parametrize("impl,fp8", [(IMPL, False), (IMPL, True), (TPU, True)])
+@pytest.mark.parametrize("impl,fp8", [(IMPL, False), pytest.param(IMPL, True, marks=pytest.mark.heavy), (TPU, True)])
 def test_indexer_topk_non_contiguous_segments(rng, impl, fp8):
     """GRPO layouts reuse segment 0 for left padding and after EOS: the key ranges over-cover, the masked branch
     must still give the reference selection (and the contiguous rows of the batch too)."""
@@ -650,16 +650,21 @@ def test_sparse_mla_bwd_option_is_checked(rng):
 
 # --------------------------------------------------------------------------------- sparse MLA, TPU kernels
 # float32 rows are gathered as they are, bfloat16 rows as packed 32-bit words (sparse_mla_tpu's two planes)
-TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
-             (jnp.float32, "odd"), (jnp.bfloat16, "odd")]
-TPU_GRAD_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
-                  (jnp.float32, "odd")]
+# bf16 "tiny" and "blocks" in `make test-heavy` (out of make test's 15 minutes, 2026-12-02): make test keeps bf16 on
+# the "odd" shape, and float32 on all three
+TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"),
+             pytest.param(jnp.bfloat16, "tiny", marks=pytest.mark.heavy),
+             pytest.param(jnp.bfloat16, "blocks", marks=pytest.mark.heavy), (jnp.float32, "odd"), (jnp.bfloat16, "odd")]
+TPU_GRAD_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"),
+                  pytest.param(jnp.bfloat16, "tiny", marks=pytest.mark.heavy),
+                  pytest.param(jnp.bfloat16, "blocks", marks=pytest.mark.heavy), (jnp.float32, "odd")]
 
 
 # DMA modes of TPU interpret mode. eager: a DMA lands when started (a prefetch into the buffer being read corrupts
 # it); on_wait: only when waited (a read before its wait sees stale data or NaN). A double-buffering mistake fails
 # one of the two.
-@pytest.mark.parametrize("dtype,shape,dma_mode", [(*c, "eager") for c in TPU_CASES]
+@pytest.mark.parametrize("dtype,shape,dma_mode", [
+    pytest.param(*c.values, "eager", marks=c.marks) if hasattr(c, "values") else (*c, "eager") for c in TPU_CASES]
                          + [(jnp.float32, "blocks", "on_wait")])
 def test_sparse_mla_tpu_forward_and_probs(rng, monkeypatch, dtype, shape, dma_mode):
     monkeypatch.setitem(_dispatch.TPU_INTERPRET_OPTIONS, "dma_execution_mode", dma_mode)
@@ -1127,7 +1132,10 @@ def _mgpu_mla_inputs(rng, n, h, m, k):
     return q, kv, jnp.asarray(idx)
 
 
-MGPU_FWD_FORMS = pytest.mark.parametrize("h,form", [(128, "split"), (32, "split"), (64, "pingpong")],
+# 64-pingpong in `make test-heavy` (out of make test's 15 minutes, 2026-12-02; make test keeps the ping-pong form in
+# test_sparse_mla_pingpong_forward_through_the_op)
+MGPU_FWD_FORMS = pytest.mark.parametrize("h,form", [(128, "split"), (32, "split"),
+                                                    pytest.param(64, "pingpong", marks=pytest.mark.heavy)],
                                          ids=["128", "32", "64-pingpong"])
 
 
@@ -1240,7 +1248,7 @@ def _padded_mla_case(rng, b=2, t=2, h=40, s=90, k=72):
     return q, kv, jnp.asarray(idx)
 
 
-@pytest.mark.parametrize("h", [40, 24])
+@pytest.mark.parametrize("h", [pytest.param(40, marks=pytest.mark.heavy), 24])  # 40: 15 s, in make test-heavy
 def test_sparse_mla_mosaic_gpu_impl_forward_and_gradients(rng, monkeypatch, h):
     """`kernels.sparse_mla(impl="interpret_mosaic_gpu")`: the Mosaic GPU forward behind the op's custom VJP, the
     Triton stored backward (interpret) on its residuals. Heads (40: padded to 64; 24: padded to 32, the keys-as-M
@@ -1465,7 +1473,8 @@ def test_sparse_mla_pds_mgpu_has_no_race(rng, monkeypatch, h):
     _check_pds(p, ds, *args)
 
 
-@pytest.mark.parametrize("bwd,h", [("stored", 40), ("atomic", 40), ("stored", 24)])
+@pytest.mark.parametrize("bwd,h", [("stored", 40), ("atomic", 40),
+                                   pytest.param("stored", 24, marks=pytest.mark.heavy)])  # the H 32 form: pds_mgpu[32]
 def test_sparse_mla_pds_mosaic_gpu_gradients(rng, monkeypatch, bwd, h):
     """`kernels.sparse_mla(pds="mosaic_gpu")`: the stored / atomic backward with its P and dS from the Mosaic GPU
     kernel (interpret mode on CPU), the rest Triton. Heads (40: padded to 64; 24: padded to 32, the keys-as-M form)

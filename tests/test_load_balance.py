@@ -104,6 +104,7 @@ def test_bias_updates_drive_a_skewed_router_to_balance(rng):
     assert after < 1.4
 
 
+@pytest.mark.heavy  # 15-18 s; make test keeps test_train_gaps' MTP-bias step test, which checks layer 0's bias too
 def test_the_train_step_updates_the_bias_from_its_own_batchs_loads(tmp_path, rng):
     """One dense-stage step (one MoE layer, bias_update_speed 1e-2): each expert's bias moves by exactly
     +-0.01 or 0, by the sign of (mean load - its load), the loads counted in numpy from the routing of the step's

@@ -68,8 +68,8 @@ def flat(state):
     return {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.traversals.flatten_mapping(nnx.to_pure_dict(state)).items()}
 
 
-@pytest.mark.parametrize("stage,microbatches", [("dense", 2), ("warmup", 2),
-                                                pytest.param("sparse", 4, marks=pytest.mark.heavy)])  # 37 s
+@pytest.mark.parametrize("stage,microbatches", [pytest.param("dense", 2, marks=pytest.mark.heavy), ("warmup", 2),
+                                                pytest.param("sparse", 4, marks=pytest.mark.heavy)])  # 15 s, 37 s
 def test_microbatched_step_equals_the_unsplit_step(tmp_path, rng, stage, microbatches):
     """The sparse stage with the MTP layer (every loss), the others without it (less to compile)."""
     trainer = Trainer(tiny_config(stage, mtp=stage == "sparse"), str(tmp_path / "w"), allocate=False)
