@@ -650,28 +650,30 @@ def test_sparse_mla_bwd_option_is_checked(rng):
 
 # --------------------------------------------------------------------------------- sparse MLA, TPU kernels
 # float32 rows are gathered as they are, bfloat16 rows as packed 32-bit words (sparse_mla_tpu's two planes)
-# bf16 "tiny" and "blocks" in `make test-heavy` (out of make test's 15 minutes, 2026-12-02): make test keeps bf16 on
-# the "odd" shape, and float32 on all three
-TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"),
-             pytest.param(jnp.bfloat16, "tiny", marks=pytest.mark.heavy),
-             pytest.param(jnp.bfloat16, "blocks", marks=pytest.mark.heavy), (jnp.float32, "odd"), (jnp.bfloat16, "odd")]
-TPU_GRAD_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"),
-                  pytest.param(jnp.bfloat16, "tiny", marks=pytest.mark.heavy),
-                  pytest.param(jnp.bfloat16, "blocks", marks=pytest.mark.heavy), (jnp.float32, "odd")]
+TPU_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
+             (jnp.float32, "odd"), (jnp.bfloat16, "odd")]
+TPU_GRAD_CASES = [(jnp.float32, "tiny"), (jnp.float32, "blocks"), (jnp.bfloat16, "tiny"), (jnp.bfloat16, "blocks"),
+                  (jnp.float32, "odd")]
+
+
+def _tpu_case(dtype, shape, *rest):
+    """bf16 "tiny" and "blocks" run in `make test-heavy` (out of make test's 15 minutes, 2026-12-02); make test
+    keeps bf16 on the "odd" shape, and float32 on all three."""
+    heavy = dtype == jnp.bfloat16 and shape in ("tiny", "blocks")
+    return pytest.param(dtype, shape, *rest, marks=[pytest.mark.heavy] if heavy else [])
 
 
 # DMA modes of TPU interpret mode. eager: a DMA lands when started (a prefetch into the buffer being read corrupts
 # it); on_wait: only when waited (a read before its wait sees stale data or NaN). A double-buffering mistake fails
 # one of the two.
-@pytest.mark.parametrize("dtype,shape,dma_mode", [
-    pytest.param(*c.values, "eager", marks=c.marks) if hasattr(c, "values") else (*c, "eager") for c in TPU_CASES]
+@pytest.mark.parametrize("dtype,shape,dma_mode", [_tpu_case(*c, "eager") for c in TPU_CASES]
                          + [(jnp.float32, "blocks", "on_wait")])
 def test_sparse_mla_tpu_forward_and_probs(rng, monkeypatch, dtype, shape, dma_mode):
     monkeypatch.setitem(_dispatch.TPU_INTERPRET_OPTIONS, "dma_execution_mode", dma_mode)
     _check_sparse_mla_forward(rng, dtype, shape, impl=TPU, block_i=16)
 
 
-@pytest.mark.parametrize("dtype,shape", TPU_GRAD_CASES)
+@pytest.mark.parametrize("dtype,shape", [_tpu_case(*c) for c in TPU_GRAD_CASES])
 def test_sparse_mla_tpu_gradients_match_autodiff_of_reference(rng, dtype, shape):
     _check_sparse_mla_gradients(rng, dtype, shape, impl=TPU, block_i=8, bwd_partial_bytes=4096)
 

@@ -29,9 +29,8 @@ def check_data_inputs(config, data_cfg: data_lib.DataConfig) -> None:
         from dsv32_jax.train import eval as eval_lib
         try:
             data_lib.check_inputs(eval_lib.eval_data_config(config.data.to_dict(), config.eval))
-        except (OSError, ValueError) as e:
-            msg = str(e)
-            raise type(e)(msg if msg.startswith("config.eval") else f"config.eval (the held-out data): {msg}") from e
+        except OSError as e:  # a missing file or tokenizer (eval_data_config's own errors name config.eval already)
+            raise OSError(f"config.eval (the held-out data): {e}") from e
 
 
 def setup(config, workdir: str) -> Callable[[], list[dict]]:
