@@ -104,6 +104,38 @@ def test_config_run_option_reaches_the_model_and_is_checked(field, default, othe
         RunOptions(**{field: bad})
 
 
+@pytest.mark.parametrize("stage", ["grpo", "agent"])
+def test_post_training_stages_build_their_model_with_the_configs_run_options(stage, tmp_path, monkeypatch):
+    """The GRPO and agent learners build their model with every run-option field of the config, as the LM stages
+    do: before, the agent stage dropped remat, scan_layers, kl_key_grad and the kernel choices, and GRPO the last
+    two, silently (a remat=full agent run held every block's activations). The learner is stopped where it builds
+    the model (a stand-in Transformer records the options). Mutant: either learner back on its own RunOptions."""
+    import importlib
+
+    from dsv32_jax.train.config import default_config
+    module = importlib.import_module("dsv32_jax.train." + {"grpo": "grpo", "agent": "agent_grpo"}[stage])
+    learner = {"grpo": "GRPOLearner", "agent": "AgentLearner"}[stage]
+
+    class Built(Exception):
+        pass
+
+    def stand_in(cfg, *, options, **kw):
+        raise Built(options)
+
+    monkeypatch.setattr(module, "Transformer", stand_in)
+    c = default_config()
+    c.stage, c.mesh, c.attention, c.attn_chunk = stage, "", "kernel", 16
+    fields = dict(remat="full", scan_layers=True, kl_key_grad="segment_sum", mla_bwd="atomic",
+                  mla_fwd="mosaic_gpu_pingpong", mla_pds="mosaic_gpu", mla_dqkv="triton", indexer_fp8=True)
+    for k, v in fields.items():
+        setattr(c, k, v)
+    with pytest.raises(Built) as built:
+        getattr(module, learner)(c, str(tmp_path))
+    options = built.value.args[0]
+    assert {k: getattr(options, k) for k in fields} == fields
+    assert (options.attention, options.attn_chunk, options.dsa, options.indexer_loss) == ("kernel", 16, True, None)
+
+
 @pytest.mark.parametrize("chunk", [pytest.param(5, marks=pytest.mark.heavy),  # 33 s on 2 cores
                                    pytest.param(64, marks=pytest.mark.heavy)])  # 27 s
 def test_token_chunked_heads_give_the_same_objective_without_vocab_sized_buffers(chunk, tmp_path, rng):

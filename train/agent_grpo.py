@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from dsv32_jax import RunOptions, Transformer
+from dsv32_jax import Transformer
 from dsv32_jax.posttrain import chat
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
@@ -49,7 +49,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config
+from dsv32_jax.train.trainer import resumed_model_config, run_options
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
@@ -279,8 +279,7 @@ class AgentLearner:
                           config.mesh, "config.agent.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
-                             indexer_fp8=config.get("indexer_fp8", False))
+        options = run_options(config)
         if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             import dsv32_jax
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 import dsv32_jax
-from dsv32_jax import RunOptions, Transformer
+from dsv32_jax import Transformer
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.sampler import SamplingConfig, generate, sequence_layout
 from dsv32_jax.train import checkpointing, rl_tasks, steps
@@ -28,7 +28,7 @@ from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config
+from dsv32_jax.train.trainer import resumed_model_config, run_options
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
                 "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
@@ -102,9 +102,7 @@ class GRPOLearner:
                           self.mesh, config.mesh, "config.grpo.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        options = RunOptions(attention=config.attention, attn_chunk=config.attn_chunk, index_chunk=config.index_chunk,
-                             remat=config.get("remat", "none"), scan_layers=config.get("scan_layers", False),
-                             indexer_fp8=config.get("indexer_fp8", False))
+        options = run_options(config)
         if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
                                               overrides=dict(config.model_overrides) or None)

@@ -40,6 +40,9 @@ BATCH_KEYS = steps.LM_BATCH_KEYS
 
 
 def run_options(config) -> RunOptions:
+    """The model's RunOptions for `config`'s stage, from the config's run-option fields (remat, scan_layers, chunks,
+    indexer_fp8, kl_key_grad, the kernel choices); every stage reads all of them. The GRPO and agent stages set
+    `indexer_loss` per step (their losses decide it), so their options leave it unset."""
     stage = config.stage
     common = dict(attn_chunk=config.attn_chunk, index_chunk=config.index_chunk, remat=config.get("remat", "none"),
                   scan_layers=config.get("scan_layers", False), indexer_fp8=config.get("indexer_fp8", False),
@@ -53,6 +56,8 @@ def run_options(config) -> RunOptions:
         # top-k is the kernels' selection (indexer_topk: the one the sparse stage runs)
         attention = "kernel" if config.attention == "kernel" else "dense"
         return RunOptions(dsa=False, attention=attention, indexer_loss="dense", **common)
+    if stage in ("grpo", "agent"):
+        return RunOptions(attention=config.attention, **common)
     return RunOptions(attention=config.attention, indexer_loss="sparse", **common)
 
 
