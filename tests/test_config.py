@@ -215,6 +215,28 @@ def test_training_config_checks_name_the_field(stage, field, value, needle):
         check_config(_training_config(stage, **{field: value}))
 
 
+@pytest.mark.parametrize("stage", ["grpo", "agent"])
+def test_post_training_stages_refuse_microbatches_and_name_the_lm_fields_they_ignore(stage, caplog):
+    """The GRPO and agent stages read neither config.microbatches nor the data / loss / eval sections, and dropped
+    them silently (a microbatches=4 run went out of memory on its whole batch). Now microbatches > 1 is refused by
+    name, and the LM-only fields a config sets are logged as ignored, each named; the shipped GRPO / agent configs
+    set none of them (no warning). The LM stages accept the same fields."""
+    from dsv32_jax.train.config import base_config, check_config, check_post_training_fields
+
+    check_config(_training_config("sparse", microbatches=2, **{"data.seq_len": 64}))
+    with pytest.raises(ValueError, match=rf"config\.microbatches=2: .* config\.{stage}\.minibatches"):
+        check_config(_training_config(stage, microbatches=2))
+    c = _training_config(stage, **{"data.seq_len": 64, "data.paths": ("a.jsonl",), "loss.mtp_weight": 0.3,
+                                   "eval.every": 5, "data.shuffle": True})
+    with caplog.at_level("WARNING", logger="absl"):
+        assert check_post_training_fields(c) == ["data.paths", "data.seq_len", "loss.mtp_weight", "eval.every"]
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"config.data.paths, config.data.seq_len: not read by the {stage} stage" in said, said
+    assert "config.loss.mtp_weight" in said and "config.eval.every" in said and "shuffle" not in said
+    for name in ("grpo_tiny", "grpo_small", "agent_tiny", "agent_lookup", "agent_trip", "agent_calculator"):
+        assert check_post_training_fields(base_config(name)) == [], name
+
+
 def test_eval_sources_are_checked_before_the_first_step():
     """A file data source without config.eval.paths failed at the first evaluation (step 50 of dense_tiny), after
     training."""

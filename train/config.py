@@ -395,3 +395,42 @@ def check_config(config) -> None:
         integer("agent.cold_start_steps", 0)
         integer("agent.sft_checkpoint_every", 0)
         integer("agent.recall_steps", 0)
+    if config.stage in ("grpo", "agent"):
+        check_post_training_fields(config)
+
+
+# The sections only the LM stages (dense, warmup, sparse) read, and what the GRPO / agent stage uses instead.
+LM_STAGE_FIELDS = {"data": {"grpo": "its prompts are config.grpo.tasks", "agent": "its tasks are config.agent.envs"},
+                   "loss": {s: f"its losses are set in config.{s} (e.g. config.{s}.indexer_weight)"
+                            for s in ("grpo", "agent")},
+                   "eval": {s: f"it evaluates by sampling every config.{s}.eval_every steps" for s in ("grpo", "agent")}}
+
+
+def check_post_training_fields(config) -> list[str]:
+    """The GRPO and agent stages read neither `microbatches` nor the data, loss or eval sections. `microbatches` > 1
+    is refused (it would have been dropped silently: the whole batch in one pass); a data / loss / eval field that
+    differs from the default is logged as a warning naming it (a config file shared with an LM stage may set them).
+    Returns the fields warned about."""
+    from absl import logging
+
+    stage = config.stage
+    if config.get("microbatches", 1) != 1:
+        raise ValueError(f"config.microbatches={config.microbatches!r}: gradient accumulation is for the LM stages; "
+                         f"the {stage} stage splits its rollouts into optimizer steps by config.{stage}.minibatches")
+    defaults, ignored = default_config(), []
+
+    def walk(node, ref, path):
+        for key in node:
+            value, base = node[key], ref.get(key, None) if ref is not None else None
+            if isinstance(value, ml_collections.ConfigDict):
+                walk(value, base if isinstance(base, ml_collections.ConfigDict) else None, f"{path}.{key}")
+            elif ref is None or key not in ref or value != base:
+                ignored.append(f"{path}.{key}")
+
+    for section in LM_STAGE_FIELDS:
+        if section in config:
+            walk(config[section], defaults[section], section)
+    for section in dict.fromkeys(f.split(".")[0] for f in ignored):
+        fields = ", ".join(f"config.{f}" for f in ignored if f.split(".")[0] == section)
+        logging.warning("%s: not read by the %s stage (%s); ignored", fields, stage, LM_STAGE_FIELDS[section][stage])
+    return ignored
