@@ -46,8 +46,11 @@ def test_cli_on_a_training_workdir_streams_greedy_tokens(workdir):
     r = _cli(f"--ckpt={workdir}", "--prompt=the cat sat", "--temperature=0", "--max_new_tokens=12")
     assert r.returncode == 0, r.stderr[-3000:]
     streamed = r.stdout.rstrip("\n")
+    # a dense-stage workdir: its indexers never trained, so --dsa=auto attends to every earlier token, and says so
+    assert "a dense-stage training checkpoint (its indexers had no loss): attending to every earlier token" in r.stderr
     # the same greedy tokens without the decode cache (the whole prefix re-run per token), byte-decoded
-    model = dsv32_jax.from_pretrained(workdir, dtype=jnp.float32, include_mtp=False)
+    model = dsv32_jax.from_pretrained(workdir, dtype=jnp.float32, include_mtp=False,
+                                      options=dsv32_jax.RunOptions(dsa=False))
     ids = generate_no_cache(model, list(b"the cat sat"), SamplingConfig(max_new_tokens=12, greedy=True, eos_id=-1))
     assert streamed == bytes(ids).decode("utf-8", errors="replace")
     assert len(ids) == 12

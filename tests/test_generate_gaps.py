@@ -491,3 +491,96 @@ def test_main_checks_its_flags_and_passes_them_on(cli_main):
                         (("--prompt=hi", "--thinking"), "--thinking applies to chat prompts: add --chat")]:
         err, seen = cli_main("--ckpt=c", *args)
         assert isinstance(err, app.UsageError) and match in str(err) and not seen, (args, err)
+
+
+def test_main_passes_the_attention_and_top_k_flags_on(cli_main):
+    """--top_k, --dsa, --attention, --indexer_fp8 and --fp8_kv reach run() (defaults: 0, auto, sparse, off, off)."""
+    status, seen = cli_main("--ckpt=c", "--prompt=hi")
+    assert status == 0
+    assert [seen[k] for k in ("top_k", "dsa", "attention", "indexer_fp8", "fp8_kv")] == [0, "auto", "sparse", False,
+                                                                                          False]
+    status, seen = cli_main("--ckpt=c", "--prompt=hi", "--top_k=7", "--dsa=off", "--attention=dense", "--indexer_fp8",
+                            "--fp8_kv")
+    assert [seen[k] for k in ("top_k", "dsa", "attention", "indexer_fp8", "fp8_kv")] == [7, "off", "dense", True, True]
+
+
+@pytest.fixture
+def loaded_options(monkeypatch):
+    """Wraps dsv32_jax.from_pretrained (run calls it through the package) to record the options it is given."""
+    import dsv32_jax
+
+    seen, real = [], dsv32_jax.from_pretrained
+
+    def spy(path, *args, options=None, **kw):
+        seen.append(options)
+        return real(path, *args, options=options, **kw)
+
+    monkeypatch.setattr(dsv32_jax, "from_pretrained", spy)
+    return seen
+
+
+def test_run_builds_the_model_with_the_attention_flags(scripted_stream, loaded_options):
+    """run(): the model's RunOptions come from --dsa / --attention / --indexer_fp8 / --fp8_kv, and --top_k reaches
+    the SamplingConfig (before, generation always ran the default options: no FP8 indexer or FP8 cache as the
+    official inference code runs, no kernels, and a checkpoint with untrained indexers selected at random).
+    hf_long holds trained indexer tensors, so "auto" keeps DSA on and says nothing."""
+    notes = []
+    run_cli([("a", {"prompt": "hi"})], tokenizer="byte", note=notes.append)
+    run_cli([("a", {"prompt": "hi"})], tokenizer="byte", dsa="off", attention="dense", indexer_fp8=True, fp8_kv=True,
+            top_k=4)
+    (auto, forced) = loaded_options
+    assert (auto.dsa, auto.attention, auto.indexer_fp8, auto.fp8_kv) == (True, "sparse", False, False) and not notes
+    assert (forced.dsa, forced.attention, forced.indexer_fp8, forced.fp8_kv) == (False, "dense", True, True)
+    assert [c.cfg.top_k for c in scripted_stream] == [0, 4]
+    from dsv32_jax.train.generate_main import GenerateError
+    for kw, match in [(dict(top_k=-1), r"--top_k=-1: must be >= 0"), (dict(dsa="yes"), r"--dsa=yes: must be auto")]:
+        with pytest.raises(GenerateError, match=match):
+            run_cli([("a", {"prompt": "hi"})], tokenizer="byte", **kw)
+
+
+def test_dsa_auto_attends_densely_where_the_indexers_were_never_trained(tmp_path, monkeypatch, scripted_stream,
+                                                                         loaded_options):
+    """`untrained_indexers`: an HF checkpoint without indexer tensors (DeepSeek-V3.1-Terminus), an orbax
+    conversion that initialized them fresh (dsv32_meta.json "indexers": {"fresh": true}) and a dense-stage training
+    workdir (meta "stage": "dense", as train/trainer.py records it) are named; hf_long (indexer tensors), a
+    conversion that loaded them and a sparse-stage workdir are not. With --dsa=auto such a checkpoint generates with
+    dsa=False and one note on stderr naming why; --dsa=on keeps the selection."""
+    import json
+
+    from dsv32_jax.checkpoint import orbax_io
+    from dsv32_jax.checkpoint.loading import untrained_indexers
+    from dsv32_jax.checkpoint.safetensors_io import HFCheckpoint, write_safetensors
+
+    v3 = tmp_path / "v3"
+    v3.mkdir()
+    with open(os.path.join(HF_LONG, "config.json")) as f:
+        cfg = json.load(f)
+    (v3 / "config.json").write_text(json.dumps(dict(cfg, model_type="deepseek_v3")))
+    src = HFCheckpoint(HF_LONG)
+    name = next(n for n in src.names() if "indexer" not in n)
+    write_safetensors(str(v3 / "model.safetensors"), {name: np.zeros((2, 2), np.float32)})
+    assert untrained_indexers(HF_LONG) is None
+    assert untrained_indexers(str(v3)) == f"{v3}: an HF checkpoint without lightning indexer tensors (model_type " \
+                                         "'deepseek_v3')"
+    for fresh in (True, False):
+        conv = tmp_path / f"orbax_{fresh}"
+        (conv / orbax_io.PARAMS_DIR).mkdir(parents=True)
+        orbax_io.write_json(str(conv / orbax_io.META_FILE), {"format": orbax_io.FORMAT_NAME,
+                                                             "version": orbax_io.FORMAT_VERSION,
+                                                             "indexers": {"fresh": fresh}})
+        assert (untrained_indexers(str(conv)) is not None) == fresh
+    work = tmp_path / "work"
+    (work / orbax_io.WORKDIR_CHECKPOINTS).mkdir(parents=True)
+    for stage in ("dense", "warmup", "sparse", "grpo"):
+        monkeypatch.setattr(orbax_io, "training_checkpoint",
+                            lambda path, step=None, stage=stage: SimpleNamespace(meta={"stage": stage}))
+        assert (untrained_indexers(str(work)) is not None) == (stage == "dense"), stage
+
+    # through run(): hf_long under a deepseek_v3 label with its indexers hidden is what a V3.1 checkpoint looks like
+    monkeypatch.setattr("dsv32_jax.checkpoint.loading.untrained_indexers", lambda path, step=None: f"{path}: why")
+    notes = []
+    run_cli([("a", {"prompt": "hi"})], tokenizer="byte", note=notes.append)
+    run_cli([("a", {"prompt": "hi"})], tokenizer="byte", dsa="on", note=notes.append)
+    assert [o.dsa for o in loaded_options] == [False, True]
+    assert notes == [f"note: {HF_LONG}: why: attending to every earlier token (--dsa=on selects with these indexers "
+                     "anyway)"]

@@ -11,7 +11,13 @@ One prompt (--prompt) streams its completion to stdout as the tokens come. --pro
 per line with "prompt": a string, or with --chat also "messages": [{"role": ..., "content": ...}]) and --out
 writes JSONL (each input object plus "completion" and "completion_tokens"), written to a temporary file and
 renamed at the end. --chat renders the prompt as a user turn of the DeepSeek-V3.2 chat format (--thinking: the
-model opens a <think> block first; default off). --temperature=0 is greedy decoding.
+model opens a <think> block first; default off). --temperature=0 is greedy decoding; --top_k / --top_p truncate.
+
+Attention: DSA over the lightning indexer's top-k keys (--attention: in plain JAX, on the Pallas kernels, or the
+masked dense reference; --indexer_fp8 / --fp8_kv: the official inference code's FP8 indexer and FP8 latent cache).
+A checkpoint whose indexers were never trained (an HF DeepSeek-V3.1-Terminus checkpoint, a conversion with fresh
+indexers, a dense-stage workdir) attends to every earlier token instead, with a note on stderr (--dsa=on|off forces
+either).
 
 Errors name the file, the flag or the line: a checkpoint without a tokenizer, a prompt longer than the model's
 context (config max_position_embeddings), an empty prompts file, a line that is not a JSON object.
@@ -42,6 +48,19 @@ flags.DEFINE_string("tokenizer", None, "override the checkpoint's tokenizer: 'by
                     "tokenizer.json path (or a directory holding one)")
 flags.DEFINE_integer("step", None, "training workdirs: the checkpoint step (default: the latest)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute / parameter dtype")
+flags.DEFINE_integer("top_k", 0, "sample among the k most likely tokens only (0: no top-k truncation)")
+flags.DEFINE_enum("dsa", "auto", ["auto", "on", "off"],
+                  "DeepSeek Sparse Attention: 'on' attends to the lightning indexer's top-k keys, 'off' to every "
+                  "earlier token; 'auto': off when the checkpoint's indexers were never trained (an HF checkpoint "
+                  "without indexer weights such as DeepSeek-V3.1-Terminus, a conversion that initialized them fresh, "
+                  "a dense-stage training workdir), on otherwise")
+flags.DEFINE_enum("attention", "sparse", ["sparse", "kernel", "dense"],
+                  "how DSA attends: gathered top-k rows in plain JAX (sparse), the Pallas kernels (kernel: GPU / "
+                  "TPU), or the masked dense reference (dense)")
+flags.DEFINE_boolean("indexer_fp8", False, "select with the production indexer (Hadamard-rotated e4m3, as the "
+                     "official inference code runs it)")
+flags.DEFINE_boolean("fp8_kv", False, "keep the latent cache in FP8 (e4m3 with per-token scales), as the official "
+                     "inference code does")
 
 
 class GenerateError(ValueError):
@@ -195,10 +214,12 @@ def write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, chat: bool = False,
         thinking: bool = False, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
         seed: int = 0, mesh: str = "", tokenizer: str | None = None, step: int | None = None,
-        dtype: str = "float32", write=None) -> list[dict]:
+        dtype: str = "float32", top_k: int = 0, dsa: str = "auto", attention: str = "sparse",
+        indexer_fp8: bool = False, fp8_kv: bool = False, write=None, note=None) -> list[dict]:
     """Loads the checkpoint, encodes and checks every prompt (before generating anything), then generates and
     streams each completion through `write` (default: stdout). prompts: (label for errors, object) pairs.
-    Returns the output rows."""
+    dsa / attention / indexer_fp8 / fp8_kv: the model's RunOptions (`--dsa` explains "auto"); `note` (default:
+    stderr) gets one line when "auto" turns DSA off. Returns the output rows."""
     import jax
     import jax.numpy as jnp
 
@@ -219,13 +240,27 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         raise GenerateError(f"--top_p={top_p}: must be in (0, 1]")
     if max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+    if top_k < 0:
+        raise GenerateError(f"--top_k={top_k}: must be >= 0; 0 = no top-k truncation")
+    if dsa not in ("auto", "on", "off"):
+        raise GenerateError(f"--dsa={dsa}: must be auto, on or off")
     if out:  # before any generation, not after it
         if os.path.isdir(out):
             raise GenerateError(f"--out={out}: is a directory (give a file path for the JSONL output)")
         if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise GenerateError(f"--out={out}: directory {os.path.dirname(os.path.abspath(out))} does not exist")
     tok = resolve_tokenizer(ckpt, tokenizer, step)
-    model = dsv32_jax.from_pretrained(ckpt, dtype=jnp.dtype(dtype), mesh=mesh or None, step=step, include_mtp=False)
+    if dsa == "auto":
+        from dsv32_jax.checkpoint.loading import untrained_indexers
+
+        why = untrained_indexers(ckpt, step)
+        if why:
+            (note or (lambda m: print(m, file=sys.stderr, flush=True)))(
+                f"note: {why}: attending to every earlier token (--dsa=on selects with these indexers anyway)")
+        dsa = "off" if why else "on"
+    options = dsv32_jax.RunOptions(attention=attention, dsa=dsa == "on", indexer_fp8=indexer_fp8, fp8_kv=fp8_kv)
+    model = dsv32_jax.from_pretrained(ckpt, dtype=jnp.dtype(dtype), mesh=mesh or None, step=step, include_mtp=False,
+                                      options=options)
     if tok.vocab_size > model.config.vocab_size:
         raise GenerateError(f"tokenizer {tok.name}: {tok.vocab_size} ids, more than the model's vocab_size "
                             f"{model.config.vocab_size} ({ckpt}); pass the model's own tokenizer with --tokenizer")
@@ -239,7 +274,7 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         encoded.append(ids)
     eos = tok.eos_id if tok.eos_id is not None else -1
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature or 1.0, greedy=temperature == 0,
-                         top_p=top_p, eos_id=eos, pad_id=0, vocab_size=tok.vocab_size
+                         top_k=top_k, top_p=top_p, eos_id=eos, pad_id=0, vocab_size=tok.vocab_size
                          if tok.vocab_size < model.config.vocab_size else 0)
     rng = jax.random.key(seed)
     rows = []
@@ -270,7 +305,8 @@ def main(argv):
             prompts = [("--prompt", {"prompt": FLAGS.prompt})]
         run(FLAGS.ckpt, prompts, out=FLAGS.out, chat=FLAGS.chat, thinking=FLAGS.thinking,
             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
-            mesh=FLAGS.mesh, tokenizer=FLAGS.tokenizer, step=FLAGS.step, dtype=FLAGS.dtype)
+            mesh=FLAGS.mesh, tokenizer=FLAGS.tokenizer, step=FLAGS.step, dtype=FLAGS.dtype, top_k=FLAGS.top_k,
+            dsa=FLAGS.dsa, attention=FLAGS.attention, indexer_fp8=FLAGS.indexer_fp8, fp8_kv=FLAGS.fp8_kv)
     except (GenerateError, ValueError, OSError) as e:  # ValueError: PromptTooLongError, CheckpointError, ...
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

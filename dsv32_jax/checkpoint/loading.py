@@ -66,6 +66,25 @@ def hf_model_type(path: str) -> str:
         return json.load(f).get("model_type", "deepseek_v32")
 
 
+def untrained_indexers(path: str | os.PathLike, step: int | None = None) -> str | None:
+    """Why the lightning indexers `from_pretrained(path)` would load have never been trained, or None when they
+    have (as far as the checkpoint records): an HF checkpoint without indexer tensors (DeepSeek-V3.1-Terminus: the
+    indexers are initialized fresh), an orbax checkpoint whose conversion initialized them fresh (dsv32_meta.json
+    "indexers"), or a training workdir whose checkpoint is the dense stage's (no indexer loss). Selecting top-k keys
+    with such an indexer picks keys at random; `dsv32-generate --dsa=auto` attends densely instead."""
+    path = os.fspath(path)
+    if orbax_io.is_training_workdir(path):
+        stage = orbax_io.training_checkpoint(path, step).meta.get("stage")
+        return f"{path}: a dense-stage training checkpoint (its indexers had no loss)" if stage == "dense" else None
+    if orbax_io.is_orbax_checkpoint(path):
+        if (orbax_io.read_meta(path).get("indexers") or {}).get("fresh"):
+            return f"{path}: converted with fresh lightning indexers ({orbax_io.META_FILE} \"indexers\")"
+        return None
+    if any(".self_attn.indexer." in name for name in HFCheckpoint(path).names()):
+        return None
+    return f"{path}: an HF checkpoint without lightning indexer tensors (model_type {hf_model_type(path)!r})"
+
+
 def from_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, param_dtype=None, options=None,
                     include_mtp: bool | None = None, mesh=None, rules=None, step: int | None = None,
                     init_indexer: str = "auto", seed: int = 0, overrides: dict | None = None):

@@ -1,0 +1,203 @@
+"""Tests closing the gaps found by mutation testing round 7 of the Pallas kernels (runs/mut7/log.tsv).
+
+The kernel bodies run in interpret mode on CPU (impl="interpret": the Triton GPU kernels, "interpret_tpu": the
+Mosaic TPU ones). Every expected value comes from an independent source: float64 numpy written here from the ops'
+documented semantics (top-k of the candidates with ties to the lower index, masked-softmax attention and its
+gradient, the ue8m0 scale rule), or the plain-JAX reference at float32, never from a kernel's output. Each test
+names the mutant(s) it guards."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import rel_err
+
+from dsv32_jax import kernels
+
+IMPL = "interpret"
+TPU = "interpret_tpu"
+topk_module = importlib.import_module("dsv32_jax.kernels.topk")
+
+
+# ------------------------------------------------------------------------------------------------------ top-k
+def numpy_topk(x, k, lengths=None):
+    """[rows, k] sorted index sets: per row the k largest candidates (columns < length whose value is > -inf, so
+    not NaN either), ties to the lower column, -1 for the missing slots (the op's docstring)."""
+    x = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+    out = []
+    for i, row in enumerate(x):
+        n = row.shape[0] if lengths is None else int(np.asarray(lengths).reshape(-1)[i])
+        cand = [c for c in range(n) if row[c] > -np.inf]
+        best = sorted(cand, key=lambda c: (-row[c], c))[:k]
+        out.append(np.sort(best + [-1] * (k - len(best))))
+    return np.asarray(out)
+
+
+def _gpu_topk(x, k, buf, lengths=None):
+    out, stats = topk_module._topk_pallas(jnp.asarray(x), None if lengths is None else jnp.asarray(lengths), k=k,
+                                          buf=buf, block=256, backend=IMPL, num_warps=8, with_stats=True)
+    return np.sort(np.asarray(out), -1), np.asarray(stats)
+
+
+def test_topk_exact_bracket_with_a_buffer_of_twice_k(rng):
+    """The GPU kernel's fallback (stats path 1) at k = 4 with an 8-entry buffer, on rows whose streaming pass
+    overflows the buffer through ties at its threshold (the existing tests use k = 20 with a 32-entry buffer and
+    never reach these states):
+      * a bracket that still holds more keys than the buffer must be split again: row 0 has 11 keys >= its first
+        bracket (a tie group below the top values, all at higher columns than the ties) and the compaction keeps
+        the first 8 in column order, so the top values are lost if the split stops. Mutant t10: the refine loop
+        ran while more than 2 * buf keys were in the bracket (`(s[1] > buf)` -> `(s[1] > 2 * buf)`).
+      * the select must read only the fallback's entries of the buffer: row 1's streaming pass filled all 8
+        entries (column order) and the fallback rewrote only 5, so entry 5 still holds the pass's key of the row's
+        maximum; read as a bracket key, it is counted twice. Mutant t14: `(pos < n_buf)` -> `(pos <= n_buf)` in
+        the select (also caught by several of the rounded-Gaussian rows).
+    Expected: numpy's top-k (`numpy_topk`)."""
+    n, k, buf = 64, 4, 8
+    row0 = np.concatenate([-100 + 0.01 * np.arange(53), np.zeros(6), [1, 2, 3, 4, 5]])  # top 4 = columns 60..63
+    row1 = -1 - 0.01 * np.arange(n)
+    row1[:12] = [4, 4, 4, 4, 4, 8, 6, 5, 5, 5, 4, 4]  # 12 keys >= 4 (the pass's threshold): 8 of them buffered
+    ties = np.round(rng.standard_normal((30, n)) * 3)  # heavy ties: most rows overflow the pass's buffer
+    x = np.concatenate([row0[None], row1[None], ties]).astype(np.float32)
+    out, stats = _gpu_topk(x, k, buf)
+    assert stats[0, 5] == 1 and stats[1, 5] == 1  # both constructed rows took the exact bracket
+    np.testing.assert_array_equal(out, numpy_topk(x, k))
+
+
+def test_topk_fallback_row_with_fewer_candidates_than_k(rng):
+    """A long row (8192 columns: the streaming pass samples half of it) whose 15 candidates (the rest -inf, as a
+    causal row across a segment boundary gives) all lie in the sample: the sampled threshold admits only 13 keys,
+    fewer than k = 20, so the row goes to the exact bracket, which must count -inf as no candidate and return the
+    15 columns and five -1. Mutant t26: the bracket's smallest candidate key set to -inf's (`lo_init =
+    NEG_INF_KEY + 1` -> `NEG_INF_KEY`: five -inf columns returned). Expected: numpy's top-k."""
+    n, k, buf = 8192, 20, 32
+    x = np.full((1, n), -np.inf, np.float32)
+    cols = rng.choice(np.asarray(topk_module.sample_columns(n)), 15, replace=False)
+    x[0, cols] = rng.standard_normal(15)
+    out, stats = _gpu_topk(x, k, buf)
+    assert stats[0, 5] == 1  # the exact bracket ran
+    np.testing.assert_array_equal(out, numpy_topk(x, k))
+    assert np.sum(out[0] == -1) == 5
+
+
+# ------------------------------------------------------------------------------------------------- sparse MLA
+def numpy_sparse_mla(q, kv, idx, scale, d_v):
+    """float64 eq. (2): per (b, t, h) the softmax of scale * q . kv[b, idx] over the valid slots (0 <= idx < S,
+    duplicates counted twice), out = P V (V = the first d_v dims), lse natural log; no valid slot: out 0, lse
+    -inf. Returns (out, lse, P summed over heads)."""
+    q, kv, idx = np.asarray(q, np.float64), np.asarray(kv, np.float64), np.asarray(idx)
+    b, t, h, _ = q.shape
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    rows = kv[np.arange(b)[:, None, None], np.where(valid, idx, 0)]  # [B, T, K, D]
+    logits = np.where(valid[:, :, None, :], scale * np.einsum("bthd,btkd->bthk", q, rows), -np.inf)
+    m = np.max(logits, axis=-1, keepdims=True)
+    e = np.where(valid[:, :, None, :], np.exp(logits - np.where(np.isfinite(m), m, 0)), 0.0)
+    l = np.sum(e, axis=-1, keepdims=True)
+    p = e / np.where(l > 0, l, 1)
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1)), -np.inf)
+    return np.einsum("bthk,btkd->bthd", p, rows[..., :d_v]), lse, p.sum(axis=2)
+
+
+# float32 kernels against float64 numpy: measured ~3e-7 on these inputs; 1e-5 as the kernel tests' fp32 bound
+F32_BOUND = 1e-5
+
+
+def test_sparse_mla_out_of_range_slot_of_an_earlier_batch_is_empty(rng):
+    """topk_idx >= S is an empty slot in every batch row (the op's docstring). The wrapper makes the indices global
+    (b * S + idx); an index >= S of batch 0 must not become a row of batch 1 (the existing case puts its
+    out-of-range index in the last batch, where the kernel's own bound on B * S hides the mistake). Mutant s27:
+    `(idx >= 0) & (idx < s)` -> `(idx >= 0)` in `_prepare`. Expected: float64 numpy attention."""
+    b, t, s, h, d, d_v, k = 2, 3, 6, 4, 40, 32, 8
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    kv = rng.standard_normal((b, s, d)).astype(np.float32)
+    idx = rng.integers(0, s, (b, t, k)).astype(np.int32)
+    idx[0, 0, [1, 5]] = [s, s + 3]  # both would be rows 0 and 3 of batch 1
+    idx[0, 2, :] = s + np.arange(k)  # a row of only out-of-range slots: out 0, lse -inf
+    out, lse, probs = kernels.sparse_mla(jnp.asarray(q), jnp.asarray(kv), jnp.asarray(idx), d ** -0.5, d_v,
+                                         return_probs=True, impl=IMPL, block_h=16, block_i=16)
+    w_out, w_lse, w_probs = numpy_sparse_mla(q, kv, idx, d ** -0.5, d_v)
+    assert rel_err(out, w_out) <= F32_BOUND
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(w_lse))
+    assert np.all(np.asarray(out)[0, 2] == 0)
+    finite = np.isfinite(w_lse)
+    assert rel_err(np.asarray(lse)[finite], w_lse[finite]) <= F32_BOUND
+    assert rel_err(probs, w_probs) <= F32_BOUND
+
+
+# ---------------------------------------------------------------------------------------------- hadamard_quant
+def test_hadamard_quant_scale_at_an_exact_power_of_two_and_the_amax_floor():
+    """ue8m0 scale = 2^ceil(log2(max(amax, 1e-4) / 448)) per row, amax the rotated row's max |y| (reference_spec.md
+    5.3, `act_quant`). Rows a * e_0 rotate to y = a * 128^-1/2 in every entry (row 0 of the Sylvester matrix is all
+    ones; one rounding), with a chosen so that amax = 448 * 2^e exactly: the scale is 2^e itself, not 2^(e + 1)
+    (random rows never land on a power of two). Zero and tiny rows take the 1e-4 floor (random rows in the other
+    tests all have amax > 1e-3). Mutants: h01, the exponent always rounded up (`where((bits & 0x7FFFFF) != 0,
+    exponent + 1, exponent)` -> `exponent + 1`); h02, the floor at 1e-6. Expected: float64 numpy from that
+    formula; scale_fmt=None gives amax / 448 itself."""
+    r = np.float32(128 ** -0.5)  # the kernel's 128^-1/2 in float32
+    a = next(v for v in (np.float32(448 / float(r)) * np.float32(f) for f in (1.0, 1 - 2**-23, 1 + 2**-23))
+             if v * r == np.float32(448))  # fl32(a * r) == 448 exactly
+    powers = np.array([0, -3, 5, -10])
+    x = np.zeros((6, 128), np.float32)
+    x[:4, 0] = a * np.exp2(powers).astype(np.float32)  # amax = 448 * 2^e (scaling by 2^e is exact)
+    x[5] = 1e-9 * np.sign(np.arange(128) - 63.5)  # a tiny row: amax = 1e-9 * 128^1/2 < 1e-4; row 4 stays zero
+    amax = np.maximum(np.concatenate([448 * np.exp2(powers), [0.0, 1e-9 * 128**0.5]]), 1e-4)
+    for fmt, want in (("ue8m0", np.exp2(np.ceil(np.log2(amax / 448)))), (None, amax / 448)):
+        codes, scale = kernels.hadamard_quant(jnp.asarray(x), scale_fmt=fmt, impl=IMPL)
+        scale = np.asarray(scale, np.float64)
+        if fmt == "ue8m0":
+            np.testing.assert_array_equal(scale, want)
+        else:  # float32 amax / 448 against float64: an ulp or two
+            np.testing.assert_allclose(scale, want, rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(codes[:4], np.float32), 448.0)  # y / scale = 448 in every entry
+        np.testing.assert_array_equal(np.asarray(codes[4], np.float32), 0.0)
+
+
+def numpy_sparse_mla_grads(q, kv, idx, scale, d_v, w_out, w_lse):
+    """float64 gradient of sum(out * w_out) + sum(lse * w_lse) (rows with a finite lse) w.r.t. q and kv, from the
+    softmax's derivative: dP = dO V^T, dS = P (dP - rowsum(O dO) + dlse), dq = scale dS K, and per valid slot
+    dkv[idx] += scale dS^T q (all Dqk dims) + P^T dO (the value dims)."""
+    q, kv, idx = np.asarray(q, np.float64), np.asarray(kv, np.float64), np.asarray(idx)
+    b, t, h, d = q.shape
+    out, lse, _ = numpy_sparse_mla(q, kv, idx, scale, d_v)
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    safe = np.where(valid, idx, 0)
+    rows = kv[np.arange(b)[:, None, None], safe]
+    logits = np.where(valid[:, :, None, :], scale * np.einsum("bthd,btkd->bthk", q, rows), -np.inf)
+    p = np.where(np.isfinite(lse)[..., None], np.exp(logits - np.where(np.isfinite(lse), lse, 0)[..., None]), 0.0)
+    dp = np.einsum("bthd,btkd->bthk", w_out, rows[..., :d_v])
+    dlse = np.where(np.isfinite(lse), w_lse, 0.0)
+    ds = p * (dp - np.sum(out * w_out, axis=-1, keepdims=True) + dlse[..., None])
+    dq = scale * np.einsum("bthk,btkd->bthd", ds, rows)
+    per_slot = scale * np.einsum("bthk,bthd->btkd", ds, q)
+    per_slot[..., :d_v] += np.einsum("bthk,bthd->btkd", p, w_out)
+    dkv = np.zeros_like(kv)
+    bb = np.broadcast_to(np.arange(b)[:, None, None], idx.shape)
+    np.add.at(dkv, (bb[valid], safe[valid]), per_slot[valid])
+    return dq, dkv
+
+
+def _kernel_grads(q, kv, idx, scale, d_v, w_out, w_lse, **kw):
+    def f(q_, kv_):
+        out, lse = kernels.sparse_mla(q_, kv_, jnp.asarray(idx), scale, d_v, **kw)
+        return jnp.sum(out * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * w_lse)
+    return jax.grad(f, argnums=(0, 1))(jnp.asarray(q), jnp.asarray(kv))
+
+
+def test_sparse_mla_stored_backward_token_chunks_that_do_not_divide_the_tokens(rng):
+    """The stored and atomic GPU backwards walk the tokens in chunks of bwd_partial_bytes; with 7 tokens and
+    10240 bytes the chunks are 2 tokens (stored: 5120 B of partials + P / dS per token at these tiles) and 5
+    (atomic: 2048 B of P / dS per token), so the last chunk is padded (the kernel tests' chunks always divide the
+    tokens). dq must be cut from the front of the padded chunks. Mutant s35: `[:n]` -> `[-n:]` (dq of the wrong
+    tokens). Expected: the float64 numpy gradient; fp32 bound as the forward's (measured ~5e-7)."""
+    b, t, s, h, d, d_v, k = 1, 7, 9, 4, 40, 32, 8
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    kv = rng.standard_normal((b, s, d)).astype(np.float32)
+    idx = rng.integers(0, s, (b, t, k)).astype(np.int32)
+    idx[0, 3, :5] = -1
+    w_out = rng.standard_normal((b, t, h, d_v)).astype(np.float32)
+    w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+    want = numpy_sparse_mla_grads(q, kv, idx, d ** -0.5, d_v, w_out, w_lse)
+    for bwd in ("stored", "atomic"):
+        got = _kernel_grads(q, kv, idx, d ** -0.5, d_v, w_out, w_lse, impl=IMPL, bwd=bwd, bwd_partial_bytes=10240)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) <= F32_BOUND, bwd
