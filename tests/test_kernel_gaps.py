@@ -201,3 +201,83 @@ def test_sparse_mla_stored_backward_token_chunks_that_do_not_divide_the_tokens(r
         got = _kernel_grads(q, kv, idx, d ** -0.5, d_v, w_out, w_lse, impl=IMPL, bwd=bwd, bwd_partial_bytes=10240)
         for g, w in zip(got, want):
             assert rel_err(g, w) <= F32_BOUND, bwd
+
+
+# bf16 kernels against float64 numpy on the same bf16-valued inputs (tests/test_kernels.py's bf16 bounds: P and dS
+# are rounded to bf16 before their MMAs, measured ~3e-3 forward / ~5e-3 gradients there)
+BF16_FWD_BOUND, BF16_GRAD_BOUND = 1e-2, 2e-2
+
+
+def test_sparse_mla_tpu_bf16_value_dims_in_both_planes(rng):
+    """The TPU kernels gather bf16 rows as 32-bit words of two planes, plane p holding the p-th half of the padded
+    value dims (dv_p = 256 here) and of the rope dims. With the kernel tests' d_v = 32 the second plane's value half
+    is all padding, so any mistake in how the value dims of plane 1 enter P V, dO V^T or P^T dO cancels out; at
+    d_v = 160 (production: 512, two planes of 256) dims 128..159 live in plane 1. Forward and both gradients
+    against float64 numpy. Mutants: p13, dP from plane 0 only (`for i in range(1, lay.planes)` -> `range(1, 1)`);
+    p21, P V of every plane from plane 0's rows (`k[i][:, :lay.v_width]` -> `k[0][...]`); p22, P^T dO of every
+    plane from plane 0's dO (`do_ref[i]` -> `do_ref[0]`); also, without the heavy bf16 cases of
+    tests/test_kernels.py, p12, p14 and p19 (the plane offset of the dkv segment sum, dS K and dS^T q from plane 0)."""
+    b, t, s, h, d_v, d_tail, k = 1, 2, 6, 3, 160, 8, 8
+    d = d_v + d_tail
+    bf = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    q, kv = bf(rng.standard_normal((b, t, h, d))), bf(rng.standard_normal((b, s, d)))
+    idx = rng.integers(0, s, (b, t, k)).astype(np.int32)
+    idx[0, 1, 5:] = -1
+    w_out = rng.standard_normal((b, t, h, d_v)).astype(np.float32)
+    w_lse = rng.standard_normal((b, t, h)).astype(np.float32)
+    scale = d ** -0.5
+    q16, kv16 = jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16)
+    out, lse = kernels.sparse_mla(q16, kv16, jnp.asarray(idx), scale, d_v, impl=TPU, block_i=8)
+    want_out, want_lse, _ = numpy_sparse_mla(q, kv, idx, scale, d_v)
+    assert rel_err(out, want_out) <= BF16_FWD_BOUND
+    assert rel_err(lse, want_lse) <= BF16_FWD_BOUND
+    got = _kernel_grads(q16, kv16, idx, scale, d_v, w_out, w_lse, impl=TPU, block_i=8)
+    for g, w in zip(got, numpy_sparse_mla_grads(q, kv, idx, scale, d_v, w_out, w_lse)):
+        assert rel_err(g, w) <= BF16_GRAD_BOUND
+
+
+# ------------------------------------------------------------------------------------------------ indexer_topk
+def test_indexer_topk_fp8_query_outside_its_segments_key_run(rng):
+    """A key range [segment start, q_index + 1) is exact only if the query's own slot lies in its segment (the
+    module docstring); here the segment ids form contiguous runs ([0] * 6 + [1] * 10) but three queries of segment
+    0 sit at slots 10..12, inside segment 1's run, so their ranges cover keys of segment 1 and the kernels must take
+    the masked branch. Contract: only keys of the query's segment at or before it (here 0..5) are selected, as in
+    the reference. Mutant i08: the coverage check made vacuous (`(last == q_segment)` -> `(last >= 0)`: segment 1's
+    keys selected). Expected: the structural rule and the plain-JAX reference selection."""
+    from dsv32_jax.model import indexer as ref_indexer
+
+    b, t, s, h, topk = 1, 3, 16, 4, 4
+    q = jnp.asarray(rng.standard_normal((b, t, h, 128)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.asarray([[10, 11, 12]], jnp.int32)
+    q_seg = jnp.zeros((b, t), jnp.int32)
+    kv_seg = jnp.asarray([[0] * 6 + [1] * 10], jnp.int32)
+    out = np.asarray(kernels.indexer_topk(q, k, w, q_index, q_seg, kv_seg, topk, fp8=True, impl=IMPL))
+    assert np.all((out >= 0) & (out < 6)), out
+    ref = ref_indexer.indexer_topk(q, k, w, q_index, q_seg, kv_seg, topk, fp8=True)
+    np.testing.assert_array_equal(np.sort(out, -1), np.sort(np.asarray(ref), -1))
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+def test_impl_resolves_from_the_active_meshs_devices_before_the_default_device(monkeypatch):
+    """`target_device`: the first device of the active mesh, then jax.default_device, then the default backend's.
+    A mesh of (stand-in) TPU devices on this CPU host, with jax.default_device set to the CPU: impl=None resolves
+    to the TPU kernels. (With the suite's one-device CPU meshes the mesh's device is also the default device, so
+    skipping the mesh changed nothing.) Mutant d05: the mesh branch skipped (`if isinstance(mesh,
+    jax.sharding.Mesh):` -> `if False:`)."""
+    from dsv32_jax.kernels import _dispatch
+    from dsv32_jax.model import sharding as shd
+
+    class StandInTpu:
+        platform, id, process_index = "tpu", 7, 0
+
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(_dispatch, "_default_impl", None)
+    mesh = jax.sharding.Mesh(np.array([StandInTpu()], dtype=object), ("fsdp",))
+    backends = ("pallas_gpu", "pallas_tpu", "interpret")
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert _dispatch.resolve_impl(None, backends) == "reference"
+        with shd.use_mesh(mesh):
+            assert _dispatch.target_device() is mesh.devices.flat[0]
+            assert _dispatch.resolve_impl(None, backends) == "pallas_tpu"

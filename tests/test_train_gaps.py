@@ -540,3 +540,39 @@ def test_the_grpo_update_replays_the_recorded_routing():
                                             eps=0.2, delta=10.0, indexer_weight=0.0)
     assert flags and all(f is True for f in flags)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_the_sparse_stage_warns_when_it_starts_from_untrained_indexers(monkeypatch, caplog):
+    """Trainer._load_model: a sparse stage whose init_from holds indexers that never trained (untrained_indexers:
+    a V3.1 HF checkpoint, a fresh-indexer conversion, a dense-stage workdir) or that sets init_indexer='fresh'
+    logs one warning naming why and the warm-up it skipped; hf_long (trained indexers) and the warm-up stage itself
+    log none. The trainer is built without its state (the loader runs for real on hf_long). Mutant: the check
+    called for no stage."""
+    import os
+
+    from conftest import FIXTURES
+
+    from dsv32_jax import ModelConfig
+    from dsv32_jax.checkpoint import loading
+    from dsv32_jax.train.config import default_config
+    from dsv32_jax.train.trainer import Trainer
+
+    hf = os.path.join(FIXTURES, "hf_long")
+
+    def load(stage, init_indexer="auto"):
+        t = object.__new__(Trainer)
+        t.config = default_config()
+        t.config.stage, t.config.init_indexer, t.stage = stage, init_indexer, stage
+        t.cfg, t.dtype, t.param_dtype, t.mesh = ModelConfig.from_hf(hf), jnp.float32, jnp.float32, None
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="absl"):
+            t._load_model(hf)
+        return [r.getMessage() for r in caplog.records if "never trained" in r.getMessage()]
+
+    assert load("sparse") == []
+    said = load("sparse", "fresh")
+    assert len(said) == 1 and "(config.init_indexer='fresh')" in said[0] and "config.stage='warmup'" in said[0]
+    monkeypatch.setattr(loading, "untrained_indexers", lambda path, step=None: f"{path}: no indexer tensors")
+    (said,) = load("sparse")
+    assert f"({hf}: no indexer tensors)" in said
+    assert load("warmup") == [] and load("warmup", "fresh") == []

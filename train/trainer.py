@@ -236,7 +236,24 @@ class Trainer:
                                  f"{have.get(path)} there but {want.get(path)} in this run's model "
                                  "(config.model / config.model_overrides change the architecture)")
         logging.info("initialized parameters from %s", init)
+        if self.stage == "sparse":
+            self._warn_untrained_indexers(init)
         return nnx.merge(graphdef, state)
+
+    def _warn_untrained_indexers(self, init: str) -> str | None:
+        """The sparse stage selects with the indexers from its first step; started from indexers that never trained
+        (config.init_indexer='fresh', an HF checkpoint without them, a dense-stage workdir) its selection is random
+        until eq. 4's KL trains them. The paper warms them up first (eq. 3, stage 'warmup'): say so, once."""
+        from dsv32_jax.checkpoint.loading import untrained_indexers
+
+        why = ("config.init_indexer='fresh'" if self.config.get("init_indexer", "auto") == "fresh"
+               else untrained_indexers(init))
+        if why:
+            logging.warning("the sparse stage starts from lightning indexers that were never trained (%s): its top-k "
+                            "selection is random until the KL trains them; the paper's recipe runs the dense warm-up "
+                            "first (config.stage='warmup', configs/warmup_*.py) and starts the sparse stage from its "
+                            "workdir", why)
+        return why
 
     # ------------------------------------------------------------------- step
     def _compile_step(self):
