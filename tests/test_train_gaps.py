@@ -576,3 +576,40 @@ def test_the_sparse_stage_warns_when_it_starts_from_untrained_indexers(monkeypat
     (said,) = load("sparse")
     assert f"({hf}: no indexer tensors)" in said
     assert load("warmup") == [] and load("warmup", "fresh") == []
+
+
+@pytest.mark.parametrize("stage", ["grpo", "agent"])
+def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(stage, tmp_path, monkeypatch):
+    """The GRPO and agent learners load init_from with config.init_indexer (and config.seed for fresh indexers),
+    which they dropped before (init_indexer='fresh' loaded the stored indexers), then run the untrained-indexer
+    check on what they loaded. Stand-ins: from_pretrained records its arguments, the check stops the learner."""
+    import importlib
+    import os
+
+    from conftest import FIXTURES
+
+    import dsv32_jax
+    from dsv32_jax.train.config import default_config
+
+    module = importlib.import_module("dsv32_jax.train." + {"grpo": "grpo", "agent": "agent_grpo"}[stage])
+
+    class Checked(Exception):
+        pass
+
+    seen = {}
+
+    def loader(path, **kw):
+        seen.update(kw, path=path)
+        return types.SimpleNamespace(config=load_preset("tiny"))
+
+    def check(config, init):
+        raise Checked(init)
+
+    monkeypatch.setattr(dsv32_jax, "from_pretrained", loader)
+    monkeypatch.setattr(module, "warn_untrained_indexers", check)
+    c = default_config()
+    c.stage, c.mesh, c.init_from, c.init_indexer, c.seed = stage, "", os.path.join(FIXTURES, "hf_long"), "fresh", 3
+    c.model_overrides = {"vocab_size": 2048}
+    with pytest.raises(Checked, match="hf_long"):
+        getattr(module, {"grpo": "GRPOLearner", "agent": "AgentLearner"}[stage])(c, str(tmp_path))
+    assert (seen["init_indexer"], seen["seed"], seen["path"]) == ("fresh", 3, c.init_from)

@@ -49,7 +49,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config, run_options
+from dsv32_jax.train.trainer import resumed_model_config, run_options, warn_untrained_indexers
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
@@ -283,7 +283,10 @@ class AgentLearner:
         if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             import dsv32_jax
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
-                                              overrides=dict(config.model_overrides) or None)
+                                              overrides=dict(config.model_overrides) or None,
+                                              init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
+            if options.dsa:
+                warn_untrained_indexers(config, config.init_from)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)

@@ -28,7 +28,7 @@ from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config, run_options
+from dsv32_jax.train.trainer import resumed_model_config, run_options, warn_untrained_indexers
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
                 "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
@@ -105,7 +105,10 @@ class GRPOLearner:
         options = run_options(config)
         if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
             model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
-                                              overrides=dict(config.model_overrides) or None)
+                                              overrides=dict(config.model_overrides) or None,
+                                              init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
+            if options.dsa:
+                warn_untrained_indexers(config, config.init_from)
         else:
             model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)

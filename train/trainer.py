@@ -61,6 +61,22 @@ def run_options(config) -> RunOptions:
     return RunOptions(attention=config.attention, indexer_loss="sparse", **common)
 
 
+def warn_untrained_indexers(config, init: str) -> str | None:
+    """The sparse, GRPO and agent stages select with the indexers from their first step; started from indexers that
+    never trained (config.init_indexer='fresh', an HF checkpoint without them, a dense-stage workdir) the selection
+    is random until a KL trains them. The paper warms them up first (eq. 3, stage 'warmup'): say so, once. Returns
+    why, or None."""
+    from dsv32_jax.checkpoint.loading import untrained_indexers
+
+    why = "config.init_indexer='fresh'" if config.get("init_indexer", "auto") == "fresh" else untrained_indexers(init)
+    if why:
+        logging.warning("the %s stage starts from lightning indexers that were never trained (%s): its top-k "
+                        "selection is random until the KL trains them; the paper's recipe runs the dense warm-up "
+                        "first (config.stage='warmup', configs/warmup_*.py) and starts from its workdir",
+                        config.stage, why)
+    return why
+
+
 def model_config(config) -> dsv32_jax.ModelConfig:
     """The architecture to build: the one recorded in `config.init_from` (a training workdir's checkpoint meta, or an
     HF / converted checkpoint's config.json), else the preset `config.model`; `config.model_overrides` on top."""
@@ -237,23 +253,9 @@ class Trainer:
                                  "(config.model / config.model_overrides change the architecture)")
         logging.info("initialized parameters from %s", init)
         if self.stage == "sparse":
-            self._warn_untrained_indexers(init)
+            warn_untrained_indexers(self.config, init)
         return nnx.merge(graphdef, state)
 
-    def _warn_untrained_indexers(self, init: str) -> str | None:
-        """The sparse stage selects with the indexers from its first step; started from indexers that never trained
-        (config.init_indexer='fresh', an HF checkpoint without them, a dense-stage workdir) its selection is random
-        until eq. 4's KL trains them. The paper warms them up first (eq. 3, stage 'warmup'): say so, once."""
-        from dsv32_jax.checkpoint.loading import untrained_indexers
-
-        why = ("config.init_indexer='fresh'" if self.config.get("init_indexer", "auto") == "fresh"
-               else untrained_indexers(init))
-        if why:
-            logging.warning("the sparse stage starts from lightning indexers that were never trained (%s): its top-k "
-                            "selection is random until the KL trains them; the paper's recipe runs the dense warm-up "
-                            "first (config.stage='warmup', configs/warmup_*.py) and starts the sparse stage from its "
-                            "workdir", why)
-        return why
 
     # ------------------------------------------------------------------- step
     def _compile_step(self):
