@@ -418,19 +418,22 @@ def check_post_training_fields(config) -> list[str]:
         raise ValueError(f"config.microbatches={config.microbatches!r}: gradient accumulation is for the LM stages; "
                          f"the {stage} stage splits its rollouts into optimizer steps by config.{stage}.minibatches")
     defaults, ignored = default_config(), []
-
-    def walk(node, ref, path):
-        for key in node:
-            value, base = node[key], ref.get(key, None) if ref is not None else None
-            if isinstance(value, ml_collections.ConfigDict):
-                walk(value, base if isinstance(base, ml_collections.ConfigDict) else None, f"{path}.{key}")
-            elif ref is None or key not in ref or value != base:
-                ignored.append(f"{path}.{key}")
-
     for section in LM_STAGE_FIELDS:
         if section in config:
-            walk(config[section], defaults[section], section)
+            base = dict(_flat(defaults[section].to_dict(), section))
+            ignored += [f for f, v in _flat(config[section].to_dict(), section) if base.get(f, _MISSING) != v]
     for section in dict.fromkeys(f.split(".")[0] for f in ignored):
         fields = ", ".join(f"config.{f}" for f in ignored if f.split(".")[0] == section)
         logging.warning("%s: not read by the %s stage (%s); ignored", fields, stage, LM_STAGE_FIELDS[section][stage])
     return ignored
+
+
+_MISSING = object()
+
+
+def _flat(tree: dict, prefix: str):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}.{key}")
+        else:
+            yield f"{prefix}.{key}", value

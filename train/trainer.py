@@ -256,7 +256,6 @@ class Trainer:
             warn_untrained_indexers(self.config, init)
         return nnx.merge(graphdef, state)
 
-
     # ------------------------------------------------------------------- step
     def _compile_step(self):
         return steps.compile_lm_step(

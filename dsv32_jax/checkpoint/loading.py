@@ -44,6 +44,10 @@ def abstract_model(cfg: ModelConfig, dtype, param_dtype, options):
 INIT_INDEXER = ("auto", "load", "fresh")
 
 
+def has_indexer_tensors(ckpt: HFCheckpoint) -> bool:
+    return any(".self_attn.indexer." in name for name in ckpt.names())
+
+
 def resolve_init_indexer(init_indexer: str, ckpt: HFCheckpoint, path: str) -> str:
     """"load" or "fresh" for an HF checkpoint: "auto" is "fresh" for a `deepseek_v3` checkpoint without indexer
     tensors (DeepSeek-V3.1-Terminus), "load" otherwise; decided by the tensors, not the label alone, so stored
@@ -52,7 +56,7 @@ def resolve_init_indexer(init_indexer: str, ckpt: HFCheckpoint, path: str) -> st
         raise ValueError(f"init_indexer must be one of {INIT_INDEXER}, got {init_indexer!r}")
     if init_indexer != "auto":
         return init_indexer
-    stored = any(".self_attn.indexer." in name for name in ckpt.names())
+    stored = has_indexer_tensors(ckpt)
     v3 = hf_model_type(path) == "deepseek_v3"
     if stored and v3:
         logging.warning("%s: config.json says model_type 'deepseek_v3' but the checkpoint holds lightning indexer "
@@ -80,7 +84,7 @@ def untrained_indexers(path: str | os.PathLike, step: int | None = None) -> str 
         if (orbax_io.read_meta(path).get("indexers") or {}).get("fresh"):
             return f"{path}: converted with fresh lightning indexers ({orbax_io.META_FILE} \"indexers\")"
         return None
-    if any(".self_attn.indexer." in name for name in HFCheckpoint(path).names()):
+    if has_indexer_tensors(HFCheckpoint(path)):
         return None
     return f"{path}: an HF checkpoint without lightning indexer tensors (model_type {hf_model_type(path)!r})"
 
