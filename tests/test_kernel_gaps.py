@@ -80,6 +80,45 @@ def test_topk_fallback_row_with_fewer_candidates_than_k(rng):
     assert np.sum(out[0] == -1) == 5
 
 
+def test_topk_bracket_split_always_moves_past_lo():
+    """`_split_thresholds`' contract, which the exact bracket's refine loop needs to end: for lo < hi, 16
+    non-decreasing thresholds in [lo, hi], the first == lo and the second > lo (so every split pass either raises lo
+    or lowers hi below the second threshold). Checked on brackets of width 1, 2, 15, 16, 17 ulps, at the int32
+    extremes, across zero and on 2000 random brackets; the thresholds come from the 16-way split rule, the checks
+    from the contract alone. Mutant t20: thresholds rounded down (`+ (N_THRESH - 1)` dropped: a 1-ulp bracket
+    gives lo 16 times and the loop never ends on a chip; in interpret mode it hangs the test below)."""
+    rng = np.random.default_rng(20)
+    int_min, int_max = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    pairs = [(a, a + w) for a in (int_min, -17, -1, 0, 1065353216, int_max - 20) for w in (1, 2, 15, 16, 17, 20)]
+    pairs += [(int_min, int_max), (int_min, 0), (-1, int_max)]
+    a = rng.integers(int_min, int_max, 2000, dtype=np.int64)
+    b = a + rng.integers(1, 1 << rng.integers(1, 32, 2000), dtype=np.int64)
+    pairs += [(int(x), int(min(y, int_max))) for x, y in zip(a, b) if x < min(y, int_max)]
+    lo, hi = (jnp.asarray([p[i] for p in pairs], jnp.int32) for i in (0, 1))
+    t = np.asarray(jax.vmap(topk_module._split_thresholds)(lo, hi)).astype(np.int64)
+    lo, hi = np.asarray(lo, np.int64)[:, None], np.asarray(hi, np.int64)[:, None]
+    assert np.all((t >= lo) & (t <= hi)) and np.all(np.diff(t, axis=1) >= 0)
+    assert np.all(t[:, 0] == lo[:, 0]) and np.all(t[:, 1] > lo[:, 0])
+
+
+def test_topk_bracket_refined_to_one_ulp_with_more_keys_than_the_buffer():
+    """A row whose bracket narrows to one ulp while more keys than the buffer lie in it: 4064 copies of 1.0 and 32
+    keys 2 ulps above (k = 64, buffer 1024). The streaming pass admits all 4096 (more than the buffer), the exact
+    bracket's first thresholds (sample keys) give [key(1.0), key(1.0) + 1] with 4096 keys >= lo, and one split pass
+    must close it to lo = hi = key(1.0) (stats), then the select takes the 32 high keys and the first 32 ties.
+    Mutant t20 hangs here. Expected: numpy's top-k."""
+    n, k, buf = 4096, 64, 1024
+    one = np.float32(1.0)
+    high = np.nextafter(np.nextafter(one, np.float32(2)), np.float32(2))
+    row = np.full(n, one, np.float32)
+    row[::128] = high
+    x = np.stack([row, np.roll(row, 5)])
+    out, stats = _gpu_topk(x, k, buf)
+    key = int(one.view(np.int32))
+    assert np.all(stats[:, 5] == 1) and np.all(stats[:, 0] == key) and np.all(stats[:, 1] == key)
+    np.testing.assert_array_equal(out, numpy_topk(x, k))
+
+
 # ------------------------------------------------------------------------------------------------- sparse MLA
 def numpy_sparse_mla(q, kv, idx, scale, d_v):
     """float64 eq. (2): per (b, t, h) the softmax of scale * q . kv[b, idx] over the valid slots (0 <= idx < S,
