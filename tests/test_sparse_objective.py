@@ -112,6 +112,7 @@ def test_post_training_stages_build_their_model_with_the_configs_run_options(sta
     the model (a stand-in Transformer records the options). Mutant: either learner back on its own RunOptions."""
     import importlib
 
+    from dsv32_jax.train import trainer
     from dsv32_jax.train.config import default_config
     module = importlib.import_module("dsv32_jax.train." + {"grpo": "grpo", "agent": "agent_grpo"}[stage])
     learner = {"grpo": "GRPOLearner", "agent": "AgentLearner"}[stage]
@@ -122,7 +123,7 @@ def test_post_training_stages_build_their_model_with_the_configs_run_options(sta
     def stand_in(cfg, *, options, **kw):
         raise Built(options)
 
-    monkeypatch.setattr(module, "Transformer", stand_in)
+    monkeypatch.setattr(trainer, "Transformer", stand_in)  # build_policy: the learners' one model builder
     c = default_config()
     c.stage, c.mesh, c.attention, c.attn_chunk = stage, "", "kernel", 16
     fields = dict(remat="full", scan_layers=True, kl_key_grad="segment_sum", mla_bwd="atomic",

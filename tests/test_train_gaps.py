@@ -589,6 +589,7 @@ def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(s
     from conftest import FIXTURES
 
     import dsv32_jax
+    from dsv32_jax.train import trainer
     from dsv32_jax.train.config import default_config
 
     module = importlib.import_module("dsv32_jax.train." + {"grpo": "grpo", "agent": "agent_grpo"}[stage])
@@ -606,7 +607,7 @@ def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(s
         raise Checked(init)
 
     monkeypatch.setattr(dsv32_jax, "from_pretrained", loader)
-    monkeypatch.setattr(module, "warn_untrained_indexers", check)
+    monkeypatch.setattr(trainer, "warn_untrained_indexers", check)  # build_policy's check
     c = default_config()
     c.stage, c.mesh, c.init_from, c.init_indexer, c.seed = stage, "", os.path.join(FIXTURES, "hf_long"), "fresh", 3
     c.model_overrides = {"vocab_size": 2048}

@@ -34,7 +34,6 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from dsv32_jax import Transformer
 from dsv32_jax.posttrain import chat
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_env_text, recovery_demonstration, run_episode
@@ -49,7 +48,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config, run_options, warn_untrained_indexers
+from dsv32_jax.train.trainer import build_policy, resumed_model_config, run_options
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
@@ -280,15 +279,7 @@ class AgentLearner:
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = run_options(config)
-        if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
-            import dsv32_jax
-            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
-                                              overrides=dict(config.model_overrides) or None,
-                                              init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
-            if options.dsa:
-                warn_untrained_indexers(config, config.init_from)
-        else:
-            model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        model = build_policy(config, self.cfg, options, dtype, pdtype, resuming=self.resume is not None)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:

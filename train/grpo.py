@@ -19,8 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import dsv32_jax
-from dsv32_jax import Transformer
 from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain.sampler import SamplingConfig, generate, sequence_layout
 from dsv32_jax.train import checkpointing, rl_tasks, steps
@@ -28,7 +26,7 @@ from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import resumed_model_config, run_options, warn_untrained_indexers
+from dsv32_jax.train.trainer import build_policy, resumed_model_config, run_options
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
                 "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
@@ -103,14 +101,7 @@ class GRPOLearner:
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         options = run_options(config)
-        if config.init_from and self.resume is None:  # (resuming: the checkpoint's arrays replace these)
-            model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=pdtype, options=options,
-                                              overrides=dict(config.model_overrides) or None,
-                                              init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
-            if options.dsa:
-                warn_untrained_indexers(config, config.init_from)
-        else:
-            model = Transformer(self.cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=pdtype, options=options)
+        model = build_policy(config, self.cfg, options, dtype, pdtype, resuming=self.resume is not None)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("grpo", mtp=False, indexer=bool(float(g.get("indexer_weight", 1.0))))

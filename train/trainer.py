@@ -77,6 +77,20 @@ def warn_untrained_indexers(config, init: str) -> str | None:
     return why
 
 
+def build_policy(config, cfg, options: RunOptions, dtype, param_dtype, *, resuming: bool) -> Transformer:
+    """The GRPO and agent stages' starting model: `config.init_from` through `dsv32_jax.from_pretrained` (with
+    config.init_indexer, config.seed and config.model_overrides, warning when DSA starts from untrained indexers),
+    else a fresh `cfg` from config.seed. Resuming, a fresh `cfg` too: the checkpoint's arrays replace its."""
+    if config.init_from and not resuming:
+        model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=param_dtype, options=options,
+                                          overrides=dict(config.model_overrides) or None,
+                                          init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
+        if options.dsa:
+            warn_untrained_indexers(config, config.init_from)
+        return model
+    return Transformer(cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=param_dtype, options=options)
+
+
 def model_config(config) -> dsv32_jax.ModelConfig:
     """The architecture to build: the one recorded in `config.init_from` (a training workdir's checkpoint meta, or an
     HF / converted checkpoint's config.json), else the preset `config.model`; `config.model_overrides` on top."""
