@@ -375,7 +375,7 @@ def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_pat
     def fail(*a, **k):
         raise AssertionError("the model was built before the configuration was checked")
 
-    monkeypatch.setattr(agent_grpo, "Transformer", fail)
+    monkeypatch.setattr(agent_grpo, "build_policy", fail)  # the model builder
     with pytest.raises(ValueError, match=r"config.model='tiny' has vocab_size 64 \(config.model_overrides.vocab_size\)"
                                          r", fewer ids than config.agent.codec='tiny' \(113\)"):
         c = _config(codec="tiny")
