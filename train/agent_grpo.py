@@ -48,7 +48,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import build_policy, resumed_model_config, run_options
+from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
@@ -278,8 +278,7 @@ class AgentLearner:
                           config.mesh, "config.agent.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        options = run_options(config)
-        model = build_policy(config, self.cfg, options, dtype, pdtype, resuming=self.resume is not None)
+        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:

@@ -26,7 +26,7 @@ from dsv32_jax.train.config import check_config, check_init_from
 from dsv32_jax.train.grpo_loss import check_groups, group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import build_policy, resumed_model_config, run_options
+from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
 CONSOLE_KEYS = ("reward_mean", "accuracy", "eval_accuracy", "response_length", "kl", "clip_fraction",
                 "opsm_masked_fraction", "logprob_mismatch_max", "routing_agreement", "kept_mass", "entropy",
@@ -100,8 +100,7 @@ class GRPOLearner:
                           self.mesh, config.mesh, "config.grpo.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        options = run_options(config)
-        model = build_policy(config, self.cfg, options, dtype, pdtype, resuming=self.resume is not None)
+        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("grpo", mtp=False, indexer=bool(float(g.get("indexer_weight", 1.0))))

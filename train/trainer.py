@@ -77,10 +77,12 @@ def warn_untrained_indexers(config, init: str) -> str | None:
     return why
 
 
-def build_policy(config, cfg, options: RunOptions, dtype, param_dtype, *, resuming: bool) -> Transformer:
-    """The GRPO and agent stages' starting model: `config.init_from` through `dsv32_jax.from_pretrained` (with
-    config.init_indexer, config.seed and config.model_overrides, warning when DSA starts from untrained indexers),
-    else a fresh `cfg` from config.seed. Resuming, a fresh `cfg` too: the checkpoint's arrays replace its."""
+def build_policy(config, cfg, dtype, param_dtype, *, resuming: bool) -> Transformer:
+    """The GRPO and agent stages' starting model, with `run_options(config)`: `config.init_from` through
+    `dsv32_jax.from_pretrained` (with config.init_indexer, config.seed and config.model_overrides, warning when DSA
+    starts from untrained indexers), else a fresh `cfg` from config.seed. Resuming, a fresh `cfg` too: the
+    checkpoint's arrays replace its."""
+    options = run_options(config)
     if config.init_from and not resuming:
         model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=param_dtype, options=options,
                                           overrides=dict(config.model_overrides) or None,
