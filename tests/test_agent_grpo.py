@@ -677,7 +677,7 @@ def test_init_perturb_moves_bf16_parameters_or_is_refused():
     model = Transformer(load_preset("tiny"), rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     before = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     with pytest.raises(ValueError, match=r"config\.agent\.init_perturb=1e-06: too small to move a bfloat16"):
-        perturb_params(model, 1e-6)
+        perturb_params(model, 1e-6, flag="config.agent.init_perturb")
     perturb_params(model, 1e-2)
     after = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     bf16 = [(a, b) for a, b, x in zip(before, after, jax.tree.leaves(nnx.state(model, nnx.Param)))

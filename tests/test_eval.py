@@ -162,3 +162,47 @@ def test_cli_refuses_an_unwritable_out_before_evaluating(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"^error: --out=.*/res: .*/res\.json is a directory$"):
         eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", f"--out={tmp_path / 'res'}"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "res.json"]  # nothing created, nothing half-written
+
+
+def _table(path, dense, dsa_gap, model2="sparse (sparse, step 150)"):
+    rows = [{"model": "dense (dense, step 300)", "attention": "dense", "split": "heldout", "seq_len": 128,
+             "loss": dense, "tokens": 10.0},
+            {"model": model2, "attention": "dsa", "split": "heldout", "seq_len": 128, "loss": dense + dsa_gap,
+             "tokens": 10.0}]
+    path.write_text(json.dumps({"rows": rows}))
+    return str(path)
+
+
+def test_the_sweep_summary_gives_min_median_max_of_each_loss_and_of_each_runs_gap_to_the_dense_row(tmp_path):
+    """train/eval_sweep.py (tools/train_sweep.sh's last step): per cell min / median / max over the runs of the loss
+    and of the difference to the first row *within each run*. Four runs, dense 2.0 / 3.0 / 2.5 / 2.2 and gaps
+    +0.1 / -0.2 / +0.05 / +0.3: the gap's median is +0.075, where the difference of the medians would be 2.525 -
+    2.35 = +0.175. Mutant: the gap taken as the rows' medians' difference."""
+    from dsv32_jax.train import eval_sweep
+
+    paths = [_table(tmp_path / f"{i}.json", d, g) for i, (d, g) in
+             enumerate([(2.0, 0.1), (3.0, -0.2), (2.5, 0.05), (2.2, 0.3)])]
+    s = eval_sweep.summarize(eval_sweep.read_tables(paths))
+    dense, dsa = s["rows"]
+    assert dense["gap"] is None
+    np.testing.assert_allclose(dense["loss"], [2.0, 2.35, 3.0])
+    np.testing.assert_allclose(dsa["gap"], [-0.2, 0.075, 0.3])  # median of (-0.2, 0.05, 0.1, 0.3)
+    np.testing.assert_allclose(dsa["loss"], [2.1, 2.525, 2.8])  # 2.1, 2.5, 2.55, 2.8
+    text = eval_sweep.markdown(s)
+    assert "2.1000 / 2.5250 / 2.8000 (-0.2000 / +0.0750 / +0.3000)" in text
+
+
+def test_the_sweep_summary_refuses_tables_of_different_shapes_naming_both_files(tmp_path, capsys):
+    from dsv32_jax.train import eval_sweep
+
+    a = _table(tmp_path / "a.json", 2.0, 0.1)
+    b = _table(tmp_path / "b.json", 2.0, 0.1, model2="warmup (warmup, step 150)")
+    with pytest.raises(SystemExit, match=r"b\.json and .*a\.json hold different tables"):
+        eval_sweep.main([a, b])
+    with pytest.raises(SystemExit, match="at least 2 runs"):
+        eval_sweep.main([a])
+    (tmp_path / "c.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"c\.json: not an eval table"):
+        eval_sweep.main([a, str(tmp_path / "c.json")])
+    assert eval_sweep.main([a, _table(tmp_path / "d.json", 3.0, 0.3), "--out", str(tmp_path / "o" / "s")]) == 0
+    assert json.loads((tmp_path / "o" / "s.json").read_text())["rows"][1]["gap"] == pytest.approx([0.1, 0.2, 0.3])

@@ -48,7 +48,7 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import build_policy, resumed_model_config
+from dsv32_jax.train.trainer import build_policy, perturb_params, resumed_model_config
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
@@ -109,23 +109,6 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
     grads, metrics = nnx.grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(model)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), metrics
-
-
-def perturb_params(model, rel: float, seed: int = 0) -> None:
-    """In place: every floating parameter x -> x * (1 + rel * N(0, 1)), the noise drawn from `seed` (not from
-    config.seed: the same perturbation at every seed). `config.agent.init_perturb` applies it to the initial
-    parameters: a run perturbed by 1e-6 diverges from the unperturbed one as a run on another CPU (other float
-    rounding, e.g. AVX2 vs AVX-512) does, so a result that holds only for the exact bits shows up as fragile."""
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    narrow = sorted({str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4})
-    if narrow and abs(rel) < 2.0 ** -9:  # below half a bf16 ulp: x * (1 + rel N) rounds back to x
-        raise ValueError(f"config.agent.init_perturb={rel}: too small to move a {', '.join(narrow)} parameter (its "
-                         "rounding is 2^-9 relative); use >= 2^-9 or a float32 model (param_dtype)")
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [(x.astype(jnp.float32) * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
-           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]  # rounded once
-    nnx.update(model, jax.tree.unflatten(treedef, out))
 
 
 def _format_error(t) -> bool:
@@ -282,7 +265,7 @@ class AgentLearner:
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:
-            perturb_params(model, perturb)
+            perturb_params(model, perturb, flag="config.agent.init_perturb")
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("agent", mtp=False, indexer=bool(float(a.indexer_weight)))
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=self.trainable)

@@ -39,6 +39,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.dtype = "float32"
     c.param_dtype = "float32"
     c.seed = 0
+    # > 0: a fresh model's parameters x -> x * (1 + init_perturb * N(0, 1)) (trainer.perturb_params; the same noise
+    # at every seed): a run as another CPU's float rounding would make it, for checking a result over more than one
+    # run (tools/train_sweep.sh). Ignored when the parameters come from init_from or a checkpoint.
+    c.init_perturb = 0.0
     c.steps = 100
     # Gradient accumulation: each step's global batch (data.batch_size) runs as this many microbatches, one forward
     # + backward at a time (train/steps.py:accumulate_grads), then ONE optimizer update: the same step as the
@@ -335,6 +339,8 @@ def check_config(config) -> None:
     except ValueError as e:
         raise ValueError(str(e).replace("RunOptions.", "config.")) from None
     integer("steps", 0)  # (0: build and checkpoint nothing, e.g. to evaluate)
+    if "init_perturb" in config:
+        number("init_perturb")
     integer("log_every", 0)
     if "profile" in config:
         integer("profile.start", 1)

@@ -77,11 +77,38 @@ def warn_untrained_indexers(config, init: str) -> str | None:
     return why
 
 
+def perturb_params(model, rel: float, seed: int = 0, flag: str = "config.init_perturb") -> None:
+    """In place: every floating parameter x -> x * (1 + rel * N(0, 1)), the noise drawn from `seed` (not from
+    config.seed: the same perturbation at every seed). `config.init_perturb` (the LM stages and GRPO, on a fresh
+    model) and `config.agent.init_perturb` (the agent learner) apply it to the initial parameters: a run perturbed
+    by 1e-6 diverges from the unperturbed one as a run on another CPU (other float rounding, e.g. AVX2 vs AVX-512)
+    does, so a result that holds only for the exact bits shows up as fragile. `flag` names the option in errors."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    narrow = sorted({str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4})
+    if narrow and abs(rel) < 2.0 ** -9:  # below half a bf16 ulp: x * (1 + rel N) rounds back to x
+        raise ValueError(f"{flag}={rel}: too small to move a {', '.join(narrow)} parameter (its rounding is 2^-9 "
+                         "relative); use >= 2^-9 or a float32 model (param_dtype)")
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [(x.astype(jnp.float32) * (1 + rel * jax.random.normal(k, x.shape, jnp.float32))).astype(x.dtype)
+           if jnp.issubdtype(x.dtype, jnp.floating) else x for x, k in zip(leaves, keys)]  # rounded once
+    nnx.update(model, jax.tree.unflatten(treedef, out))
+
+
+def fresh_model(config, cfg, dtype, param_dtype, options=None) -> Transformer:
+    """A randomly initialized `cfg` from config.seed, perturbed by config.init_perturb when it is set."""
+    model = Transformer(cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=param_dtype, options=options)
+    rel = float(config.get("init_perturb", 0.0))
+    if rel:
+        perturb_params(model, rel)
+    return model
+
+
 def build_policy(config, cfg, dtype, param_dtype, *, resuming: bool) -> Transformer:
     """The GRPO and agent stages' starting model, with `run_options(config)`: `config.init_from` through
     `dsv32_jax.from_pretrained` (with config.init_indexer, config.seed and config.model_overrides, warning when DSA
     starts from untrained indexers), else a fresh `cfg` from config.seed. Resuming, a fresh `cfg` too: the
-    checkpoint's arrays replace its."""
+    checkpoint's arrays replace its. A fresh model is perturbed by config.init_perturb when it is set."""
     options = run_options(config)
     if config.init_from and not resuming:
         model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=param_dtype, options=options,
@@ -90,7 +117,7 @@ def build_policy(config, cfg, dtype, param_dtype, *, resuming: bool) -> Transfor
         if options.dsa:
             warn_untrained_indexers(config, config.init_from)
         return model
-    return Transformer(cfg, rngs=nnx.Rngs(config.seed), dtype=dtype, param_dtype=param_dtype, options=options)
+    return fresh_model(config, cfg, dtype, param_dtype, options)
 
 
 def model_config(config) -> dsv32_jax.ModelConfig:
@@ -215,8 +242,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def _build(self, model=None):
         if model is None:
-            model = Transformer(self.cfg, rngs=nnx.Rngs(self.config.seed), dtype=self.dtype,
-                                param_dtype=self.param_dtype, options=self.options)
+            model = fresh_model(self.config, self.cfg, self.dtype, self.param_dtype, self.options)
         model.options = self.options
         return model, nnx.Optimizer(model, self.tx, wrt=self.filter)
 
