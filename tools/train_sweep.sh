@@ -6,7 +6,7 @@
 # perturbed start (`Np`: seed N, config.init_perturb=1e-6, as another CPU's float rounding would make it):
 #   tools/train_sweep.sh 0 1 2 3 4 0p        # SWEEP_DIR (runs/sweep) / <run> / {dense,warmup,sparse,eval.*, log}
 # Each stage resumes when rerun (the trainer's checkpoints), so an interrupted sweep continues where it stopped.
-# About 3-4 minutes a run on 2 CPU cores. Exit status: non-zero when a run or the summary failed.
+# About 2.5 minutes a run alone on 2 CPU cores (5-6.5 beside other jobs). Exit status: non-zero when a run or the summary failed.
 set -u
 py=${PY:-.venv/bin/python}
 out=${SWEEP_DIR:-runs/sweep}

@@ -20,6 +20,8 @@ import numpy as np
 from dsv32_jax.checkpoint.io_utils import check_output_parent, write_text_atomic
 
 
+def _stat(v) -> list[float] | None:
+    return None if v is None else [float(v.min()), float(np.median(v)), float(v.max())]
 
 
 def read_tables(paths: list[str]) -> list[dict]:
@@ -60,9 +62,8 @@ def summarize(tables: list[dict]) -> dict:
             gap = None
             if (model, attention) != base and (*base, split, seq_len) in first["cells"]:
                 gap = loss - np.array([t["cells"][(*base, split, seq_len)] for t in tables])
-            stat = (lambda v: None if v is None else [float(v.min()), float(np.median(v)), float(v.max())])
             out.append({"model": model, "attention": attention, "split": split, "seq_len": seq_len,
-                        "loss": stat(loss), "gap": stat(gap)})
+                        "loss": _stat(loss), "gap": _stat(gap)})
     return {"runs": [t["path"] for t in tables], "rows": out}
 
 
