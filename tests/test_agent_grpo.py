@@ -325,8 +325,8 @@ def test_evaluate_reports_the_mean_verifier_reward(tmp_path):
     lrn = AgentLearner(_config(envs="trip,lookup", eval_episodes=2, capacity=800), str(tmp_path))
     rewards = {"trip": [0.5, 0.25], "lookup": [1.0, 0.0]}
     seg = SimpleNamespace(ids=[1, 2, 3], loss_mask=[0, 1, 1])
-    lrn.run = lambda rows, cfg, key_seed: ([SimpleNamespace(reward=r, success=r == 1.0, segments=[seg])
-                                            for r in rewards[rows[0][0]]], None)
+    lrn.run = lambda rows, cfg, key_seed, capacity=None: ([SimpleNamespace(reward=r, success=r == 1.0, segments=[seg],
+                                                                           info={}) for r in rewards[rows[0][0]]], None)
     ev = lrn.evaluate()
     assert ev["eval_reward/trip"] == 0.375 and ev["eval_success/trip"] == 0.0
     assert ev["eval_reward/lookup"] == 0.5 and ev["eval_reward"] == (0.375 + 0.5) / 2
@@ -344,7 +344,7 @@ def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
     assert lrn.sampling.top_p == 0.9 and lrn.sampling.top_k == 8 and not lrn.greedy.truncated
     calls = []
 
-    def run(rows, cfg, key_seed):
+    def run(rows, cfg, key_seed, capacity=None):
         calls.append((rows, cfg, key_seed))
         return [SimpleNamespace(reward=0.5 if cfg is lrn.sampling else 1.0, success=False, info={}, segments=[])
                 for _ in rows], None
@@ -363,6 +363,76 @@ def test_sampled_evaluation_is_paired_and_reaches_the_sampler(tmp_path):
     assert len({k for _, _, k in sampled[:2]}) == 2  # each chunk its own key
     with pytest.raises(ValueError, match="agent.eval_samples"):
         AgentLearner(_config(eval_samples=-1), str(tmp_path / "c"))
+
+
+def test_eval_capacities_evaluate_the_same_tasks_at_each_cache_size(tmp_path, monkeypatch):
+    """config.agent.eval_capacities: every greedy evaluation runs the same held-out tasks again at each extra
+    decode-cache size, which reaches the rollout's cache and the episodes' context budget; the metrics carry a
+    _cap{N} tag (success, reward, context_full, context and model tokens, segments) and eval_success_cap{N} averages
+    the environments. Mutations tried: the extra runs at config.agent.capacity; the context budget left at capacity."""
+    from types import SimpleNamespace
+
+    import dsv32_jax.train.agent_grpo as agent_grpo
+
+    lrn = AgentLearner(_config(envs="lookup,calculator", eval_episodes=2, capacity=800, eval_capacities=(600,)),
+                       str(tmp_path))
+    assert lrn.capacities() == [("config.agent.capacity", 800), ("config.agent.eval_capacities[0]", 600)]
+    built = []
+
+    class Rollout:  # what lrn.run hands the batched rollout
+        def __init__(self, model, codec, cfg, capacity, seed=0):
+            built.append(capacity)
+
+        def run(self, envs, seeds, **kw):
+            full = built[-1] < 800  # the small cache: one episode of two ends "context full"
+            seg = SimpleNamespace(ids=list(range(built[-1] // 100)), loss_mask=[1, 1, 0])
+            trajs = [SimpleNamespace(reward=float(not (full and i)), success=not (full and i), segments=[seg] * (1 + i),
+                                     info={"error": "context full: no room"} if full and i else {},
+                                     budget=kw["context_budget"]) for i in range(len(seeds))]
+            return trajs, None
+
+    monkeypatch.setattr(agent_grpo, "BatchedRollout", Rollout)
+    trajs, _ = lrn.run([("lookup", 1)], lrn.greedy, key_seed=0, capacity=600)
+    assert built == [600] and trajs[0].budget == 600
+    trajs, _ = lrn.run([("lookup", 1)], lrn.greedy, key_seed=0)
+    assert built[-1] == 800 and trajs[0].budget == 800
+    built.clear()
+    ev = lrn.evaluate()
+    assert built == [800, 600, 800, 600]  # per environment: the training cache, then the extra one
+    for env in ("lookup", "calculator"):
+        assert ev[f"eval_success/{env}"] == 1.0 and ev[f"eval_context_full/{env}"] == 0.0
+        assert ev[f"eval_success_cap600/{env}"] == ev[f"eval_reward_cap600/{env}"] == 0.5
+        assert ev[f"eval_context_full_cap600/{env}"] == 0.5
+        assert ev[f"eval_context_tokens/{env}"] == 12.0 and ev[f"eval_context_tokens_cap600/{env}"] == 9.0
+        assert ev[f"eval_segments_cap600/{env}"] == 1.5 and ev[f"eval_model_tokens_cap600/{env}"] == 3.0
+    assert ev["eval_success"] == 1.0 and ev["eval_success_cap600"] == 0.5
+    # resuming step 0 with other evaluation caches is allowed (they change no update); another capacity is not
+    other = AgentLearner(_config(envs="lookup,calculator", eval_episodes=2, capacity=800, eval_capacities=(640, 700)),
+                         str(tmp_path / "b"))
+    assert other._sft_fingerprint() == lrn._sft_fingerprint()
+    assert AgentLearner(_config(envs="lookup,calculator", eval_episodes=2, capacity=768),
+                        str(tmp_path / "c"))._sft_fingerprint() != lrn._sft_fingerprint()
+
+
+def test_bad_eval_capacities_are_refused_naming_the_entry(tmp_path, monkeypatch):
+    """A value that is not a tuple of positive integers fails check_config naming config.agent.eval_capacities; an
+    entry too small for the first prompt or past the model's context fails at construction naming its index."""
+    import dsv32_jax.train.agent_grpo as agent_grpo
+
+    def fail(*a, **k):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(agent_grpo, "build_policy", fail)
+    for bad in ((0,), (384.0,), (True,), ("384",), (384, -1)):  # (ml_collections refuses a non-tuple itself)
+        with pytest.raises(ValueError, match=r"config.agent.eval_capacities must be a tuple of integers >= 1"):
+            AgentLearner(_config(envs="lookup", eval_capacities=bad), str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.eval_capacities\[1\]=64 is too small: the longest first "
+                                         r"prompt of environment 'lookup'"):
+        AgentLearner(_config(envs="lookup", eval_capacities=(768, 64)), str(tmp_path))
+    with pytest.raises(ValueError, match=r"config.agent.eval_capacities\[0\]=4096 exceeds the model's context"):
+        AgentLearner(_config(envs="lookup", eval_capacities=(4096,)), str(tmp_path))
+    with pytest.raises(AssertionError, match="the model was built"):
+        AgentLearner(_config(envs="lookup", eval_capacities=(768, 512)), str(tmp_path))
 
 
 def test_bad_agent_configuration_fails_before_any_work_naming_the_fields(tmp_path, monkeypatch):

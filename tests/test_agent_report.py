@@ -66,3 +66,27 @@ def test_paths_without_an_agentic_run_are_named(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match=r"error: .*nostep\.jsonl, line 1: not a metrics row"):
         plot.main([str(tmp_path / "nostep.jsonl")])
+
+
+def test_metrics_option_tabulates_each_key_from_the_last_row_holding_it(tmp_path, capsys):
+    """--metrics=KEY,...: per run the value of each key in the last row that holds it (pre_eval_* from step 1,
+    eval_* from the last evaluation, a resumed step's re-logged row over its stale copy), then min / median / max;
+    a run without one of the keys is skipped, naming the key."""
+    for name, (pre, caps) in {"a": (0.5, [0.1, 0.2]), "b": (0.9, [0.3, 0.7]), "c": (0.7, [0.0, 0.4])}.items():
+        _write_run(tmp_path / name, pre, 1.0, [0.1, 0.2, 0.3])
+        with open(tmp_path / name / "metrics.jsonl", "a") as f:  # two later evaluations of the small cache
+            f.writelines(json.dumps({"step": 3 + i, "eval_success_cap384": c}) + "\n" for i, c in enumerate(caps))
+    agent_report.main([str(tmp_path / r) for r in "abc"] + ["--metrics=pre_eval_success, eval_success_cap384"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | pre_eval_success | eval_success_cap384 |"
+    cells = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]] for line in lines[2:]}
+    np.testing.assert_allclose([cells[os.path.relpath(tmp_path / r)] for r in "abc"], [[0.5, 0.2], [0.9, 0.7],
+                                                                                        [0.7, 0.4]])
+    np.testing.assert_allclose(cells["**min**"], [0.5, 0.2])
+    np.testing.assert_allclose(cells["**median**"], [0.7, 0.4])
+    np.testing.assert_allclose(cells["**max**"], [0.9, 0.7])
+    with pytest.raises(SystemExit) as e:
+        agent_report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--metrics=pre_eval_success,nope,eval_nope"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2
+    assert err.count("no row holds nope, eval_nope") == 2 and not out

@@ -326,9 +326,11 @@ class AgentLearner:
         longer task that still overruns ends "context full" (the `context_full` metric)."""
         a = self.a
         ctx = int(self.cfg.max_position_embeddings)
-        if a.capacity > ctx:  # (the rollout's sampler refuses it, but only after the step-0 SFT)
-            raise ValueError(f"config.agent.capacity={a.capacity} exceeds the model's context of {ctx} positions "
-                             "(max_position_embeddings of the model config)")
+        caps = self.capacities()
+        for field, cap in caps:  # (the rollout's sampler refuses it, but only after the step-0 SFT)
+            if cap > ctx:
+                raise ValueError(f"{field}={cap} exceeds the model's context of {ctx} positions "
+                                 "(max_position_embeddings of the model config)")
         bucket = PIECE_BUCKET  # the rollout's MultiTurnSampler pads each piece to it
         rl = [int(x) for x in np.random.default_rng(12345).integers(0, 10**6, sample)]
         for spec in self.envs:
@@ -346,18 +348,24 @@ class AgentLearner:
                 longest = max(longest, (n, seed))
             n, seed = longest
             need = -(-n // bucket) * bucket + a.max_new_tokens
-            if need > a.capacity:
-                raise ValueError(f"config.agent.capacity={a.capacity} is too small: the longest first prompt of "
-                                 f"environment {spec!r} at {len(seeds) + sample} seeds (seed {seed}) has {n} tokens "
-                                 f"with config.agent.codec={a.codec!r} and config.agent.tools_prompt="
-                                 f"{a.tools_prompt!r}; padded to the sampler's {bucket}-slot bucket "
-                                 f"({need - a.max_new_tokens}) plus config.agent.max_new_tokens={a.max_new_tokens} "
-                                 f"it needs {need}; raise capacity to at least that (more for longer tasks and later turns)")
+            for field, cap in caps:
+                if need > cap:
+                    raise ValueError(f"{field}={cap} is too small: the longest first prompt of "
+                                     f"environment {spec!r} at {len(seeds) + sample} seeds (seed {seed}) has {n} tokens "
+                                     f"with config.agent.codec={a.codec!r} and config.agent.tools_prompt="
+                                     f"{a.tools_prompt!r}; padded to the sampler's {bucket}-slot bucket "
+                                     f"({need - a.max_new_tokens}) plus config.agent.max_new_tokens={a.max_new_tokens} "
+                                     f"it needs {need}; raise it to at least that (more for longer tasks and later turns)")
 
-    def _episode_kwargs(self):
+    def capacities(self) -> list[tuple[str, int]]:
+        """(config field, decode-cache size) of the training rollouts and of every extra greedy evaluation."""
+        return [("config.agent.capacity", int(self.a.capacity))] + [
+            (f"config.agent.eval_capacities[{i}]", int(c)) for i, c in enumerate(self.a.get("eval_capacities", ()))]
+
+    def _episode_kwargs(self, capacity: int | None = None):
         return dict(max_turns=self.a.max_turns, max_new_tokens=self.a.max_new_tokens,
-                    context_budget=self.a.capacity, thinking=self.a.thinking, tools_prompt=self.a.tools_prompt,
-                    drop_thinking=self.a.drop_thinking)
+                    context_budget=self.a.capacity if capacity is None else capacity, thinking=self.a.thinking,
+                    tools_prompt=self.a.tools_prompt, drop_thinking=self.a.drop_thinking)
 
     # --------------------------------------------------------------- cold start
     def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
@@ -476,8 +484,8 @@ class AgentLearner:
 
     def _sft_fingerprint(self) -> dict:
         """What a continued step 0 must share with the run that saved it: the seed, the model, the optimizer and
-        config.agent (JSON values; not sft_checkpoint_every)."""
-        agent = {k: v for k, v in self.a.to_dict().items() if k != "sft_checkpoint_every"}
+        config.agent (JSON values; not sft_checkpoint_every nor eval_capacities, which change no update)."""
+        agent = {k: v for k, v in self.a.to_dict().items() if k not in ("sft_checkpoint_every", "eval_capacities")}
         return json.loads(json.dumps({"seed": self.config.seed, "model": self.cfg.to_hf(),
                                       "optimizer": self.config.optimizer.to_dict(), "agent": agent}, default=str))
 
@@ -519,11 +527,14 @@ class AgentLearner:
         rows = [picks[i] for i in np.repeat(np.arange(len(picks)), self.a.group_size)]
         return rows, np.repeat(np.arange(len(picks)), self.a.group_size)
 
-    def run(self, rows, cfg: SamplingConfig, key_seed: int):
+    def run(self, rows, cfg: SamplingConfig, key_seed: int, capacity: int | None = None):
+        """The episodes of `rows` over one decode cache of `capacity` slots (None: config.agent.capacity), which is
+        also the episodes' context budget."""
         envs = [self.make_env(name) for name, _ in rows]
+        cap = self.a.capacity if capacity is None else capacity
         with shd.use_mesh(self.mesh):
-            return BatchedRollout(self._model(), self.codec, cfg, self.a.capacity, seed=key_seed).run(
-                envs, [s for _, s in rows], **self._episode_kwargs())
+            return BatchedRollout(self._model(), self.codec, cfg, cap, seed=key_seed).run(
+                envs, [s for _, s in rows], **self._episode_kwargs(cap))
 
     def rollout(self, step: int):
         rows, group_ids = self.tasks(step)
@@ -594,17 +605,23 @@ class AgentLearner:
         tokens their contexts took in the decode cache (every segment: a re-rendered history is prefilled again)
         and the model's own tokens; with `config.agent.eval_samples`, also the sampled policy's (evaluate_sampled)."""
         out = {}
+        caps = [(f"_cap{c}", c) for _, c in self.capacities()[1:]]
         for name in self.envs:
             rows = [(name, 10**7 + i) for i in range(self.a.eval_episodes)]
-            trajs, _ = self.run(rows, self.greedy, key_seed=0)
-            out[f"eval_success/{name}"] = float(np.mean([t.success for t in trajs]))
-            out[f"eval_reward/{name}"] = float(np.mean([t.reward for t in trajs]))
-            out[f"eval_context_tokens/{name}"] = float(np.mean([sum(len(g.ids) for g in t.segments) for t in trajs]))
-            out[f"eval_model_tokens/{name}"] = float(np.mean([sum(map(sum, (g.loss_mask for g in t.segments)))
-                                                              for t in trajs]))
+            for tag, cap in [("", None)] + caps:
+                trajs, _ = self.run(rows, self.greedy, key_seed=0, capacity=cap)
+                out[f"eval_success{tag}/{name}"] = float(np.mean([t.success for t in trajs]))
+                out[f"eval_reward{tag}/{name}"] = float(np.mean([t.reward for t in trajs]))
+                out[f"eval_context_full{tag}/{name}"] = float(np.mean([_context_full(t) for t in trajs]))
+                out[f"eval_context_tokens{tag}/{name}"] = float(np.mean([sum(len(g.ids) for g in t.segments)
+                                                                         for t in trajs]))
+                out[f"eval_model_tokens{tag}/{name}"] = float(np.mean([sum(map(sum, (g.loss_mask for g in t.segments)))
+                                                                       for t in trajs]))
+                out[f"eval_segments{tag}/{name}"] = float(np.mean([len(t.segments) for t in trajs]))
             if self.a.eval_samples:
                 out.update(self.evaluate_sampled(name, rows))
-        for k in ("success", "reward") + (("sampled_success", "sampled_reward") if self.a.eval_samples else ()):
+        for k in ("success", "reward") + (("sampled_success", "sampled_reward") if self.a.eval_samples else ()) + tuple(
+                f"success{tag}" for tag, _ in caps):
             out[f"eval_{k}"] = float(np.mean([out[f"eval_{k}/{n}"] for n in self.envs]))
         return out
 

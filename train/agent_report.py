@@ -5,7 +5,9 @@ training (`start_eval_*`), after the recall stage and cold start (`pre_eval_*`) 
 (`eval_*`), the sampled success of the training rollouts over the first and the last `--window` GRPO steps, and the
 wall time (the sum of the steps' `step_s`: everything but the process start and the first compile of the model).
 With several workdirs, one line per run and the min / median / max of every column (`make agent-demo` prints the
-first form; BENCHMARKS.md's seed sweeps the second).
+first form; BENCHMARKS.md's seed sweeps the second). `--metrics=KEY,KEY,...`: those metrics.jsonl keys instead, each
+run's value from the last row that holds it (`pre_eval_*` from step 1's, `eval_*` from the last evaluation), one
+line per run and their min / median / max (tools/thinking_sweep.sh).
 """
 
 from __future__ import annotations
@@ -88,16 +90,40 @@ def sweep_table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def metric_values(rows: list[dict], keys: list[str]) -> dict[str, float]:
+    """Each key's value in the last row that holds it; ValueError naming the keys no row holds."""
+    out = {}
+    for row in rows:
+        out.update({k: float(row[k]) for k in keys if k in row})
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise ValueError(f"no row holds {', '.join(missing)}")
+    return {k: out[k] for k in keys}
+
+
+def metrics_table(runs: dict[str, dict[str, float]], keys: list[str]) -> str:
+    """One line per run and the min / median / max of each key."""
+    lines = ["| run | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
+    lines += [f"| {name} | " + " | ".join(f"{v[k]:.3f}" for k in keys) + " |" for name, v in runs.items()]
+    for label, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
+        lines.append(f"| **{label}** | " + " | ".join(f"{fn([v[k] for v in runs.values()]):.3f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="workdirs of stage 'agent' (or their metrics.jsonl)")
     parser.add_argument("--window", type=int, default=5, help="GRPO steps averaged for the rollouts' success")
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    parser.add_argument("--metrics", default="", help="comma-separated metrics.jsonl keys to tabulate instead "
+                        "(each run's value from the last row holding it), e.g. pre_eval_success,eval_success")
     args = parser.parse_args(argv)
+    keys = [k.strip() for k in args.metrics.split(",") if k.strip()]
     runs, skipped = {}, []
     for r in args.runs:
         try:
-            runs[os.path.relpath(r)] = summarize(load(r), args.window)
+            rows = load(r)
+            runs[os.path.relpath(r)] = metric_values(rows, keys) if keys else summarize(rows, args.window)
         except ValueError as e:  # a run still in progress, a log file from a glob: named, not a traceback
             skipped.append(f"{r}: {e}")
     for msg in skipped:
@@ -106,6 +132,8 @@ def main(argv=None):
         parser.exit(2, "agent_report: no run to report\n")
     if args.json:
         print(json.dumps(runs, indent=1))
+    elif keys:
+        print(metrics_table(runs, keys))
     elif len(runs) == 1:
         print(table(next(iter(runs.values()))))
     else:

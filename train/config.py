@@ -154,6 +154,10 @@ def default_config() -> ml_collections.ConfigDict:
         # > 0: every evaluation also samples `eval_samples` episodes of each held-out task at `temperature` (the
         # policy GRPO optimizes; the paper's pass@1 averaged over samples): eval_sampled_reward / _success
         eval_samples=0,
+        # every greedy evaluation also runs at each of these decode-cache sizes (and context budgets) beside
+        # `capacity`: eval_success_cap{N}/{env}, eval_context_full_cap{N}/... (what a smaller context does to a
+        # policy trained at `capacity`: e.g. thinking retention vs dropping under a tight budget)
+        eval_capacities=(),
         env_kwargs=ml_collections.ConfigDict(),
         # recall stage before the cold start (dsv32_jax/posttrain/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;
@@ -398,6 +402,10 @@ def check_config(config) -> None:
         number("agent.length_penalty")
         number("agent.language_weight")
         integer("agent.eval_episodes", 0)
+        caps = config.agent.get("eval_capacities", ())
+        if isinstance(caps, (str, bytes)) or not isinstance(caps, (tuple, list)) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in caps):
+            fail("agent.eval_capacities", "a tuple of integers >= 1, e.g. (384,)")
         integer("agent.cold_start_steps", 0)
         integer("agent.sft_checkpoint_every", 0)
         integer("agent.recall_steps", 0)
