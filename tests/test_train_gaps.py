@@ -581,8 +581,10 @@ def test_the_sparse_stage_warns_when_it_starts_from_untrained_indexers(monkeypat
 @pytest.mark.parametrize("stage", ["grpo", "agent"])
 def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(stage, tmp_path, monkeypatch):
     """The GRPO and agent learners load init_from with config.init_indexer (and config.seed for fresh indexers),
-    which they dropped before (init_indexer='fresh' loaded the stored indexers), then run the untrained-indexer
-    check on what they loaded. Stand-ins: from_pretrained records its arguments, the check stops the learner."""
+    which they dropped before (init_indexer='fresh' loaded the stored indexers), onto the learner's mesh (they
+    loaded onto one device: every process read the whole checkpoint), then run the untrained-indexer check on what
+    they loaded. Stand-ins: from_pretrained records its arguments and returns an abstract model of the checkpoint's
+    architecture, the check stops the learner. Mutant: build_policy without the mesh."""
     import importlib
     import os
 
@@ -601,7 +603,8 @@ def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(s
 
     def loader(path, **kw):
         seen.update(kw, path=path)
-        return types.SimpleNamespace(config=load_preset("tiny"))
+        cfg = dsv32_jax.ModelConfig.from_hf(path).replace(**kw["overrides"])
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
 
     def check(config, init):
         raise Checked(init)
@@ -614,6 +617,7 @@ def test_post_training_stages_pass_init_indexer_and_warn_on_untrained_indexers(s
     with pytest.raises(Checked, match="hf_long"):
         getattr(module, {"grpo": "GRPOLearner", "agent": "AgentLearner"}[stage])(c, str(tmp_path))
     assert (seen["init_indexer"], seen["seed"], seen["path"]) == ("fresh", 3, c.init_from)
+    assert isinstance(seen["mesh"], jax.sharding.Mesh) and seen["mesh"].size == jax.device_count()
 
 
 def _params(model):
@@ -693,3 +697,27 @@ def test_init_perturb_that_is_not_a_finite_number_is_refused_naming_the_field(tm
     c.init_perturb = float("nan")
     with pytest.raises(ValueError, match=r"config\.init_perturb must be a finite number"):
         check_config(c)
+
+
+def test_build_policy_loads_through_the_lm_stages_loader(tmp_path, monkeypatch):
+    """build_policy (GRPO, agent) and Trainer._load_model share `load_init`: the loaded policy is a model of this
+    run's config with run_options(config), the loaded parameters unchanged, and a checkpoint whose architecture
+    differs from the run's is refused naming config.init_from and the parameter (the post-training stages took any
+    checkpoint's shapes before). Mutant: the options not passed to the rebuilt model."""
+    import dsv32_jax
+    from dsv32_jax.train import trainer
+    from dsv32_jax.train.config import default_config
+
+    cfg = load_preset("tiny").replace(num_hidden_layers=1)
+    saved = Transformer(cfg, rngs=nnx.Rngs(5))
+    monkeypatch.setattr(dsv32_jax, "from_pretrained", lambda path, **kw: saved)
+    monkeypatch.setattr(trainer, "warn_untrained_indexers", lambda config, init: None)
+    c = default_config()
+    c.stage, c.init_from, c.remat = "grpo", str(tmp_path / "ckpt"), "full"
+    model = trainer.build_policy(c, cfg, jnp.float32, jnp.float32, resuming=False)
+    assert model.options == trainer.run_options(c) and model.options.remat == "full"
+    assert model.config == cfg
+    assert all(np.array_equal(x, y) for x, y in zip(_params(model), _params(saved)))
+    with pytest.raises(ValueError, match=rf"config.init_from={c.init_from}: parameter layers/1/.* has shape None "
+                                         r"there but \(.*\) in this run's model"):
+        trainer.build_policy(c, cfg.replace(num_hidden_layers=2), jnp.float32, jnp.float32, resuming=False)

@@ -261,7 +261,7 @@ class AgentLearner:
                           config.mesh, "config.agent.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None)
+        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None, mesh=self.mesh)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         perturb = float(a.get("init_perturb", 0.0))
         if perturb:

@@ -100,7 +100,7 @@ class GRPOLearner:
                           self.mesh, config.mesh, "config.grpo.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
-        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None)
+        model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None, mesh=self.mesh)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("grpo", mtp=False, indexer=bool(float(g.get("indexer_weight", 1.0))))

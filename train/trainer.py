@@ -104,19 +104,51 @@ def fresh_model(config, cfg, dtype, param_dtype, options=None) -> Transformer:
     return model
 
 
-def build_policy(config, cfg, dtype, param_dtype, *, resuming: bool) -> Transformer:
-    """The GRPO and agent stages' starting model, with `run_options(config)`: `config.init_from` through
-    `dsv32_jax.from_pretrained` (with config.init_indexer, config.seed and config.model_overrides, warning when DSA
-    starts from untrained indexers), else a fresh `cfg` from config.seed. Resuming, a fresh `cfg` too: the
-    checkpoint's arrays replace its. A fresh model is perturbed by config.init_perturb when it is set."""
+def load_init(config, init: str, cfg, dtype, param_dtype, *, mesh=None, options=None, warn: bool) -> Transformer:
+    """`init`'s (config.init_from's) parameters (an HF / converted checkpoint or a training workdir: its latest finished
+    checkpoint, with the model config recorded there) through the one loader, `dsv32_jax.from_pretrained`, with
+    config.init_indexer, config.seed and config.model_overrides, onto `mesh` (an orbax checkpoint or workdir is
+    restored straight into the shardings, each process reading only the slices its devices hold), in a model of
+    this run's `cfg` (with the MTP layer iff the checkpoint has one) and `options`. A parameter whose shape differs
+    from `cfg`'s is refused by name; `warn`: log when the loaded indexers never trained (a stage that selects with
+    them)."""
+    overrides = dict(config.model_overrides) or None
+    try:
+        loaded = dsv32_jax.from_pretrained(init, dtype=dtype, param_dtype=param_dtype, mesh=mesh, options=options,
+                                           init_indexer=config.get("init_indexer", "auto"), seed=config.seed,
+                                           overrides=overrides)
+    except CheckpointError as e:
+        if not overrides:
+            raise
+        raise CheckpointError(f"config.init_from={init}: {e}; config.model_overrides={overrides} change the "
+                              "architecture recorded there") from None
+    # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
+    cfg = cfg.replace(num_nextn_predict_layers=loaded.config.num_nextn_predict_layers)
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, options=options)))
+    state = nnx.state(loaded)
+    want = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(abstract))))
+    have = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(state))))
+    for path in sorted(set(want) | set(have), key=str):
+        if want.get(path) != have.get(path):
+            raise ValueError(f"config.init_from={init}: parameter {'/'.join(map(str, path))} has shape "
+                             f"{have.get(path)} there but {want.get(path)} in this run's model "
+                             "(config.model / config.model_overrides change the architecture)")
+    logging.info("initialized parameters from %s", init)
+    if warn:
+        warn_untrained_indexers(config, init)
+    return nnx.merge(graphdef, state)
+
+
+def build_policy(config, cfg, dtype, param_dtype, *, resuming: bool, mesh=None) -> Transformer:
+    """The GRPO and agent stages' starting model, with `run_options(config)`: `config.init_from` through `load_init`
+    onto `mesh` (warning when DSA starts from untrained indexers), else a fresh `cfg` from config.seed. Resuming, a
+    fresh `cfg` too: the checkpoint's arrays replace its. A fresh model is perturbed by config.init_perturb when it
+    is set."""
     options = run_options(config)
     if config.init_from and not resuming:
-        model = dsv32_jax.from_pretrained(config.init_from, dtype=dtype, param_dtype=param_dtype, options=options,
-                                          overrides=dict(config.model_overrides) or None,
-                                          init_indexer=config.get("init_indexer", "auto"), seed=config.seed)
-        if options.dsa:
-            warn_untrained_indexers(config, config.init_from)
-        return model
+        return load_init(config, config.init_from, cfg, dtype, param_dtype, mesh=mesh, options=options,
+                         warn=options.dsa)
     return fresh_model(config, cfg, dtype, param_dtype, options)
 
 
@@ -267,36 +299,10 @@ class Trainer:
         return TrainState(graphdef, state, shardings)
 
     def _load_model(self, init: str) -> Transformer:
-        """Parameters from an HF / converted checkpoint or a training workdir (its latest finished checkpoint, with
-        the model config recorded there), through the one loader, `dsv32_jax.from_pretrained`, onto this run's mesh:
-        an orbax checkpoint or workdir is restored straight into the shardings, each process reading only the
-        slices its devices hold."""
-        overrides = dict(self.config.model_overrides) or None
-        try:
-            loaded = dsv32_jax.from_pretrained(init, dtype=self.dtype, param_dtype=self.param_dtype, mesh=self.mesh,
-                                               init_indexer=self.config.get("init_indexer", "auto"),
-                                               seed=self.config.seed, overrides=overrides)
-        except CheckpointError as e:
-            if not overrides:
-                raise
-            raise CheckpointError(f"config.init_from={init}: {e}; config.model_overrides={overrides} change the "
-                                  "architecture recorded there") from None
-        # this run's config (overrides such as index_topk apply), with the MTP layer iff the checkpoint has one
-        cfg = self.cfg.replace(num_nextn_predict_layers=loaded.config.num_nextn_predict_layers)
-        graphdef, abstract = nnx.split(nnx.eval_shape(
-            lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=self.dtype, param_dtype=self.param_dtype)))
-        state = nnx.state(loaded)
-        want = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(abstract))))
-        have = dict(nnx.traversals.flatten_mapping(jax.tree.map(jnp.shape, nnx.to_pure_dict(state))))
-        for path in sorted(set(want) | set(have), key=str):
-            if want.get(path) != have.get(path):
-                raise ValueError(f"config.init_from={init}: parameter {'/'.join(map(str, path))} has shape "
-                                 f"{have.get(path)} there but {want.get(path)} in this run's model "
-                                 "(config.model / config.model_overrides change the architecture)")
-        logging.info("initialized parameters from %s", init)
-        if self.stage == "sparse":
-            warn_untrained_indexers(self.config, init)
-        return nnx.merge(graphdef, state)
+        """`init` (config.init_from) through `load_init` onto this run's mesh; the sparse stage warns when its
+        indexers never trained (the warm-up was skipped)."""
+        return load_init(self.config, init, self.cfg, self.dtype, self.param_dtype, mesh=self.mesh,
+                         warn=self.stage == "sparse")
 
     # ------------------------------------------------------------------- step
     def _compile_step(self):
