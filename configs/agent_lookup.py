@@ -26,7 +26,7 @@ From random initialization, three phases in step 0 of stage "agent" (train/agent
 The result is a distribution over seeds, not one number (BENCHMARKS.md, "`make agent-demo` over seeds, a
 perturbation and AVX2: the cosine cold start"): greedy success after the cold start min / median / max 0.969 / 0.984
 / 1.000 over 5 seeds, a 1e-6 perturbation and XLA's AVX2 code paths; 0.969 / 1.000 / 1.000 after GRPO. Knobs for measuring it: `--config.seed=N` (initialization, recall data, rollout keys),
-`--config.agent.init_perturb=1e-6` (every initial parameter x -> x * (1 + 1e-6 N(0, 1)): a run as another CPU's
+`--config.init_perturb=1e-6` (`--config.agent.init_perturb`, its old name, still works; every initial parameter x -> x * (1 + 1e-6 N(0, 1)): a run as another CPU's
 rounding would make it), and `XLA_FLAGS=--xla_cpu_max_isa=AVX2` in the environment (XLA's AVX2 code paths; on an
 AVX-512 machine not bit-identical to an AVX2-only one: seed 0 gave 0.98 that way).
 
@@ -81,8 +81,6 @@ def get_config():
     c.agent.rl_lr = 3e-4
     c.agent.eval_every = 10
     c.agent.eval_episodes = 64
-    # > 0: every initial parameter x -> x * (1 + init_perturb * N(0, 1)) (agent_grpo.perturb_params)
-    c.agent.init_perturb = 0.0
     c.checkpoint.every = 10
     c.log_every = 1
     return c

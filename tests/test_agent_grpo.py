@@ -742,7 +742,7 @@ def test_init_perturb_moves_bf16_parameters_or_is_refused():
     from flax import nnx
 
     from dsv32_jax import Transformer, load_preset
-    from dsv32_jax.train.agent_grpo import perturb_params
+    from dsv32_jax.train.trainer import perturb_params
 
     model = Transformer(load_preset("tiny"), rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
     before = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -754,6 +754,36 @@ def test_init_perturb_moves_bf16_parameters_or_is_refused():
             if x.dtype == jnp.bfloat16]
     changed = sum(int(np.sum((a != b) & (a != 0))) for a, b in bf16) / sum(int(np.sum(a != 0)) for a, _ in bf16)
     assert changed > 0.6, changed
+
+
+def test_agent_init_perturb_is_the_old_name_of_config_init_perturb(tmp_path):
+    """config.agent.init_perturb (BENCHMARKS.md's agent sweeps) moves to config.init_perturb: the learner's policy
+    equals config.init_perturb's and the old learner's (its own perturb_params call on the fresh model), bit for
+    bit; both set to different values is refused naming the two. Mutant: the old name ignored."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv32_jax.train.trainer import fresh_model, perturb_params
+
+    def params(lrn):
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.state(lrn._model(), nnx.Param))]
+
+    c0 = _config(envs="lookup")
+    plain = AgentLearner(c0, str(tmp_path / "a"))
+    want = fresh_model(c0, plain.cfg, jnp.dtype(c0.dtype), jnp.dtype(c0.param_dtype))
+    perturb_params(want, 1e-3)  # what the agent learner did with agent.init_perturb, after build_policy
+    want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(want, nnx.Param))]
+    old = params(AgentLearner(_config(envs="lookup", init_perturb=1e-3), str(tmp_path / "b")))
+    c = _config(envs="lookup")
+    c.init_perturb = 1e-3
+    new = params(AgentLearner(c, str(tmp_path / "c")))
+    assert any(not np.array_equal(x, y) for x, y in zip(want, params(plain)))
+    assert all(np.array_equal(x, y) for x, y in zip(old, want)) and all(np.array_equal(x, y) for x, y in zip(new, want))
+    c = _config(envs="lookup", init_perturb=1e-3)
+    c.init_perturb = 1e-4
+    with pytest.raises(ValueError, match=r"config.agent.init_perturb=0.001 and config.init_perturb=0.0001"):
+        AgentLearner(c, str(tmp_path / "d"))
 
 
 def test_kl_weights_of_a_domain_no_environment_has_are_reported(tmp_path, caplog):

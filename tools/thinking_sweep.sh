@@ -15,7 +15,7 @@ pin() { if command -v taskset > /dev/null && [ "$(nproc)" -ge 2 ]; then taskset 
 arms=(after_user every_turn)
 for run in "$@"; do
   if [[ ! $run =~ ^([0-9]+)(p?)$ ]]; then echo "tools/thinking_sweep.sh: run '$run' is not a seed N or Np" >&2; exit 2; fi
-  perturb=(); [ -n "${BASH_REMATCH[2]}" ] && perturb=(--config.agent.init_perturb=1e-6)
+  perturb=(); [ -n "${BASH_REMATCH[2]}" ] && perturb=(--config.init_perturb=1e-6)
   seed=${BASH_REMATCH[1]}
   start=$(date +%s)
   pids=()

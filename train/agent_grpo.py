@@ -48,13 +48,29 @@ from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
-from dsv32_jax.train.trainer import build_policy, perturb_params, resumed_model_config
+from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
 # step 0's recall stage / cold start progress (AgentLearner.prepare), until the first RL checkpoint
 SFT_CHECKPOINTS_DIR = "sft_checkpoints"
 TOOL_KEYS = ("tool_calls", "tool_errors", "tool_crashes", "tool_timeouts")
 CONSOLE_KEYS = ("reward_mean", "success", "eval_success", "turns", "kl", "opsm_masked_fraction",
                 "logprob_mismatch_max", "indexer_kl", "sft_loss", "grad_norm")
+
+
+def legacy_perturb(config) -> None:
+    """`config.agent.init_perturb`, the old name of `config.init_perturb` (BENCHMARKS.md's agent sweeps use it):
+    moved there, with a warning, so that one place perturbs a fresh model (trainer.fresh_model; the same
+    parameters, bit for bit, as the agent learner's own perturbation gave, which also perturbed a model loaded
+    through init_from). Both set to different values is an error naming the two."""
+    old = float(config.agent.get("init_perturb", 0.0))
+    if not old:
+        return
+    new = float(config.get("init_perturb", 0.0))
+    if new and new != old:
+        raise ValueError(f"config.agent.init_perturb={old} and config.init_perturb={new}: set only "
+                         "config.init_perturb (config.agent.init_perturb is its old name)")
+    logging.warning("config.agent.init_perturb=%g is config.init_perturb's old name: set config.init_perturb", old)
+    config.init_perturb = old
 
 
 def make_codec(name: str) -> chat.Codec:
@@ -261,11 +277,9 @@ class AgentLearner:
                           config.mesh, "config.agent.minibatches")
         self.batch_sharding = steps.leading_batch_sharding(self.mesh)
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        legacy_perturb(config)
         model = build_policy(config, self.cfg, dtype, pdtype, resuming=self.resume is not None, mesh=self.mesh)
         self.cfg = model.config  # what the checkpoints record (init_from's: e.g. without an MTP layer)
-        perturb = float(a.get("init_perturb", 0.0))
-        if perturb:
-            perturb_params(model, perturb, flag="config.agent.init_perturb")
         # the policy is the main head: the MTP layers get no gradient (nor the indexer at weight 0)
         self.trainable = trainable_filter("agent", mtp=False, indexer=bool(float(a.indexer_weight)))
         optimizer = nnx.Optimizer(model, make_tx(config.optimizer, pdtype), wrt=self.trainable)

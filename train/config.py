@@ -158,6 +158,7 @@ def default_config() -> ml_collections.ConfigDict:
         # `capacity`: eval_success_cap{N}/{env}, eval_context_full_cap{N}/... (what a smaller context does to a
         # policy trained at `capacity`: e.g. thinking retention vs dropping under a tight budget)
         eval_capacities=(),
+        init_perturb=0.0,  # the old name of config.init_perturb (moved there, with a warning: agent_grpo.legacy_perturb)
         env_kwargs=ml_collections.ConfigDict(),
         # recall stage before the cold start (dsv32_jax/posttrain/agent/recall.py: synthetic copying conversations, the tiny
         # model's stand-in for pre-training): `recall_steps` SFT steps of `recall_batch` examples of `recall_kinds`;

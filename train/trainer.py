@@ -79,8 +79,8 @@ def warn_untrained_indexers(config, init: str) -> str | None:
 
 def perturb_params(model, rel: float, seed: int = 0, flag: str = "config.init_perturb") -> None:
     """In place: every floating parameter x -> x * (1 + rel * N(0, 1)), the noise drawn from `seed` (not from
-    config.seed: the same perturbation at every seed). `config.init_perturb` (the LM stages and GRPO, on a fresh
-    model) and `config.agent.init_perturb` (the agent learner) apply it to the initial parameters: a run perturbed
+    config.seed: the same perturbation at every seed). `config.init_perturb` (every stage, on a fresh model: its
+    old name `config.agent.init_perturb` is moved there) applies it to the initial parameters: a run perturbed
     by 1e-6 diverges from the unperturbed one as a run on another CPU (other float rounding, e.g. AVX2 vs AVX-512)
     does, so a result that holds only for the exact bits shows up as fragile. `flag` names the option in errors."""
     state = nnx.state(model, nnx.Param)
