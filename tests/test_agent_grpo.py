@@ -784,6 +784,8 @@ def test_agent_init_perturb_is_the_old_name_of_config_init_perturb(tmp_path):
     c.init_perturb = 1e-4
     with pytest.raises(ValueError, match=r"config.agent.init_perturb=0.001 and config.init_perturb=0.0001"):
         AgentLearner(c, str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"config.agent.init_perturb must be a finite number >= 0.0, got nan"):
+        AgentLearner(_config(envs="lookup", init_perturb=float("nan")), str(tmp_path / "e"))
 
 
 def test_kl_weights_of_a_domain_no_environment_has_are_reported(tmp_path, caplog):

@@ -617,7 +617,9 @@ class AgentLearner:
         """Greedy success and mean verifier reward (partial credit: trip's fraction of checks) per environment on
         fixed held-out seeds (10^7 + i), and what the episodes cost: the
         tokens their contexts took in the decode cache (every segment: a re-rendered history is prefilled again)
-        and the model's own tokens; with `config.agent.eval_samples`, also the sampled policy's (evaluate_sampled)."""
+        and the model's own tokens; with `config.agent.eval_samples`, also the sampled policy's (evaluate_sampled);
+        with `config.agent.eval_capacities`, the greedy episodes again at each of those decode-cache sizes and context
+        budgets (keys tagged `_cap{N}`)."""
         out = {}
         caps = [(f"_cap{c}", c) for _, c in self.capacities()[1:]]
         for name in self.envs:

@@ -403,6 +403,8 @@ def check_config(config) -> None:
         number("agent.length_penalty")
         number("agent.language_weight")
         integer("agent.eval_episodes", 0)
+        if "init_perturb" in config.agent:
+            number("agent.init_perturb")
         caps = config.agent.get("eval_capacities", ())
         if isinstance(caps, (str, bytes)) or not isinstance(caps, (tuple, list)) or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in caps):
