@@ -78,16 +78,7 @@ def table(s: dict) -> str:
 
 def sweep_table(runs: dict[str, dict]) -> str:
     """Several runs: one line each and the min / median / max of every column."""
-    head = "| run | " + " | ".join(title for _, title in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
-    for name, s in runs.items():
-        lines.append(f"| {name} | " + " | ".join(f"{s[k]:.3f}" if k != "minutes" else f"{s[k]:.1f}"
-                                                 for k, _ in COLUMNS) + " |")
-    for label, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
-        vals = [fn([s[k] for s in runs.values()]) for k, _ in COLUMNS]
-        lines.append(f"| **{label}** | " + " | ".join(f"{v:.3f}" if k != "minutes" else f"{v:.1f}"
-                                                        for v, (k, _) in zip(vals, COLUMNS)) + " |")
-    return "\n".join(lines)
+    return runs_table(runs, COLUMNS)
 
 
 def metric_values(rows: list[dict], keys: list[str]) -> dict[str, float]:
@@ -101,12 +92,17 @@ def metric_values(rows: list[dict], keys: list[str]) -> dict[str, float]:
     return {k: out[k] for k in keys}
 
 
-def metrics_table(runs: dict[str, dict[str, float]], keys: list[str]) -> str:
-    """One line per run and the min / median / max of each key."""
-    lines = ["| run | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
-    lines += [f"| {name} | " + " | ".join(f"{v[k]:.3f}" for k in keys) + " |" for name, v in runs.items()]
+def runs_table(runs: dict[str, dict[str, float]], columns) -> str:
+    """One line per run and the min / median / max of each (key, title) column ("minutes" to 0.1, the rest to
+    0.001)."""
+    def cell(k, v):
+        return f"{v:.1f}" if k == "minutes" else f"{v:.3f}"
+
+    lines = ["| run | " + " | ".join(title for _, title in columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    lines += [f"| {name} | " + " | ".join(cell(k, v[k]) for k, _ in columns) + " |" for name, v in runs.items()]
     for label, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
-        lines.append(f"| **{label}** | " + " | ".join(f"{fn([v[k] for v in runs.values()]):.3f}" for k in keys) + " |")
+        lines.append(f"| **{label}** | " + " | ".join(cell(k, fn([v[k] for v in runs.values()])) for k, _ in columns)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -133,7 +129,7 @@ def main(argv=None):
     if args.json:
         print(json.dumps(runs, indent=1))
     elif keys:
-        print(metrics_table(runs, keys))
+        print(runs_table(runs, [(k, k) for k in keys]))
     elif len(runs) == 1:
         print(table(next(iter(runs.values()))))
     else:
