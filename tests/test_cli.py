@@ -41,3 +41,26 @@ def test_default_run_then_resume_is_visible_and_quiet(tmp_path):
     for out in (first.stderr, second.stderr):
         sources = set(re.findall(r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ ([\w.]+\.py):\d+\]", out))
         assert sources <= ours, (sources - ours, out[-2000:])
+
+
+def test_sweep_scripts_share_one_run_spec(tmp_path):
+    """tools/run_spec.sh, which the three sweep scripts source: `N` is a seed, `Np` the same seed perturbed by
+    config.init_perturb=1e-6, anything else is refused, naming the script and the run, before a run starts."""
+    spec = os.path.join(ROOT, "tools", "run_spec.sh")
+    show = 'run_spec demo "$1" && echo "seed=$seed perturb=${perturb[*]}"'
+    for run, want in [("0", "seed=0 perturb="), ("12", "seed=12 perturb="),
+                      ("3p", "seed=3 perturb=--config.init_perturb=1e-6")]:
+        got = subprocess.run(["bash", "-c", f"set -u; source {spec}; {show}", "_", run], capture_output=True,
+                             text=True, timeout=30)
+        assert got.returncode == 0 and got.stdout.strip() == want, (run, got.stdout, got.stderr)
+    for bad in ["p", "3q", "-1", "3pp", " 3", ""]:
+        got = subprocess.run(["bash", "-c", f"set -u; source {spec}; {show}", "_", bad], capture_output=True,
+                             text=True, timeout=30)
+        assert got.returncode == 2 and got.stdout == "" and f"demo: run '{bad}' is not a seed N or Np" in got.stderr
+    for script in ["train_sweep.sh", "grpo_sweep.sh", "thinking_sweep.sh"]:  # refused before anything runs
+        got = subprocess.run(["bash", os.path.join(ROOT, "tools", script), "0x", "1"], cwd=tmp_path,
+                             env=dict(os.environ, PY="/nonexistent/python", SWEEP_DIR=str(tmp_path / "out")),
+                             capture_output=True, text=True, timeout=30)
+        assert got.returncode == 2, (script, got.stderr)
+        assert f"tools/{script}: run '0x' is not a seed N or Np" in got.stderr
+        assert not (tmp_path / "out").exists()

@@ -6,18 +6,18 @@
 #   tools/grpo_sweep.sh 0 1 2 3 0p             # CONFIG (configs/grpo_sum_tiny.py), SWEEP_DIR (runs/grpo_sweep)
 # Runs resume when rerun (the learner's checkpoints). Exit status: non-zero when a run failed.
 set -u
+source "$(dirname "$0")/run_spec.sh"
 py=${PY:-.venv/bin/python}
 config=${CONFIG:-configs/grpo_sum_tiny.py}
 out=${SWEEP_DIR:-runs/grpo_sweep}
 [ $# -ge 2 ] || { echo "usage: tools/grpo_sweep.sh RUN RUN [RUN...]  (RUN: a seed N, or Np for seed N perturbed)" >&2; exit 2; }
 dirs=()
 for run in "$@"; do
-  if [[ ! $run =~ ^([0-9]+)(p?)$ ]]; then echo "tools/grpo_sweep.sh: run '$run' is not a seed N or Np" >&2; exit 2; fi
-  perturb=(); [ -n "${BASH_REMATCH[2]}" ] && perturb=(--config.init_perturb=1e-6)
+  run_spec tools/grpo_sweep.sh "$run" || exit 2
   dir=$out/$run
   mkdir -p "$dir"
   start=$(date +%s)
-  "$py" -m dsv32_jax.train.main --config="$config" --workdir="$dir" --config.seed="${BASH_REMATCH[1]}" "${perturb[@]}" \
+  "$py" -m dsv32_jax.train.main --config="$config" --workdir="$dir" --config.seed="$seed" "${perturb[@]}" \
     > "$dir/log" 2>&1
   rc=$?
   echo "run $run: exit $rc in $(( $(date +%s) - start )) s ($dir/log)"

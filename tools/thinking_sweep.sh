@@ -8,15 +8,14 @@
 #   tools/thinking_sweep.sh 0 1 2        # SWEEP_DIR (runs/thinking_sweep); about 30 min a run on 2 cores
 # Runs resume when rerun (the learner's checkpoints). Exit status: non-zero when a run failed.
 set -u
+source "$(dirname "$0")/run_spec.sh"
 py=${PY:-.venv/bin/python}
 out=${SWEEP_DIR:-runs/thinking_sweep}
 [ $# -ge 1 ] || { echo "usage: tools/thinking_sweep.sh RUN [RUN...]  (RUN: a seed N, or Np for seed N perturbed)" >&2; exit 2; }
 pin() { if command -v taskset > /dev/null && [ "$(nproc)" -ge 2 ]; then taskset -c "$1" "${@:2}"; else "${@:2}"; fi; }
 arms=(after_user every_turn)
 for run in "$@"; do
-  if [[ ! $run =~ ^([0-9]+)(p?)$ ]]; then echo "tools/thinking_sweep.sh: run '$run' is not a seed N or Np" >&2; exit 2; fi
-  perturb=(); [ -n "${BASH_REMATCH[2]}" ] && perturb=(--config.init_perturb=1e-6)
-  seed=${BASH_REMATCH[1]}
+  run_spec tools/thinking_sweep.sh "$run" || exit 2
   start=$(date +%s)
   pids=()
   for i in 0 1; do

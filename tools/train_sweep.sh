@@ -8,24 +8,23 @@
 # Each stage resumes when rerun (the trainer's checkpoints), so an interrupted sweep continues where it stopped.
 # About 2.5 minutes a run alone on 2 CPU cores (5-6.5 beside other jobs). Exit status: non-zero when a run or the summary failed.
 set -u
+source "$(dirname "$0")/run_spec.sh"
 py=${PY:-.venv/bin/python}
 out=${SWEEP_DIR:-runs/sweep}
 [ $# -ge 2 ] || { echo "usage: tools/train_sweep.sh RUN RUN [RUN...]  (RUN: a seed N, or Np for seed N perturbed)" >&2; exit 2; }
 tables=()
 for run in "$@"; do
-  if [[ ! $run =~ ^([0-9]+)(p?)$ ]]; then echo "tools/train_sweep.sh: run '$run' is not a seed N or Np" >&2; exit 2; fi
-  s=${BASH_REMATCH[1]}
-  perturb=(); [ -n "${BASH_REMATCH[2]}" ] && perturb=(--config.init_perturb=1e-6)
+  run_spec tools/train_sweep.sh "$run" || exit 2
   dir=$out/$run
   mkdir -p "$dir"
   start=$(date +%s)
   {
-    "$py" -m dsv32_jax.train.main --config=configs/dense_tiny.py --workdir="$dir/dense" --config.seed="$s" \
-      --config.data.seed=$((10 * s)) "${perturb[@]}" &&
-    "$py" -m dsv32_jax.train.main --config=configs/warmup_tiny.py --workdir="$dir/warmup" --config.seed="$s" \
-      --config.data.seed=$((10 * s + 1)) --config.init_from="$dir/dense" &&
-    "$py" -m dsv32_jax.train.main --config=configs/sparse_tiny.py --workdir="$dir/sparse" --config.seed="$s" \
-      --config.data.seed=$((10 * s + 2)) --config.init_from="$dir/warmup" &&
+    "$py" -m dsv32_jax.train.main --config=configs/dense_tiny.py --workdir="$dir/dense" --config.seed="$seed" \
+      --config.data.seed=$((10 * seed)) "${perturb[@]}" &&
+    "$py" -m dsv32_jax.train.main --config=configs/warmup_tiny.py --workdir="$dir/warmup" --config.seed="$seed" \
+      --config.data.seed=$((10 * seed + 1)) --config.init_from="$dir/dense" &&
+    "$py" -m dsv32_jax.train.main --config=configs/sparse_tiny.py --workdir="$dir/sparse" --config.seed="$seed" \
+      --config.data.seed=$((10 * seed + 2)) --config.init_from="$dir/warmup" &&
     "$py" -m dsv32_jax.train.eval --workdirs="$dir/dense,$dir/warmup,$dir/sparse" --seq_lens=128,512 --batches=8 \
       --out="$dir/eval"
   } > "$dir/log" 2>&1
