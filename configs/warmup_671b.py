@@ -3,8 +3,8 @@ every parameter frozen except the lightning indexer, KL to the head-summed atten
 1000 steps x 16 sequences x 128K tokens (2.1B tokens). Mesh: 2048 devices (256 nodes x 8): the 16 sequences split
 over fsdp:16, each 128K sequence over seq:16 (8K tokens per device; MLA all-gathers the keys), heads / hidden
 units over tensor:8 (parameters 128-way: fsdp x tensor). Fits an 80 GB device: the full 61-layer step compiled for
-a deviceless H100 topology needs 10.22 GiB of arguments + 33.98 GiB temp = 44.2 GiB per device (BENCHMARKS.md,
-"The 671B recipes")."""
+a deviceless H100 topology needs 1.14 GiB of arguments + 11.88 GiB temp = 13.0 GiB per device, with the routed
+experts split over seq as well and the MoE blocks scanned (BENCHMARKS.md, "The 671B recipes")."""
 from dsv32_jax.train.config import default_config
 
 

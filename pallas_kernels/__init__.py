@@ -6,7 +6,8 @@
   indexer_topk    -- scoring + selection chunked over queries (the model's composition)
   sparse_mla      -- gathered sparse MLA forward/backward (eq. 2) and the head-summed probabilities (eq. 4)
 
-Each takes impl=None|"reference"|"pallas_gpu"|"pallas_tpu"|"interpret" (see `_dispatch`).
+Each takes impl=None|"reference"|"pallas_gpu"|"pallas_tpu"|"interpret"|"interpret_tpu", and the ops with a Mosaic GPU
+kernel also "mosaic_gpu"|"interpret_mosaic_gpu" (see `_dispatch.IMPLS`).
 """
 
 from dsv32_jax.kernels._dispatch import ENV_VAR, IMPLS, set_default_impl
