@@ -13,8 +13,9 @@ H 32, 64 or 128, K a multiple of 128.
 Structure: grid (N, 9) (the slice axis last: CUDA's x, the fastest, so the 9 slices of a token run together and
 share its P, dS and gathered rows in L2). The token's q and dO slices ([H, 64] each) arrive by TMA and stay in
 shared memory. Two warpgroups take alternate 64-slot blocks, each with its own buffers (nothing orders them: each
-gathers synchronously, so one loads while the other multiplies only as the warp schedulers interleave them): P and dS blocks [H, 64] by TMA, the block's 64 selected rows' slice [64, 64] gathered
-by 16-byte `cp.async` (4 per thread; invalid slots copy 0 bytes, which zero-fills), then
+gathers synchronously, so one loads while the other multiplies only as the warp schedulers interleave them): P and
+dS blocks [H, 64] by TMA, the block's 64 selected rows' slice [64, 64] gathered by 16-byte `cp.async` (4 per
+thread; invalid slots copy 0 bytes, which zero-fills), then
   part block [64 slots, 64] = dS^T q + P^T dO    (wgmma, A transposed from shared memory: M = slots, K = heads)
   dq [H, 64] += dS k                             (wgmma, B N-major: K = slots; accumulated in registers)
 and the part block leaves by TMA from a staging tile. At the end warpgroup 1 hands its dq to warpgroup 0 through

@@ -124,9 +124,9 @@ def _kernel(q_gmem, do_gmem, kv_gmem, idx_gmem, lse_gmem, delta_gmem, p_gmem, ds
         # the rows are free. This takes one warp's wgmma.wait_group as covering the whole warpgroup's reads of the
         # shared B operand (CUTLASS's SM90 pipelines make the same assumption: one thread per consumer warpgroup
         # releases a stage after warpgroup_wait). If the chip test shows wrong P / dS from block 2 on, put a
-        # warpgroup barrier (mu.warpgroup_barrier) in front of this issue. The mask is double-buffered: a warp's gather writes mask entries that another warp of
-        # the warpgroup may not have loaded yet; block b - 1's mask row is free because every warp has issued
-        # block b's MMAs, after its load of block b - 1's mask.
+        # warpgroup barrier (mu.warpgroup_barrier) in front of this issue. The mask is double-buffered: a warp's
+        # gather writes mask entries that another warp of the warpgroup may not have loaded yet; block b - 1's mask
+        # row is free because every warp has issued block b's MMAs, after its load of block b - 1's mask.
         @pl.when(b + 1 < nblk)
         def _():
             gather.issue(w, kv_gmem, idx_block(b + 1), kv_smem, rows_smem.at[3 - slot])

@@ -938,3 +938,17 @@ def test_a_step_zero_checkpoint_from_before_a_field_existed_still_continues():
     assert fingerprint_diff(old, {**here, "optimizer": {**here["optimizer"], "weight_decay_mask": "all"}}) == []
     assert fingerprint_diff(decayed(here), decayed(here, weight_decay_mask="all")) == [
         "config.optimizer.weight_decay_mask 'matrices' there, 'all' here"]
+
+
+@pytest.mark.heavy
+def test_bench_covering_topk_smoke():
+    """bench/covering_topk.py at 2 episodes, 1 timed step: it builds the covering (k 1024, dense path) and gathered
+    (k 575) learners, times both and prints their rows (a sanity check of the losses only: the dense path's
+    correctness is tests/test_model.py::test_a_covering_topk_attends_densely_and_equals_the_gathered_selection)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "bench/covering_topk.py", "--repeats=1", "--episodes=2"], cwd=root,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert re.search(r"covering +k= 1024: median [\d.]+ s of 1", res.stdout), res.stdout
+    assert re.search(r"gathered +k=  575: median [\d.]+ s of 1", res.stdout), res.stdout
+    assert re.search(r"first-step loss rel\. difference [\d.e+-]+", res.stdout), res.stdout
