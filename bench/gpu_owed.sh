@@ -26,10 +26,16 @@
 # No step call times the Mosaic GPU forward or P / dS kernel: the small config's heads are padded for them (to 32 by
 # their keys-as-M forms), so the kernel table's 128-head rows and its 32-head rows (call 0: `fwd (..., 32 heads)`,
 # the P / dS stage at 32 heads) are their fair test (BENCHMARKS.md, "Head padding").
+# Call 0 triages each group of never-run kernels whose tests fail or hang (TEST_TRIAGE: bench/mgpu_triage.py, a ladder
+# of cases from one token and one key block to the tests' shape, with where each goes wrong: $OUT/triage.md), so the
+# session after a failure can debug on a CPU. Every call ends by itself CALL_S (565) seconds after it starts
+# (gpu_session.sh's CALL_END: each stage's limit is cut to fit, and the logs are packed into one tar when $OUT would
+# hold more files than the device tool brings back); run it with timeout_s 600.
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.
 set -u
 call=${1:?usage: bash bench/gpu_owed.sh 0|1|2|3|4|5|6|7|8}
+export CALL_END=${CALL_END:-$(( $(date +%s) + ${CALL_S:-565} ))}
 run() {
   if [ -n "${DRY:-}" ]; then echo "call $call: $*"; return; fi
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -39,8 +45,9 @@ run() {
   env "$@" bash bench/gpu_session.sh
 }
 case $call in
-  0) run STAGES=tests TEST_S=35 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" \
-       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;sparse_mla_dqkv;gather_producer"
+  0) run STAGES=tests TEST_S=35 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" TRIAGE_S=75 \
+       "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;sparse_mla_dqkv;gather_producer" \
+       "TEST_TRIAGE=fwd,fwd-pp,fwd-t;pds,pds-t;dqkv,dqkv-t;gather"
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
   1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \

@@ -1,0 +1,401 @@
+"""Triage of the Mosaic GPU kernels that have never run on a chip (issue 31): what a failing chip test cannot say.
+
+`tests/test_kernels.py`'s chip tests give one number (the relative error at the production shape) or a timeout. With
+15 minutes of device time a session, the session after a failure has to find the bug on a CPU, so this runs each
+kernel over a ladder of cases, from the simplest to the chip test's shape, and records for each where the error
+sits:
+
+    layout      1 token, one CTA of heads, the fewest slots the kernel takes, rows kv[0:K] in order (the gather's
+                address map and the swizzle alone: no repeats, no invalid slots, no pipelining)
+    one_block   the same with random rows
+    invalid     the same with about a quarter of the slots invalid (-1: zero-filled rows, the -inf mask)
+    blocks_2 .. blocks_5   1 token, 2 to 5 key blocks (dq / dkv: 2 to 5 block pairs) of random rows: a double
+                buffer is first reused at 3 blocks, a per-warpgroup buffer at 2 pairs
+    heads       1 token, the target's full head count (two 64-head CTAs a token at 128), 3 blocks, invalid slots
+    tokens      8 tokens, the tests' edge cases (20% invalid, token 0's second block all invalid, token 1 with no
+                valid slot, repeats)
+    production  64 tokens, K 2048 over 8192 keys (the chip tests' shape; not in interpret mode)
+
+Each case's output is compared with the float32 reference (`rel_err` as the tests define it: max |got - want| /
+max |want|, against the tests' bounds) and broken down along the axes a kernel bug shows on: tokens, 64-head
+groups (CTAs), the 16-row slices of a warpgroup's wgmma tile (its 4 warps), key blocks and the two warpgroups'
+halves of a block (P / dS), alternate blocks (the dq / dkv kernel's two warpgroups), the 256-column halves of the
+output (the forward's two warpgroups' PV), 64-column slices (the dq / dkv kernel's CTAs); plus NaN counts,
+nonzeros where an invalid slot must give zero, and the scale that fits got to want best (0.5 or 2: a block counted
+twice or dropped). One JSON line is written when a case starts and one when it ends, so a case that hangs the
+device is the one whose start line has no end.
+
+    python bench/mgpu_triage.py --targets fwd,fwd-pp,fwd-t --out $OUT/triage        # on a Hopper GPU
+    python bench/mgpu_triage.py --interpret --targets pds-t --cases layout,blocks_3  # the same bodies on a CPU
+    python bench/mgpu_triage.py --report triage.jsonl                                # a chip's record, summarized
+
+`bench/gpu_session.sh` runs it for a test group that failed (TEST_TRIAGE, bench/gpu_owed.sh 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 4)))  # Mosaic GPU interpret mode: a pool thread a warpgroup
+
+try:  # installed (or the installed layout on PYTHONPATH: dsv32_jax.kernels exists only there), else this checkout
+    import dsv32_jax  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+CASES = ("layout", "one_block", "invalid", "blocks_2", "blocks_3", "blocks_4", "blocks_5", "heads", "tokens",
+         "production")
+# target -> (kernel, form, full head count); "-t": the 32-head keys-as-M forms
+TARGETS = {"fwd": ("fwd", "split", 128), "fwd-pp": ("fwd", "pingpong", 128), "fwd-t": ("fwd", "split", 32),
+           "pds": ("pds", None, 128), "pds-t": ("pds", None, 32), "dqkv": ("dqkv", None, 128),
+           "dqkv-t": ("dqkv", None, 32), "gather": ("gather", None, 64)}
+GATHER_CASES = {"layout": "contiguous", "one_block": "random", "invalid": "invalid", "blocks_2": "one_row",
+                "blocks_3": "all_invalid"}  # gather_qk has one [64, 576] shape: its own index patterns
+BOUND = 6e-3  # bf16 outputs (the chip tests' bound)
+LSE_BOUND = 1e-4  # absolute, with the chip's approximate exp2 / log2 (1e-5 in interpret mode)
+GATHER_BOUND = 1e-5  # float32 output of bf16 products
+SCALE = 576 ** -0.5
+
+
+# ---- the breakdown (numpy only) -----------------------------------------------------------------------------------
+
+def _axis_groups(d, nan, axis: int, gid: np.ndarray, n: int):
+    """Per group of `axis` (gid[i]: the group of index i): max |d| and the NaN count."""
+    dm = np.moveaxis(d, axis, 0).reshape(d.shape[axis], -1)
+    nm = np.moveaxis(nan, axis, 0).reshape(nan.shape[axis], -1)
+    mx = np.zeros(n)
+    np.maximum.at(mx, gid, dm.max(axis=1) if dm.size else 0.0)
+    return mx, np.bincount(gid, weights=nm.sum(axis=1), minlength=n).astype(int)
+
+
+def breakdown(got, want, partitions, bound: float, zero=None, norm: float | None = None) -> dict:
+    """got vs want (same shape), each partition (name, axis, group of each index, group labels) reduced to the groups
+    whose error max |got - want| / max |want| (/ norm where given: 1 for an absolute error) exceeds `bound` or that
+    hold a NaN; zero: a mask where got must be exactly 0 (invalid slots). Returns the numbers a diagnosis reads
+    (JSON-ready)."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return {"rel": None, "shape": [list(got.shape), list(want.shape)], "bad": {}}
+    nan = ~np.isfinite(got) & np.isfinite(want)
+    d = np.where(nan, 0.0, np.abs(np.nan_to_num(got - want, nan=0.0, posinf=0.0, neginf=0.0)))
+    d = np.where(np.isfinite(want), d, 0.0)  # -inf where the reference has it (lse of an empty row) is checked apart
+    if norm is None:
+        norm = max(float(np.max(np.abs(np.where(np.isfinite(want), want, 0.0)), initial=0.0)), 1e-30)
+    fw, fg = np.where(np.isfinite(want), want, 0.0).ravel(), np.where(np.isfinite(got), got, 0.0).ravel()
+    out = {"rel": float(d.max(initial=0.0) / norm), "nan": int(nan.sum()), "max_want": norm,
+           "got_zero": bool(not np.any(fg)), "scale_fit": float(fg @ fw / max(fw @ fw, 1e-300)), "bad": {}}
+    for name, axis, gid, labels in partitions:
+        mx, nans = _axis_groups(d, nan, axis, np.asarray(gid), len(labels))
+        bad = [labels[i] for i in range(len(labels)) if mx[i] / norm > bound or nans[i]]
+        out["bad"][name] = {"bad": bad, "of": len(labels), "worst": float(mx.max(initial=0.0) / norm)}
+    if zero is not None:
+        zero = np.broadcast_to(zero, got.shape)
+        out["nonzero_where_invalid"] = int(np.count_nonzero(np.nan_to_num(got, nan=1.0)[zero]))
+        out["invalid_slots"] = int(zero.sum())
+    return out
+
+
+def part(name: str, axis: int, size: int, group_of, labels=None):
+    """A partition of axis (length size) into the groups group_of(i) (ints from 0)."""
+    gid = np.asarray([group_of(i) for i in range(size)], np.int64)
+    n = int(gid.max()) + 1 if size else 0
+    return name, axis, gid, labels or [str(g) for g in range(n)]
+
+
+def head_parts(axis: int, h: int):
+    """64-head groups (the CTAs of a token) and the 16-head slices of a 64-row wgmma tile (its warps; at 32 heads
+    the keys-as-M forms hold heads as wgmma's N, so the slices are 8-head column groups there)."""
+    width = 16 if h >= 64 else 8
+    return [part("head group (64)", axis, h, lambda i: i // 64),
+            part(f"heads mod 64 in {width}s (warp rows)", axis, h, lambda i: (i % 64) // width,
+                 [f"{g * width}-{g * width + width - 1}" for g in range(min(h, 64) // width)])]
+
+
+def block_parts(axis: int, k: int, kernel: str):
+    """64-slot key blocks, and how the kernel's two warpgroups share them: P / dS splits each block into 32-slot
+    halves; dq / dkv takes alternate blocks, with its slots as wgmma's M (16 rows a warp)."""
+    blocks = part("key block (64 slots)", axis, k, lambda i: i // 64)
+    if kernel == "pds":
+        return [blocks, part("block half (32 slots: warpgroup)", axis, k, lambda i: (i % 64) // 32, ["0-31", "32-63"])]
+    return [blocks, part("block parity (warpgroup)", axis, k, lambda i: (i // 64) % 2, ["even", "odd"]),
+            part("slots mod 64 in 16s (warp rows)", axis, k, lambda i: (i % 64) // 16,
+                 ["0-15", "16-31", "32-47", "48-63"])]
+
+
+def column_parts(axis: int, cols: int):
+    """The 256-column halves (the forward's PV split) and 64-column slices (the dq / dkv CTAs; 512-575 = rope)."""
+    return [part("column half (256)", axis, cols, lambda i: i // 256, ["0-255", "256-511", "512-575"][:(cols + 255) // 256]),
+            part("column slice (64)", axis, cols, lambda i: i // 64,
+                 [f"{g * 64}-{g * 64 + 63}" for g in range((cols + 63) // 64)])]
+
+
+def token_part(n: int):
+    return part("token", 0, n, lambda i: i)
+
+
+def lse_check(lse, want_lse, n: int, h: int, bound: float) -> dict:
+    """lse [N, H]: the absolute error on the rows the reference has finite, and -inf exactly where it has -inf."""
+    lse, want_lse = np.asarray(lse, np.float64), np.asarray(want_lse, np.float64)
+    finite = np.isfinite(want_lse)
+    out = breakdown(np.where(finite, lse, 0.0), np.where(finite, want_lse, 0.0), [token_part(n), *head_parts(1, h)],
+                    bound, norm=1.0)
+    out["abs"] = out.pop("rel")
+    out["inf_mismatch"] = int(np.sum(np.isfinite(lse) != finite))
+    return out
+
+
+def diagnose(checks: dict, bounds: dict) -> str:
+    """One line from a case's checks: 'ok', or what is wrong and along which axes it sits."""
+    said = []
+    for out_name, c in checks.items():
+        if c.get("rel", c.get("abs")) is None:
+            said.append(f"{out_name}: shape {c.get('shape')}")
+            continue
+        value = c["abs"] if "abs" in c else c["rel"]
+        flags = []
+        if value > bounds[out_name]:
+            flags.append(f"{'abs' if 'abs' in c else 'rel'} {value:.2e} > {bounds[out_name]:.0e}")
+        if c.get("nan"):
+            flags.append(f"{c['nan']} NaN")
+        if c.get("inf_mismatch"):
+            flags.append(f"{c['inf_mismatch']} rows -inf where the reference is finite or the reverse")
+        if c.get("nonzero_where_invalid"):
+            flags.append(f"{c['nonzero_where_invalid']} of {c['invalid_slots']} invalid-slot values nonzero")
+        if not flags:
+            continue
+        if c.get("got_zero"):
+            flags.append("all zero (nothing written?)")
+        elif abs(c.get("scale_fit", 1.0) - 1.0) > 0.05:
+            flags.append(f"best scale got/want {c['scale_fit']:.3f}")
+        where = [f"{name} {','.join(map(str, r['bad'][:12]))}{'...' if len(r['bad']) > 12 else ''} of {r['of']}"
+                 for name, r in c["bad"].items() if 0 < len(r["bad"]) < r["of"]]  # the axes that localize it
+        if not where:
+            where = ["on every axis (everywhere)" if any(r["bad"] for r in c["bad"].values()) else ""]
+        said.append(f"{out_name}: " + "; ".join(f for f in flags + where if f))
+    return "ok" if not said else " | ".join(said)
+
+
+# ---- inputs and runs (jax) ----------------------------------------------------------------------------------------
+
+def case_shape(kernel: str, case: str, h_full: int) -> dict:
+    """(n tokens, heads, kv rows, slots, pattern) of a case: the ladder of the module docstring."""
+    step = 128 if kernel == "dqkv" else 64  # the fewest slots the kernel takes (dq / dkv: one block a warpgroup)
+    h0 = 32 if h_full == 32 else 64
+    small = dict(n=1, h=h0, m=1000, k=step)
+    if case == "layout":
+        return dict(small, m=step, pattern="contiguous")
+    if case == "one_block":
+        return dict(small, pattern="random")
+    if case == "invalid":
+        return dict(small, pattern="invalid")
+    if case.startswith("blocks_"):
+        return dict(small, k=step * int(case.split("_")[1]), pattern="random")
+    if case == "heads":
+        return dict(small, h=h_full, k=3 * step, pattern="invalid")
+    if case == "tokens":
+        return dict(n=8, h=h_full, m=500, k=3 * step, pattern="edge")
+    if case == "production":
+        return dict(n=64, h=h_full, m=8192, k=2048, pattern="edge")
+    raise ValueError(f"mgpu_triage: no case {case!r} (cases: {', '.join(CASES)})")
+
+
+def make_indices(rng, n: int, m: int, k: int, pattern: str) -> np.ndarray:
+    if pattern == "contiguous":
+        return np.broadcast_to(np.arange(k, dtype=np.int32) % m, (n, k)).copy()
+    idx = rng.integers(0, m, (n, k)).astype(np.int32)
+    if pattern == "invalid":
+        idx[rng.random((n, k)) < 0.25] = -1
+    elif pattern == "edge":  # the chip tests' `_mgpu_mla_inputs`
+        idx[rng.random((n, k)) < 0.2] = -1
+        idx[-1, 5:9] = idx[-1, 0]
+        if k >= 128:
+            idx[0, 64:128] = -1
+        idx[1] = -1
+    return idx
+
+
+def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
+    """Run one case of one target; returns its record (shape, checks, diagnosis, status)."""
+    import jax
+    import jax.numpy as jnp
+    from dsv32_jax.kernels import gather_mgpu as gm
+    from dsv32_jax.kernels import sparse_mla_dqkv_mgpu as dm
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    from dsv32_jax.kernels import sparse_mla_pds_mgpu as pm
+
+    kernel, form, h_full = TARGETS[target]
+    rng = np.random.default_rng([seed, CASES.index(case), list(TARGETS).index(target)])
+    bf = jnp.bfloat16
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if kernel == "gather":
+        n, pattern = 1000, GATHER_CASES[case]
+        idx = {"contiguous": np.arange(64), "random": rng.integers(0, n, 64), "one_row": np.full(64, n // 2),
+               "invalid": np.where(rng.random(64) < 0.25, -1, rng.integers(0, n, 64)),
+               "all_invalid": np.full(64, -1)}[pattern].astype(np.int32)
+        q = jnp.asarray(rng.standard_normal((64, 576)), bf)
+        kv = jnp.asarray(rng.standard_normal((n, 576)), bf)
+        want = np.asarray(gm.gather_qk_reference(q, kv, jnp.asarray(idx)))
+        checks = {}
+        for name, fn in (("gather_qk", gm.gather_qk), ("gather_qk_ws", gm.gather_qk_ws)):
+            got = np.asarray(jax.jit(fn)(q, kv, jnp.asarray(idx)))
+            checks[name] = breakdown(got, want, [part("q rows in 16s (warp)", 0, 64, lambda i: i // 16),
+                                                 part("key row in 16s", 1, 64, lambda i: i // 16)],
+                                     GATHER_BOUND, zero=(idx < 0)[None, :])
+        shape = dict(n=1, h=64, m=n, k=64, pattern=pattern)
+        return dict(shape=shape, checks=checks, bounds={k: GATHER_BOUND for k in checks})
+
+    shape = case_shape(kernel, case, h_full)
+    n, h, m, k = shape["n"], shape["h"], shape["m"], shape["k"]
+    idx_np = make_indices(rng, n, m, k, shape["pattern"])
+    q = jnp.asarray(rng.standard_normal((n, h, 576)), bf)
+    kv = jnp.asarray(rng.standard_normal((m, 576)), bf)
+    idx = jnp.asarray(idx_np)
+    invalid = idx_np < 0
+    ref_fwd = jax.jit(lambda q, kv, idx: sm.sparse_mla_fwd_reference(q, kv, idx, scale=SCALE))
+    if kernel == "fwd":
+        out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=SCALE, interpret=interpret, form=form))(q, kv, idx)
+        want, want_lse = ref_fwd(f32(q), f32(kv), idx)
+        empty = invalid.all(axis=1)[:, None, None]
+        checks = {"out": breakdown(out, want, [token_part(n), *head_parts(1, h), *column_parts(2, 512)], BOUND,
+                                   zero=empty),
+                  "lse": lse_check(lse, want_lse, n, h, 1e-5 if interpret else LSE_BOUND)}
+        return dict(shape=shape, checks=checks, bounds={"out": BOUND, "lse": 1e-5 if interpret else LSE_BOUND})
+    _, lse = ref_fwd(f32(q), f32(kv), idx)
+    do = jnp.asarray(rng.standard_normal((n, h, 512)), bf)
+    delta = jnp.asarray(rng.standard_normal((n, h)), jnp.float32)
+    p_ref, ds_ref = jax.jit(lambda *a: pm.sparse_mla_pds_reference(*a, scale=SCALE))(q, do, kv, idx, lse, delta)
+    if kernel == "pds":
+        p, ds = jax.jit(lambda *a: pm.sparse_mla_pds(*a, scale=SCALE, interpret=interpret))(q, do, kv, idx, lse, delta)
+        parts = [token_part(n), *head_parts(1, h), *block_parts(2, k, "pds")]
+        zero = invalid[:, None, :]
+        checks = {"p": breakdown(p, p_ref, parts, BOUND, zero=zero), "ds": breakdown(ds, ds_ref, parts, BOUND, zero=zero)}
+        return dict(shape=shape, checks=checks, bounds={"p": BOUND, "ds": BOUND})
+    do_p = jnp.pad(do, ((0, 0), (0, 0), (0, 64)))
+    args = (q, do_p, kv, idx, p_ref.astype(bf), ds_ref.astype(bf))
+    dq, part_rows = jax.jit(lambda *a: dm.sparse_mla_dqkv(*a, interpret=interpret))(*args)
+    want_dq, want_part = jax.jit(dm.sparse_mla_dqkv_reference)(*args)
+    checks = {"dq": breakdown(dq, want_dq, [token_part(n), *head_parts(1, h), *column_parts(2, 576)], BOUND,
+                              zero=invalid.all(axis=1)[:, None, None]),
+              "part": breakdown(part_rows, want_part, [token_part(n), *block_parts(1, k, "dqkv"), *column_parts(2, 576)],
+                                BOUND, zero=invalid[:, :, None])}
+    return dict(shape=shape, checks=checks, bounds={"dq": BOUND, "part": BOUND})
+
+
+def applicable(target: str, case: str, interpret: bool) -> bool:
+    if TARGETS[target][0] == "gather":
+        return case in GATHER_CASES and not interpret  # inline_mgpu has no interpret mode
+    return not (interpret and case == "production")
+
+
+# ---- the record ---------------------------------------------------------------------------------------------------
+
+def read_records(path: str) -> list[dict]:
+    """The end records of a triage log, and a "hung" record for each start without its end (the device hung there,
+    or the run's time limit ended it)."""
+    ends, starts = {}, {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            r = json.loads(line)
+            key = (r["target"], r["case"])
+            (starts if r.get("event") == "start" else ends)[key] = r
+    out = []
+    for key, r in starts.items():
+        out.append(ends.get(key) or dict(r, status="hung", diagnosis="started, never ended: the device hung here, "
+                                                                     "or the run's time limit ended it"))
+    return out
+
+
+def summary(records: list[dict]) -> str:
+    """A markdown table of every case, then each target's first failing case (the one to debug first)."""
+    lines = ["| target | case | n x h, K (pattern) | status | s | diagnosis |", "|---|---|---|---|---|---|"]
+    first = {}
+    for r in records:
+        s = r.get("shape") or {}
+        shape = f"{s.get('n')} x {s.get('h')}, {s.get('k')} ({s.get('pattern')})" if s else ""
+        lines.append(f"| {r['target']} | {r['case']} | {shape} | {r['status']} | {r.get('seconds', '')} | "
+                     f"{r.get('diagnosis', '')} |")
+        if r["status"] != "ok":
+            first.setdefault(r["target"], r)
+    lines.append("")
+    for r in records:
+        if r["target"] in first and first[r["target"]] is r:
+            lines.append(f"- **{r['target']}**: first failure at `{r['case']}` ({r['status']}): {r.get('diagnosis', '')}")
+    targets = {r["target"] for r in records}
+    for t in sorted(targets - set(first)):
+        lines.append(f"- **{t}**: every case ran ok")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of: {', '.join(TARGETS)}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, in ladder order, of: {', '.join(CASES)}")
+    p.add_argument("--interpret", action="store_true", help="Mosaic GPU interpret mode (a CPU; not gather, "
+                                                              "not production)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write OUT.jsonl (a line per case start and end) and OUT.md")
+    p.add_argument("--report", default=None, help="summarize an existing OUT.jsonl and exit")
+    a = p.parse_args(argv)
+    if a.report:
+        recs = read_records(a.report)
+        print(summary(recs), end="")
+        return recs
+    targets, cases = a.targets.split(","), a.cases.split(",")
+    for t in targets:
+        if t not in TARGETS:
+            p.error(f"--targets: no target {t!r} (targets: {', '.join(TARGETS)})")
+    for c in cases:
+        if c not in CASES:
+            p.error(f"--cases: no case {c!r} (cases: {', '.join(CASES)})")
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")  # the float32 references at full precision
+    log = open(a.out + ".jsonl", "a") if a.out else None
+    records = []
+
+    def emit(r):
+        print(json.dumps(r) if r.get("event") == "start" else
+              f"{r['target']:>7} {r['case']:<11} {r['status']:<6} {r.get('seconds', 0):6.1f} s  {r['diagnosis']}",
+              flush=True)
+        if log:
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+
+    for case in sorted(cases, key=CASES.index):  # case-major: every target's simplest case before any harder one
+        for t in targets:
+            if not applicable(t, case, a.interpret):
+                continue
+            emit({"event": "start", "target": t, "case": case})
+            t0 = time.perf_counter()
+            try:
+                r = run_case(t, case, a.interpret, a.seed)
+                r["diagnosis"] = diagnose(r["checks"], r["bounds"])
+                r["status"] = "ok" if r["diagnosis"] == "ok" else "wrong"
+            except Exception as e:  # a kernel that does not compile or launch is a finding, not the end of the run
+                r = {"status": "error", "diagnosis": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                     "traceback": traceback.format_exc()[-2000:]}
+            r.update(event="end", target=t, case=case, seconds=round(time.perf_counter() - t0, 1))
+            emit(r)
+            records.append(r)
+            if a.out:
+                with open(a.out + ".md.tmp", "w") as f:
+                    f.write(summary(read_records(a.out + ".jsonl")))
+                os.replace(a.out + ".md.tmp", a.out + ".md")
+    if log:
+        log.close()
+    print(summary(records), end="")
+    return records
+
+
+if __name__ == "__main__":
+    main()

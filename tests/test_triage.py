@@ -1,0 +1,183 @@
+"""bench/mgpu_triage.py: the triage of the Mosaic GPU kernels never run on a chip (issue 31), and how
+bench/gpu_session.sh runs it for a failed test group within the call's deadline. A failing chip test gives one number;
+these check that the triage says where a fault sits (key block, warpgroup half, column half, token), on synthetic
+faults and on faults injected into the real kernels' outputs in interpret mode."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _triage():
+    spec = importlib.util.spec_from_file_location("mgpu_triage", os.path.join(ROOT, "bench", "mgpu_triage.py"))
+    module = sys.modules["mgpu_triage"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pds_like(rng, n=2, h=64, k=256):
+    want = rng.standard_normal((n, h, k))
+    idx = rng.integers(0, 100, (n, k))
+    idx[:, 10:14] = -1
+    want[np.broadcast_to(idx[:, None, :] < 0, want.shape)] = 0.0
+    return want, idx < 0
+
+
+def test_breakdown_names_the_block_and_half_of_a_fault():
+    """A P / dS-shaped output wrong only in key block 2's second half (warpgroup 1's slots) is reported as that block
+    and that half; a clean output as ok; the diagnosis names no axis along which every group is bad."""
+    tr = _triage()
+    rng = np.random.default_rng(0)
+    want, invalid = _pds_like(rng)
+    n, h, k = want.shape
+    parts = [tr.token_part(n), *tr.head_parts(1, h), *tr.block_parts(2, k, "pds")]
+    clean = tr.breakdown(want + 1e-4 * rng.standard_normal(want.shape) * (~invalid[:, None, :]), want, parts,
+                         tr.BOUND, zero=invalid[:, None, :])
+    assert tr.diagnose({"p": clean}, {"p": tr.BOUND}) == "ok"
+    got = want.copy()
+    got[:, :, 128 + 32:192] += 0.5
+    c = tr.breakdown(got, want, parts, tr.BOUND, zero=invalid[:, None, :])
+    assert c["bad"]["key block (64 slots)"]["bad"] == ["2"] and c["bad"]["block half (32 slots: warpgroup)"]["bad"] \
+        == ["32-63"]
+    said = tr.diagnose({"p": c}, {"p": tr.BOUND})
+    assert "key block (64 slots) 2 of 4" in said and "block half (32 slots: warpgroup) 32-63 of 2" in said
+    assert "token" not in said and "head group" not in said  # every token and head is bad: no localization there
+
+
+def test_breakdown_counts_nans_invalid_slots_scale_and_lse_infinities():
+    tr = _triage()
+    rng = np.random.default_rng(1)
+    want, invalid = _pds_like(rng, n=3)
+    parts = [tr.token_part(3), *tr.block_parts(2, want.shape[2], "dqkv")]
+    got = want.copy()
+    got[1, 5, 70] = np.nan  # token 1, block 1 (odd), slot row 6 of its block
+    got[0, 0, 11] = 2.0  # an invalid slot written
+    c = tr.breakdown(got, want, parts, tr.BOUND, zero=invalid[:, None, :])
+    assert c["nan"] == 1 and c["nonzero_where_invalid"] == 1 and c["invalid_slots"] == 3 * 64 * 4
+    said = tr.diagnose({"part": c}, {"part": tr.BOUND})
+    assert "1 NaN" in said and "1 of 768 invalid-slot values nonzero" in said and "token 0,1 of 3" in said
+    half = tr.breakdown(want / 2, want, parts, tr.BOUND)
+    said = tr.diagnose({"dq": half}, {"dq": tr.BOUND})
+    assert "best scale got/want 0.500" in said and "everywhere" in said
+    zero = tr.diagnose({"dq": tr.breakdown(0 * want, want, parts, tr.BOUND)}, {"dq": tr.BOUND})
+    assert "all zero" in zero
+    want_lse = np.array([[0.5, 1.0], [-np.inf, -np.inf]])
+    lse = np.array([[0.5, 1.0 + 3e-4], [-np.inf, 2.0]])
+    c = tr.lse_check(lse, want_lse, 2, 2, tr.LSE_BOUND)
+    assert c["inf_mismatch"] == 1 and abs(c["abs"] - 3e-4) < 1e-9
+    said = tr.diagnose({"lse": c}, {"lse": tr.LSE_BOUND})
+    assert "abs 3.00e-04 > 1e-04" in said and "1 rows -inf where the reference is finite" in said
+
+
+def test_records_name_a_case_that_hung_and_each_targets_first_failure(tmp_path):
+    """A start line without its end (the device hung there, or the time limit ended the run) reads as "hung"; the
+    summary names each target's first failing case, in ladder order."""
+    tr = _triage()
+    log = tmp_path / "t.jsonl"
+    lines = [{"event": "start", "target": "fwd", "case": "layout"},
+             {"event": "end", "target": "fwd", "case": "layout", "status": "ok", "diagnosis": "ok", "seconds": 1.0},
+             {"event": "start", "target": "pds", "case": "layout"},
+             {"event": "end", "target": "pds", "case": "layout", "status": "wrong", "diagnosis": "p: rel 1", "seconds": 1},
+             {"event": "start", "target": "fwd", "case": "one_block"}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    recs = tr.read_records(str(log))
+    assert [(r["target"], r["case"], r["status"]) for r in recs] == [("fwd", "layout", "ok"), ("pds", "layout", "wrong"),
+                                                                     ("fwd", "one_block", "hung")]
+    text = tr.summary(recs)
+    assert "**fwd**: first failure at `one_block` (hung)" in text and "**pds**: first failure at `layout` (wrong)" in text
+
+
+def test_triage_runs_the_kernels_and_localizes_an_injected_fault(monkeypatch, tmp_path):
+    """The real kernels in interpret mode pass every case run here; a forward whose warpgroup 1 columns go wrong from
+    the second key block on (injected into its output) is first caught at blocks_2, in column half 256-511 only."""
+    tr = _triage()
+    recs = tr.main(["--interpret", "--targets", "fwd-t,pds-t", "--cases", "layout,blocks_2", "--out",
+                    str(tmp_path / "t")])
+    assert [r["status"] for r in recs] == ["ok"] * 4
+    assert (tmp_path / "t.md").read_text().count("every case ran ok") == 2
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    real = sm.sparse_mla_fwd
+
+    def broken(q, kv, idx, **kw):
+        out, lse = real(q, kv, idx, **kw)
+        return (out.at[:, :, 256:].multiply(1.1) if idx.shape[1] > 64 else out), lse
+    monkeypatch.setattr(sm, "sparse_mla_fwd", broken)
+    recs = tr.main(["--interpret", "--targets", "fwd", "--cases", "one_block,blocks_2"])
+    assert [r["status"] for r in recs] == ["ok", "wrong"]
+    assert "column half (256) 256-511 of 2" in recs[1]["diagnosis"] and "lse" not in recs[1]["diagnosis"]
+
+
+def test_triage_of_the_gather_producer(monkeypatch):
+    """The gather target (chip only: `inline_mgpu` has no interpret mode) with its two kernels replaced here by the
+    reference and by a form that loses key rows 16-31: the first is ok at every index pattern, the second is reported
+    at exactly those rows, and all-invalid indices (zero rows) are checked as zeros."""
+    tr = _triage()
+    from dsv32_jax.kernels import gather_mgpu as gm
+    monkeypatch.setattr(gm, "gather_qk", gm.gather_qk_reference)
+    monkeypatch.setattr(gm, "gather_qk_ws", lambda q, kv, idx: gm.gather_qk_reference(q, kv, idx).at[:, 16:32].set(0))
+    assert not tr.applicable("gather", "layout", True) and not tr.applicable("gather", "heads", False)
+    for case in tr.GATHER_CASES:
+        r = tr.run_case("gather", case, interpret=False)
+        said = tr.diagnose(r["checks"], r["bounds"])
+        if case == "blocks_3":  # all invalid: both give zeros
+            assert said == "ok" and r["checks"]["gather_qk"]["invalid_slots"] == 64 * 64
+        else:
+            assert "gather_qk:" not in said and "gather_qk_ws: rel" in said and "key row in 16s 1 of 4" in said, said
+
+
+def test_triage_refuses_unknown_targets_and_cases(capsys):
+    tr = _triage()
+    for argv, what in ((["--targets", "fwd,bwd"], "no target 'bwd'"), (["--cases", "layout,huge"], "no case 'huge'")):
+        with pytest.raises(SystemExit):
+            tr.main(argv)
+        assert what in capsys.readouterr().err
+
+
+def test_gpu_session_triages_a_failed_group_packs_its_logs_and_keeps_the_deadline(tmp_path):
+    """bench/gpu_session.sh (bench/gpu_owed.sh 0's settings, on the CPU): a test group that fails (here: killed by its
+    time limit) is followed by the triage of its targets (TEST_TRIAGE; in interpret mode here), whose table lands in
+    $OUT; with more files than the device tool brings back, the logs go into logs.tar; and a stage that the call's
+    deadline (CALL_END) leaves no time for is skipped instead of run past it."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OUT=str(tmp_path),
+               STAGES="tests", TEST_S="1", TEST_K="chunk_positions", TEST_TRIAGE="fwd-t",
+               TRIAGE_ARGS="--interpret --cases layout", OUT_FILES="3")
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert "tests [chunk_positions] rc=124" in r.stdout and "triage [fwd-t] rc=0" in r.stdout, r.stdout + r.stderr
+    assert "**fwd-t**: every case ran ok" in (tmp_path / "triage.md").read_text()
+    names = set(os.listdir(tmp_path))
+    assert {"logs.tar", "triage.jsonl", "triage.md"} <= names and not any(n.endswith(".log") for n in names)
+    out = tmp_path / "late"
+    out.mkdir()
+    import time
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(env, OUT=str(out), STAGES="bench", CALL_END=str(int(time.time()) + 12)))
+    assert "bench rc=124" in r.stdout and "skipped" in r.stdout and "before the call's deadline" in r.stdout
+
+
+def test_triage_case_ladder_shapes_fit_each_kernel():
+    """Every case of every kernel is a shape its kernel takes (K a multiple of its block; dq / dkv's of 128), the
+    ladder grows one thing at a time, and production is the chip tests' shape."""
+    tr = _triage()
+    from dsv32_jax.kernels import sparse_mla_mgpu as sm
+    for target, (kernel, _, h_full) in tr.TARGETS.items():
+        if kernel == "gather":
+            continue
+        for case in tr.CASES:
+            s = tr.case_shape(kernel, case, h_full)
+            assert s["k"] % (128 if kernel == "dqkv" else 64) == 0, (target, case)
+            q = jnp.zeros((s["n"], s["h"], 576), jnp.bfloat16)
+            assert sm.check_shapes(q, jnp.zeros((s["m"], 576), jnp.bfloat16),
+                                   jnp.zeros((s["n"], s["k"]), jnp.int32)) is None, (target, case)
+        assert tr.case_shape(kernel, "production", h_full) == dict(n=64, h=h_full, m=8192, k=2048, pattern="edge")
+    idx = tr.make_indices(np.random.default_rng(0), 8, 500, 192, "edge")
+    assert (idx[1] == -1).all() and (idx[0, 64:128] == -1).all() and 0.1 < (idx[2:] < 0).mean() < 0.3
+    assert (tr.make_indices(None, 1, 64, 64, "contiguous") == np.arange(64)).all()
