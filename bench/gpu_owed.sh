@@ -47,7 +47,7 @@ run() {
 case $call in
   0) run STAGES=tests TEST_S=35 TEST_LOG=test_new_kernels_gpu.log "TEST_ARGS=-rA -vv" TRIAGE_S=75 \
        "TEST_K=sparse_mla_mgpu or sparse_mla_mosaic_gpu;sparse_mla_pds;sparse_mla_dqkv;gather_producer" \
-       "TEST_TRIAGE=fwd,fwd-pp,fwd-t;pds,pds-t;dqkv,dqkv-t;gather"
+       "TEST_TRIAGE=echo-split,echo-pp,echo-block,fwd,fwd-pp,fwd-t;echo-split,echo-block,pds,pds-t;echo-slice,echo-slice32,dqkv,dqkv-t;gather"
      run STAGES="tests bench" TEST_S=110 "TEST_K=atomic or indexer_logits" \
        LENGTHS=32768 "BENCH_ARGS=--ops ^sparse_mla.(fwd|bwd.\()" BENCH_S=300 ;;
   1) run STAGES=bench LENGTHS=32768 BENCH_S=480 \

@@ -16,7 +16,9 @@ sits:
                 valid slot, repeats)
     production  64 tokens, K 2048 over 8192 keys (the chip tests' shape; not in interpret mode)
 
-Each case's output is compared with the float32 reference (`rel_err` as the tests define it: max |got - want| /
+The `echo-*` targets run a kernel's gather alone (`gather_echo_mgpu`: the same inline cp.async body, buffers and
+transforms, the buffers stored back by TMA) and say where each misplaced 16-byte chunk landed, which tells a gather
+bug (address, swizzle) from an MMA or softmax bug. Each case's output is compared with the float32 reference (`rel_err` as the tests define it: max |got - want| /
 max |want|, against the tests' bounds) and broken down along the axes a kernel bug shows on: tokens, 64-head
 groups (CTAs), the 16-row slices of a warpgroup's wgmma tile (its 4 warps), key blocks and the two warpgroups'
 halves of a block (P / dS), alternate blocks (the dq / dkv kernel's two warpgroups), the 256-column halves of the
@@ -52,8 +54,11 @@ import numpy as np  # noqa: E402
 
 CASES = ("layout", "one_block", "invalid", "blocks_2", "blocks_3", "blocks_4", "blocks_5", "heads", "tokens",
          "production")
-# target -> (kernel, form, full head count); "-t": the 32-head keys-as-M forms
-TARGETS = {"fwd": ("fwd", "split", 128), "fwd-pp": ("fwd", "pingpong", 128), "fwd-t": ("fwd", "split", 32),
+# target -> (kernel, form, full head count); "-t": the 32-head keys-as-M forms; "echo-*": a kernel's gather alone
+TARGETS = {"echo-split": ("echo", "split", 64), "echo-block": ("echo", "block", 64),
+           "echo-pp": ("echo", "pingpong", 64), "echo-slice": ("echo", "slice", 64),
+           "echo-slice32": ("echo", "slice32", 64),
+           "fwd": ("fwd", "split", 128), "fwd-pp": ("fwd", "pingpong", 128), "fwd-t": ("fwd", "split", 32),
            "pds": ("pds", None, 128), "pds-t": ("pds", None, 32), "dqkv": ("dqkv", None, 128),
            "dqkv-t": ("dqkv", None, 32), "gather": ("gather", None, 64)}
 GATHER_CASES = {"layout": "contiguous", "one_block": "random", "invalid": "invalid", "blocks_2": "one_row",
@@ -141,14 +146,51 @@ def token_part(n: int):
     return part("token", 0, n, lambda i: i)
 
 
-def lse_check(lse, want_lse, n: int, h: int, bound: float) -> dict:
-    """lse [N, H]: the absolute error on the rows the reference has finite, and -inf exactly where it has -inf."""
+def lse_check(lse, want_lse, partitions, bound: float) -> dict:
+    """lse [N, H] (or the gathers' additive mask [N, K]): the absolute error where the reference is finite, and
+    -inf exactly where it has -inf."""
     lse, want_lse = np.asarray(lse, np.float64), np.asarray(want_lse, np.float64)
     finite = np.isfinite(want_lse)
-    out = breakdown(np.where(finite, lse, 0.0), np.where(finite, want_lse, 0.0), [token_part(n), *head_parts(1, h)],
-                    bound, norm=1.0)
+    out = breakdown(np.where(finite, lse, 0.0), np.where(finite, want_lse, 0.0), partitions, bound, norm=1.0)
     out["abs"] = out.pop("rel")
     out["inf_mismatch"] = int(np.sum(np.isfinite(lse) != finite))
+    return out
+
+
+def chunk_map(got, want, valid, limit: int = 8) -> dict:
+    """Where each 16-byte chunk of the wanted key rows landed in the gathered ones (bf16 [N, K, 576]; valid [N, K]:
+    the slots whose rows must be there). Per 64-row block with a wrong chunk (the first `limit` blocks), each wanted
+    chunk is looked up among the block's gathered chunks: right (in place), misplaced (found elsewhere in the block:
+    a wrong address or swizzle, counted by its shift (rows, chunks)) or missing (nowhere: not copied, or copied from a
+    wrong row). Random rows make every chunk unique; a repeated row can make a shift ambiguous."""
+    def chunks(x):
+        x = np.ascontiguousarray(np.asarray(x).view(np.uint16))
+        n, k, d = x.shape
+        return x.reshape(n, k // 64, 64, d // 8, 8)
+    g, w = chunks(got), chunks(want)
+    vb = np.asarray(valid).reshape(g.shape[0], g.shape[1], 64)
+    same = (g == w).all(axis=-1)  # [N, blocks, 64, 72]
+    wrong_blocks = np.argwhere(~(same | ~vb[..., None]).all(axis=(2, 3)))
+    out = {"blocks_wrong": int(len(wrong_blocks)), "blocks": int(g.shape[0] * g.shape[1]), "right": 0,
+           "misplaced": 0, "missing": 0, "shifts": {}, "examples": []}
+    for t, b in wrong_blocks[:limit]:
+        where = {g[t, b, r, j].tobytes(): (r, j) for r in range(64) for j in range(g.shape[3]) if g[t, b, r, j].any()}
+        for r in np.nonzero(vb[t, b])[0]:
+            for j in range(g.shape[3]):
+                if same[t, b, r, j]:
+                    out["right"] += 1
+                    continue
+                found = where.get(w[t, b, r, j].tobytes())
+                if found is None:
+                    out["missing"] += 1
+                else:
+                    out["misplaced"] += 1
+                    shift = f"{found[0] - r:+d},{found[1] - j:+d}"
+                    out["shifts"][shift] = out["shifts"].get(shift, 0) + 1
+                if len(out["examples"]) < 6:
+                    out["examples"].append(f"token {t} block {b} row {r} chunk {j} -> "
+                                           f"{'missing' if found is None else f'row {found[0]} chunk {found[1]}'}")
+    out["shifts"] = dict(sorted(out["shifts"].items(), key=lambda kv: -kv[1])[:6])
     return out
 
 
@@ -171,6 +213,12 @@ def diagnose(checks: dict, bounds: dict) -> str:
             flags.append(f"{c['nonzero_where_invalid']} of {c['invalid_slots']} invalid-slot values nonzero")
         if not flags:
             continue
+        m = c.get("chunks")
+        if m and m["blocks_wrong"]:
+            shifts = ", ".join(f"({k}) x{v}" for k, v in m["shifts"].items())
+            flags.append(f"16-byte chunks in {min(m['blocks_wrong'], 8)} of {m['blocks_wrong']} wrong blocks: "
+                         f"{m['right']} right, {m['misplaced']} misplaced{f' by (rows,chunks) {shifts}' if shifts else ''}, "
+                         f"{m['missing']} missing; e.g. {'; '.join(m['examples'][:2])}")
         if c.get("got_zero"):
             flags.append("all zero (nothing written?)")
         elif abs(c.get("scale_fit", 1.0) - 1.0) > 0.05:
@@ -185,9 +233,10 @@ def diagnose(checks: dict, bounds: dict) -> str:
 
 # ---- inputs and runs (jax) ----------------------------------------------------------------------------------------
 
-def case_shape(kernel: str, case: str, h_full: int) -> dict:
+def case_shape(kernel: str, case: str, h_full: int, form: str | None = None) -> dict:
     """(n tokens, heads, kv rows, slots, pattern) of a case: the ladder of the module docstring."""
-    step = 128 if kernel == "dqkv" else 64  # the fewest slots the kernel takes (dq / dkv: one block a warpgroup)
+    # the fewest slots the kernel takes: dq / dkv and the echoes of the gathers that give each warpgroup a block, two
+    step = 128 if kernel == "dqkv" or form in ("pingpong", "slice", "slice32") and kernel == "echo" else 64
     h0 = 32 if h_full == 32 else 64
     small = dict(n=1, h=h0, m=1000, k=step)
     if case == "layout":
@@ -252,13 +301,26 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         shape = dict(n=1, h=64, m=n, k=64, pattern=pattern)
         return dict(shape=shape, checks=checks, bounds={k: GATHER_BOUND for k in checks})
 
-    shape = case_shape(kernel, case, h_full)
+    shape = case_shape(kernel, case, h_full, form)
     n, h, m, k = shape["n"], shape["h"], shape["m"], shape["k"]
     idx_np = make_indices(rng, n, m, k, shape["pattern"])
     q = jnp.asarray(rng.standard_normal((n, h, 576)), bf)
     kv = jnp.asarray(rng.standard_normal((m, 576)), bf)
     idx = jnp.asarray(idx_np)
     invalid = idx_np < 0
+    if kernel == "echo":
+        from dsv32_jax.kernels import gather_echo_mgpu as ge
+        shape["h"] = None  # no heads: the gather alone
+        rows, mask = jax.jit(lambda *a: ge.gather_echo(*a, form=form, interpret=interpret))(kv, idx)
+        want, want_mask = ge.gather_echo_reference(kv, idx)
+        rows_check = breakdown(rows, want, [token_part(n), *block_parts(1, k, "pds"),
+                                            part("rows mod 8 (swizzle line)", 1, k, lambda i: i % 8),
+                                            *column_parts(2, 576)], 0.0, zero=invalid[:, :, None])
+        rows_check["chunks"] = chunk_map(rows, want, ~invalid)
+        checks = {"rows": rows_check}
+        if not form.startswith("slice"):  # the slice gathers write no mask
+            checks["mask"] = lse_check(mask, want_mask, [token_part(n), *block_parts(1, k, "pds")], 0.0)
+        return dict(shape=shape, checks=checks, bounds={name: 0.0 for name in checks})
     ref_fwd = jax.jit(lambda q, kv, idx: sm.sparse_mla_fwd_reference(q, kv, idx, scale=SCALE))
     if kernel == "fwd":
         out, lse = jax.jit(lambda *a: sm.sparse_mla_fwd(*a, scale=SCALE, interpret=interpret, form=form))(q, kv, idx)
@@ -266,7 +328,7 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         empty = invalid.all(axis=1)[:, None, None]
         checks = {"out": breakdown(out, want, [token_part(n), *head_parts(1, h), *column_parts(2, 512)], BOUND,
                                    zero=empty),
-                  "lse": lse_check(lse, want_lse, n, h, 1e-5 if interpret else LSE_BOUND)}
+                  "lse": lse_check(lse, want_lse, [token_part(n), *head_parts(1, h)], 1e-5 if interpret else LSE_BOUND)}
         return dict(shape=shape, checks=checks, bounds={"out": BOUND, "lse": 1e-5 if interpret else LSE_BOUND})
     _, lse = ref_fwd(f32(q), f32(kv), idx)
     do = jnp.asarray(rng.standard_normal((n, h, 512)), bf)
@@ -292,6 +354,8 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
 def applicable(target: str, case: str, interpret: bool) -> bool:
     if TARGETS[target][0] == "gather":
         return case in GATHER_CASES and not interpret  # inline_mgpu has no interpret mode
+    if TARGETS[target][0] == "echo" and case == "heads":
+        return False  # a gather has no heads
     return not (interpret and case == "production")
 
 
@@ -322,7 +386,7 @@ def summary(records: list[dict]) -> str:
     first = {}
     for r in records:
         s = r.get("shape") or {}
-        shape = f"{s.get('n')} x {s.get('h')}, {s.get('k')} ({s.get('pattern')})" if s else ""
+        shape = f"{s.get('n')} x {s.get('h') or '-'}, {s.get('k')} ({s.get('pattern')})" if s else ""
         lines.append(f"| {r['target']} | {r['case']} | {shape} | {r['status']} | {r.get('seconds', '')} | "
                      f"{r.get('diagnosis', '')} |")
         if r["status"] != "ok":

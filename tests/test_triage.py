@@ -71,7 +71,7 @@ def test_breakdown_counts_nans_invalid_slots_scale_and_lse_infinities():
     assert "all zero" in zero
     want_lse = np.array([[0.5, 1.0], [-np.inf, -np.inf]])
     lse = np.array([[0.5, 1.0 + 3e-4], [-np.inf, 2.0]])
-    c = tr.lse_check(lse, want_lse, 2, 2, tr.LSE_BOUND)
+    c = tr.lse_check(lse, want_lse, [tr.token_part(2), *tr.head_parts(1, 2)], tr.LSE_BOUND)
     assert c["inf_mismatch"] == 1 and abs(c["abs"] - 3e-4) < 1e-9
     said = tr.diagnose({"lse": c}, {"lse": tr.LSE_BOUND})
     assert "abs 3.00e-04 > 1e-04" in said and "1 rows -inf where the reference is finite" in said
@@ -131,6 +131,41 @@ def test_triage_of_the_gather_producer(monkeypatch):
             assert said == "ok" and r["checks"]["gather_qk"]["invalid_slots"] == 64 * 64
         else:
             assert "gather_qk:" not in said and "gather_qk_ws: rel" in said and "key row in 16s 1 of 4" in said, said
+
+
+def test_chunk_map_says_where_misplaced_chunks_landed():
+    """Gathered rows with the 16-byte chunks of block 1 swapped in pairs on odd rows (a swizzle off by one bit) and
+    one row copied from a wrong source: the map counts the right, misplaced (by shift) and missing chunks of the one
+    wrong block, and the diagnosis quotes them."""
+    tr = _triage()
+    rng = np.random.default_rng(2)
+    want = np.asarray(jnp.asarray(rng.standard_normal((1, 128, 576)), jnp.bfloat16))
+    got = want.copy()
+    blk = got[0, 64:].reshape(64, 72, 8)
+    odd = blk[1::2].copy()
+    blk[1::2, 0::2], blk[1::2, 1::2] = odd[:, 1::2], odd[:, 0::2]
+    got[0, 64:] = blk.reshape(64, 576)
+    got[0, 70] = np.asarray(jnp.asarray(rng.standard_normal(576), jnp.bfloat16))  # row 6 of block 1: wrong source
+    valid = np.ones((1, 128), bool)
+    m = tr.chunk_map(got, want, valid)
+    assert m["blocks_wrong"] == 1 and m["missing"] == 72
+    assert m["right"] == 32 * 72 - 72 and m["misplaced"] == 32 * 72
+    assert m["shifts"] == {"+0,+1": 32 * 36, "+0,-1": 32 * 36}
+    c = tr.breakdown(got, want, [tr.token_part(1), *tr.block_parts(1, 128, "pds")], 0.0)
+    c["chunks"] = m
+    said = tr.diagnose({"rows": c}, {"rows": 0.0})
+    assert "2304 misplaced by (rows,chunks) (+0,+1) x1152, (+0,-1) x1152, 72 missing" in said
+    assert "key block (64 slots) 1 of 2" in said and "token 0 block 1 row 1 chunk 0 -> row 1 chunk 1" in said
+    assert tr.chunk_map(want, want, valid)["blocks_wrong"] == 0
+
+
+def test_echo_targets_run_the_gathers_in_interpret_mode():
+    """The echo kernels (`gather_echo_mgpu`) through the triage: the kernels' interpret gathers give kv[idx] and the
+    additive mask exactly (the chip runs their cp.async gathers instead)."""
+    tr = _triage()
+    recs = tr.main(["--interpret", "--targets", "echo-split,echo-block,echo-pp", "--cases", "layout,invalid"])
+    assert [(r["target"], r["status"]) for r in recs] == [(t, "ok") for t in ("echo-split", "echo-block", "echo-pp")] * 2
+    assert recs[3]["checks"]["mask"]["inf_mismatch"] == 0 and recs[3]["checks"]["rows"]["invalid_slots"] > 0
 
 
 def test_triage_refuses_unknown_targets_and_cases(capsys):

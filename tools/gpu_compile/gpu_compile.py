@@ -207,6 +207,11 @@ def all_cases() -> list[Case]:
                                 r"wgmma\.mma_async\S*m64n64k16\S*bf16", r"sass:LDGSTS\.\S*128",
                                 r"sass:HGMMA\.64x32x16", r"sass:HGMMA\.64x64x16"),
                       kernel_forbids=(("mosaic", r"mma\.sync"),)))
+    # The triage's echo kernels (bench/mgpu_triage.py, target echo): each Mosaic GPU kernel's gather as the kernel
+    # issues it (the same inline cp.async body, buffers and transforms), its buffers stored back by TMA.
+    for form in ("split", "block", "pingpong", "slice", "slice32"):
+        cases.append(Case(f"gather_echo[prod,L=8192,{form}]", "gather_echo", "prod", 8192, options=(("form", form),),
+                          requires=(r"cp\.async\.cg\.shared\.global", r"sass:LDGSTS\.\S*128")))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -313,6 +318,10 @@ def build(case: Case):
         gm = importlib.import_module("dsv32_jax.kernels.gather_mgpu")
         return (gm.gather_qk_ws if o.get("ws") else gm.gather_qk), [
             spec((64, sh.d_qk), jnp.bfloat16), spec((l, sh.d_qk), jnp.bfloat16), spec((64,), jnp.int32)]
+    if case.op == "gather_echo":  # 64 tokens' production selections
+        ge = importlib.import_module("dsv32_jax.kernels.gather_echo_mgpu")
+        return (lambda kv, i: ge.gather_echo(kv, i, form=o["form"])), [spec((l, sh.d_qk), jnp.bfloat16),
+                                                                        spec((64, sh.topk), jnp.int32)]
     if case.op == "sweep_kernel" and o["kernel"] == "fwd":  # the forward at a candidate tile (--sweep)
         return (lambda q, kv, i: pk.sparse_mla(q, kv, i, sh.d_qk ** -0.5, sh.d_v, impl="pallas_gpu",
                                                **dict(o["tiles"]))), [
