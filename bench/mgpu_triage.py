@@ -157,22 +157,50 @@ def lse_check(lse, want_lse, partitions, bound: float) -> dict:
     return out
 
 
-def chunk_map(got, want, valid, limit: int = 8) -> dict:
+def _chunks(x):
+    """bf16 [..., D] -> uint16 [..., D / 8, 8]: the 16-byte chunks a cp.async copies."""
+    x = np.ascontiguousarray(np.asarray(x).view(np.uint16))
+    return x.reshape(*x.shape[:-1], x.shape[-1] // 8, 8)
+
+
+def chunk_map(got, want, valid, kv=None, idx=None, limit: int = 8) -> dict:
     """Where each 16-byte chunk of the wanted key rows landed in the gathered ones (bf16 [N, K, 576]; valid [N, K]:
     the slots whose rows must be there). Per 64-row block with a wrong chunk (the first `limit` blocks), each wanted
     chunk is looked up among the block's gathered chunks: right (in place), misplaced (found elsewhere in the block:
-    a wrong address or swizzle, counted by its shift (rows, chunks)) or missing (nowhere: not copied, or copied from a
-    wrong row). Random rows make every chunk unique; a repeated row can make a shift ambiguous."""
-    def chunks(x):
-        x = np.ascontiguousarray(np.asarray(x).view(np.uint16))
-        n, k, d = x.shape
-        return x.reshape(n, k // 64, 64, d // 8, 8)
-    g, w = chunks(got), chunks(want)
+    a wrong address or swizzle, counted by its shift (rows, chunks)) or missing (nowhere in the block). With kv [M,
+    576] and idx [N, K], what a missing chunk's place holds instead is named: zeros (never written), a chunk of the
+    slot's own row (a column offset), of another slot's row (a row offset), of a kv row no slot selected (an index
+    offset: the kv row minus the selected one), or nothing in kv. Random rows make every chunk unique; a repeated row
+    can make a shift ambiguous."""
+    g, w = (_chunks(x).reshape(x.shape[0], x.shape[1] // 64, 64, x.shape[2] // 8, 8) for x in (got, want))
     vb = np.asarray(valid).reshape(g.shape[0], g.shape[1], 64)
     same = (g == w).all(axis=-1)  # [N, blocks, 64, 72]
     wrong_blocks = np.argwhere(~(same | ~vb[..., None]).all(axis=(2, 3)))
     out = {"blocks_wrong": int(len(wrong_blocks)), "blocks": int(g.shape[0] * g.shape[1]), "right": 0,
-           "misplaced": 0, "missing": 0, "shifts": {}, "examples": []}
+           "misplaced": 0, "missing": 0, "shifts": {}, "instead": {}, "examples": []}
+    in_kv = {}
+    if kv is not None and len(wrong_blocks):
+        kc = _chunks(kv)
+        in_kv = {kc[m, j].tobytes(): (m, j) for m in range(kc.shape[0]) for j in range(kc.shape[1])}
+
+    def count(table, key):
+        out[table][key] = out[table].get(key, 0) + 1
+
+    def holds(t, b, r, j):  # what the gathered chunk at a missing chunk's place is
+        c = g[t, b, r, j]
+        if not c.any():
+            return "zeros"
+        src = in_kv.get(c.tobytes())
+        if src is None:
+            return "no kv chunk"
+        row = idx[t, b * 64 + r]
+        if src[0] == row:
+            return f"its row, chunk {src[1] - j:+d}"
+        slots = np.nonzero(idx[t, b * 64:(b + 1) * 64] == src[0])[0]
+        if len(slots):
+            return f"slot {slots[0] - r:+d}'s row, chunk {src[1] - j:+d}"
+        return f"kv row {src[0] - row:+d} from the selected, chunk {src[1] - j:+d}"
+
     for t, b in wrong_blocks[:limit]:
         where = {g[t, b, r, j].tobytes(): (r, j) for r in range(64) for j in range(g.shape[3]) if g[t, b, r, j].any()}
         for r in np.nonzero(vb[t, b])[0]:
@@ -183,14 +211,16 @@ def chunk_map(got, want, valid, limit: int = 8) -> dict:
                 found = where.get(w[t, b, r, j].tobytes())
                 if found is None:
                     out["missing"] += 1
+                    if kv is not None:
+                        count("instead", holds(t, b, r, j))
                 else:
                     out["misplaced"] += 1
-                    shift = f"{found[0] - r:+d},{found[1] - j:+d}"
-                    out["shifts"][shift] = out["shifts"].get(shift, 0) + 1
+                    count("shifts", f"{found[0] - r:+d},{found[1] - j:+d}")
                 if len(out["examples"]) < 6:
                     out["examples"].append(f"token {t} block {b} row {r} chunk {j} -> "
                                            f"{'missing' if found is None else f'row {found[0]} chunk {found[1]}'}")
-    out["shifts"] = dict(sorted(out["shifts"].items(), key=lambda kv: -kv[1])[:6])
+    for table in ("shifts", "instead"):
+        out[table] = dict(sorted(out[table].items(), key=lambda kv: -kv[1])[:6])
     return out
 
 
@@ -218,7 +248,9 @@ def diagnose(checks: dict, bounds: dict) -> str:
             shifts = ", ".join(f"({k}) x{v}" for k, v in m["shifts"].items())
             flags.append(f"16-byte chunks in {min(m['blocks_wrong'], 8)} of {m['blocks_wrong']} wrong blocks: "
                          f"{m['right']} right, {m['misplaced']} misplaced{f' by (rows,chunks) {shifts}' if shifts else ''}, "
-                         f"{m['missing']} missing; e.g. {'; '.join(m['examples'][:2])}")
+                         f"{m['missing']} missing"
+                         + (f" (holding instead: {', '.join(f'{k} x{v}' for k, v in m['instead'].items())})"
+                            if m["instead"] else "") + f"; e.g. {'; '.join(m['examples'][:2])}")
         if c.get("got_zero"):
             flags.append("all zero (nothing written?)")
         elif abs(c.get("scale_fit", 1.0) - 1.0) > 0.05:
@@ -316,7 +348,7 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         rows_check = breakdown(rows, want, [token_part(n), *block_parts(1, k, "pds"),
                                             part("rows mod 8 (swizzle line)", 1, k, lambda i: i % 8),
                                             *column_parts(2, 576)], 0.0, zero=invalid[:, :, None])
-        rows_check["chunks"] = chunk_map(rows, want, ~invalid)
+        rows_check["chunks"] = chunk_map(rows, want, ~invalid, kv, idx_np)
         checks = {"rows": rows_check}
         if not form.startswith("slice"):  # the slice gathers write no mask
             checks["mask"] = lse_check(mask, want_mask, [token_part(n), *block_parts(1, k, "pds")], 0.0)

@@ -159,6 +159,25 @@ def test_chunk_map_says_where_misplaced_chunks_landed():
     assert tr.chunk_map(want, want, valid)["blocks_wrong"] == 0
 
 
+def test_chunk_map_names_what_a_missing_chunk_holds_instead():
+    """Given kv and idx, a missing chunk's place is read back: zeros (row 7 never written), the next kv row (row 3:
+    an index off by one), another slot's row (row 9 holds slot 10's), its own row's next chunk (row 5, chunk 2)."""
+    tr = _triage()
+    rng = np.random.default_rng(3)
+    kv = np.asarray(jnp.asarray(rng.standard_normal((200, 576)), jnp.bfloat16))
+    idx = 2 * rng.choice(100, (1, 64), replace=False).astype(np.int32)  # even rows: an odd one is no slot's
+    want = kv[idx]
+    got = want.copy()
+    got[0, 7] = 0
+    got[0, 3] = kv[idx[0, 3] + 1]
+    got[0, 9] = kv[idx[0, 10]]
+    got[0, 5, 16:24] = want[0, 5, 24:32]
+    m = tr.chunk_map(got, want, np.ones((1, 64), bool), kv, idx)
+    assert m["instead"] == {"zeros": 72, "kv row +1 from the selected, chunk +0": 72, "slot +1's row, chunk +0": 72,
+                            "its row, chunk +1": 1} and m["missing"] == 3 * 72 + 1
+    assert m["misplaced"] == 0 and m["shifts"] == {}  # chunk 3 of row 5 is also in its place: right
+
+
 def test_echo_targets_run_the_gathers_in_interpret_mode():
     """The echo kernels (`gather_echo_mgpu`) through the triage: the kernels' interpret gathers give kv[idx] and the
     additive mask exactly (the chip runs their cp.async gathers instead)."""
