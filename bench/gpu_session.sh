@@ -76,7 +76,11 @@ local t0=$(date +%s)
 limited "triage [$1]" "${TRIAGE_S:-90}" python3 bench/mgpu_triage.py --targets "$1" --out "$OUT/triage" \
   ${TRIAGE_ARGS:-} >>"$OUT/triage.log" 2>&1
 echo "triage [$1] rc=$? in $(( $(date +%s) - t0 )) s"
-python3 bench/mgpu_triage.py --report "$OUT/triage.jsonl" 2>/dev/null | grep -E "^- " | cut -c1-600
+# the table again from the record: a case that hung (or met the limit) has a start line and no end
+timeout 30 python3 bench/mgpu_triage.py --report "$OUT/triage.jsonl" >"$OUT/triage.md.tmp" 2>/dev/null \
+  && mv "$OUT/triage.md.tmp" "$OUT/triage.md"
+rm -f "$OUT/triage.md.tmp"
+grep -E "^- " "$OUT/triage.md" 2>/dev/null | cut -c1-600
 }
 
 pack() {  # the device tool brings back at most 8 files from $OUT: past OUT_FILES, the logs go into one tar

@@ -217,6 +217,20 @@ def test_gpu_session_triages_a_failed_group_packs_its_logs_and_keeps_the_deadlin
     assert "bench rc=124" in r.stdout and "skipped" in r.stdout and "before the call's deadline" in r.stdout
 
 
+@pytest.mark.heavy  # 20 s of a triage killed by its limit
+def test_gpu_session_reports_a_triage_case_that_hung(tmp_path):
+    """A triage that its time limit ends inside a case (as a hung kernel would) leaves a start line without an end;
+    the session's table then names that case as hung, first failure of its target."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OUT=str(tmp_path),
+               STAGES="tests", TEST_S="1", TEST_K="chunk_positions", TEST_TRIAGE="echo-slice", TRIAGE_S="20",
+               TRIAGE_ARGS="--interpret --cases tokens")  # 8 tokens through the interpreted slice gather: > 60 s
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert "triage [echo-slice] rc=124" in r.stdout, r.stdout + r.stderr
+    assert "**echo-slice**: first failure at `tokens` (hung)" in r.stdout
+    assert "| echo-slice | tokens |  | hung |" in (tmp_path / "triage.md").read_text()
+
+
 def test_triage_case_ladder_shapes_fit_each_kernel():
     """Every case of every kernel is a shape its kernel takes (K a multiple of its block; dq / dkv's of 128), the
     ladder grows one thing at a time, and production is the chip tests' shape."""
