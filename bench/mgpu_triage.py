@@ -18,19 +18,20 @@ sits:
 
 The `echo-*` targets run a kernel's gather alone (`gather_echo_mgpu`: the same inline cp.async body, buffers and
 transforms, the buffers stored back by TMA) and say where each misplaced 16-byte chunk landed, which tells a gather
-bug (address, swizzle) from an MMA or softmax bug. Each case's output is compared with the float32 reference (`rel_err` as the tests define it: max |got - want| /
-max |want|, against the tests' bounds) and broken down along the axes a kernel bug shows on: tokens, 64-head
-groups (CTAs), the 16-row slices of a warpgroup's wgmma tile (its 4 warps), key blocks and the two warpgroups'
-halves of a block (P / dS), alternate blocks (the dq / dkv kernel's two warpgroups), the 256-column halves of the
-output (the forward's two warpgroups' PV), 64-column slices (the dq / dkv kernel's CTAs); plus NaN counts,
-nonzeros where an invalid slot must give zero, and the scale that fits got to want best (0.5 or 2: a block counted
-twice or dropped). One JSON line is written when a case starts and one when it ends, so a case that hangs the
-device is the one whose start line has no end.
+bug (address, swizzle) from an MMA or softmax bug. Each case's output is compared with the float32 reference
+(`rel_err` as the tests define it: max |got - want| / max |want|, against the tests' bounds) and broken down along
+the axes a kernel bug shows on: tokens, 64-head groups (CTAs), the 16-row slices of a warpgroup's wgmma tile (its 4
+warps), key blocks and the two warpgroups' halves of a block (P / dS), alternate blocks (the dq / dkv kernel's two
+warpgroups), the 256-column halves of the output (the forward's two warpgroups' PV), 64-column slices (the dq / dkv
+kernel's CTAs); plus NaN counts, nonzeros where an invalid slot must give zero, and the scale that fits got to want
+best (0.5 or 2: a block counted twice or dropped). One JSON line is written when a case starts and one when it ends,
+so a case that hangs the device is the one whose start line has no end.
 
     python bench/mgpu_triage.py --targets fwd,fwd-pp,fwd-t --out $OUT/triage        # on a Hopper GPU
     python bench/mgpu_triage.py --interpret --targets pds-t --cases layout,blocks_3  # the same bodies on a CPU
     python bench/mgpu_triage.py --report triage.jsonl                                # a chip's record, summarized
 
+The `atomic` target (the Triton backward with bwd="atomic") groups dkv's rows by how many atomic adds meet on them.
 `bench/gpu_session.sh` runs it for a test group that failed (TEST_TRIAGE, bench/gpu_owed.sh 0).
 """
 
@@ -60,12 +61,14 @@ TARGETS = {"echo-split": ("echo", "split", 64), "echo-block": ("echo", "block", 
            "echo-slice32": ("echo", "slice32", 64),
            "fwd": ("fwd", "split", 128), "fwd-pp": ("fwd", "pingpong", 128), "fwd-t": ("fwd", "split", 32),
            "pds": ("pds", None, 128), "pds-t": ("pds", None, 32), "dqkv": ("dqkv", None, 128),
-           "dqkv-t": ("dqkv", None, 32), "gather": ("gather", None, 64)}
+           "dqkv-t": ("dqkv", None, 32), "gather": ("gather", None, 64),
+           "atomic": ("atomic", None, 128)}  # the Triton backward with dkv added by relaxed fp32 atomics
 GATHER_CASES = {"layout": "contiguous", "one_block": "random", "invalid": "invalid", "blocks_2": "one_row",
                 "blocks_3": "all_invalid"}  # gather_qk has one [64, 576] shape: its own index patterns
 BOUND = 6e-3  # bf16 outputs (the chip tests' bound)
 LSE_BOUND = 1e-4  # absolute, with the chip's approximate exp2 / log2 (1e-5 in interpret mode)
 GATHER_BOUND = 1e-5  # float32 output of bf16 products
+GRAD_BOUND = 2e-2  # bf16 gradients through the whole backward (tests/test_kernels.py's bf16 bound)
 SCALE = 576 ** -0.5
 
 
@@ -137,7 +140,8 @@ def block_parts(axis: int, k: int, kernel: str):
 
 def column_parts(axis: int, cols: int):
     """The 256-column halves (the forward's PV split) and 64-column slices (the dq / dkv CTAs; 512-575 = rope)."""
-    return [part("column half (256)", axis, cols, lambda i: i // 256, ["0-255", "256-511", "512-575"][:(cols + 255) // 256]),
+    halves = ["0-255", "256-511", "512-575"][:(cols + 255) // 256]
+    return [part("column half (256)", axis, cols, lambda i: i // 256, halves),
             part("column slice (64)", axis, cols, lambda i: i // 64,
                  [f"{g * 64}-{g * 64 + 63}" for g in range((cols + 63) // 64)])]
 
@@ -247,7 +251,8 @@ def diagnose(checks: dict, bounds: dict) -> str:
         if m and m["blocks_wrong"]:
             shifts = ", ".join(f"({k}) x{v}" for k, v in m["shifts"].items())
             flags.append(f"16-byte chunks in {min(m['blocks_wrong'], 8)} of {m['blocks_wrong']} wrong blocks: "
-                         f"{m['right']} right, {m['misplaced']} misplaced{f' by (rows,chunks) {shifts}' if shifts else ''}, "
+                         f"{m['right']} right, {m['misplaced']} misplaced"
+                         f"{f' by (rows,chunks) {shifts}' if shifts else ''}, "
                          f"{m['missing']} missing"
                          + (f" (holding instead: {', '.join(f'{k} x{v}' for k, v in m['instead'].items())})"
                             if m["instead"] else "") + f"; e.g. {'; '.join(m['examples'][:2])}")
@@ -340,6 +345,8 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
     kv = jnp.asarray(rng.standard_normal((m, 576)), bf)
     idx = jnp.asarray(idx_np)
     invalid = idx_np < 0
+    if kernel == "atomic":
+        return _atomic_case(shape, q, kv, idx, idx_np, rng, interpret)
     if kernel == "echo":
         from dsv32_jax.kernels import gather_echo_mgpu as ge
         shape["h"] = None  # no heads: the gather alone
@@ -370,7 +377,8 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         p, ds = jax.jit(lambda *a: pm.sparse_mla_pds(*a, scale=SCALE, interpret=interpret))(q, do, kv, idx, lse, delta)
         parts = [token_part(n), *head_parts(1, h), *block_parts(2, k, "pds")]
         zero = invalid[:, None, :]
-        checks = {"p": breakdown(p, p_ref, parts, BOUND, zero=zero), "ds": breakdown(ds, ds_ref, parts, BOUND, zero=zero)}
+        checks = {"p": breakdown(p, p_ref, parts, BOUND, zero=zero),
+                  "ds": breakdown(ds, ds_ref, parts, BOUND, zero=zero)}
         return dict(shape=shape, checks=checks, bounds={"p": BOUND, "ds": BOUND})
     do_p = jnp.pad(do, ((0, 0), (0, 0), (0, 64)))
     args = (q, do_p, kv, idx, p_ref.astype(bf), ds_ref.astype(bf))
@@ -378,9 +386,43 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
     want_dq, want_part = jax.jit(dm.sparse_mla_dqkv_reference)(*args)
     checks = {"dq": breakdown(dq, want_dq, [token_part(n), *head_parts(1, h), *column_parts(2, 576)], BOUND,
                               zero=invalid.all(axis=1)[:, None, None]),
-              "part": breakdown(part_rows, want_part, [token_part(n), *block_parts(1, k, "dqkv"), *column_parts(2, 576)],
-                                BOUND, zero=invalid[:, :, None])}
+              "part": breakdown(part_rows, want_part,
+                                [token_part(n), *block_parts(1, k, "dqkv"), *column_parts(2, 576)], BOUND,
+                                zero=invalid[:, :, None])}
     return dict(shape=shape, checks=checks, bounds={"dq": BOUND, "part": BOUND})
+
+
+def contention_part(axis: int, idx_np: np.ndarray, m: int):
+    """kv rows grouped by how many (token, slot) pairs select them: the atomic adds that meet on a row."""
+    counts = np.bincount(idx_np[idx_np >= 0].ravel(), minlength=m)
+    edges, labels = (0, 1, 2, 5, 17, 65), ["0", "1", "2-4", "5-16", "17-64", ">64"]
+    return part("kv rows by selections (atomic adds)", axis, m,
+                lambda i: int(np.searchsorted(edges, counts[i], "right")) - 1, labels)
+
+
+def _atomic_case(shape, q, kv, idx, idx_np, rng, interpret: bool) -> dict:
+    """bwd="atomic" (`kernels.sparse_mla`: P / dS stored, then dq and dkv with dkv rows added into an fp32 accumulator
+    by relaxed atomics) against float32 autodiff of the reference, dkv broken down by how many selections meet on a
+    row (races show where many adds meet)."""
+    import jax
+    import jax.numpy as jnp
+    from dsv32_jax import kernels
+    from dsv32_jax.model.attention import sparse_mla as ref_sparse_mla
+    n, h, m = shape["n"], shape["h"], shape["m"]
+    w = jnp.asarray(rng.standard_normal((1, n, h, 512)), jnp.float32)
+    impl = "interpret" if interpret else "pallas_gpu"
+
+    def grads(fn, q, kv):
+        return jax.jit(jax.grad(lambda q, kv: jnp.sum(fn(q, kv)[0].astype(jnp.float32) * w), (0, 1)))(q, kv)
+    dq, dkv = grads(lambda q, kv: kernels.sparse_mla(q, kv, idx[None], SCALE, 512, impl=impl, bwd="atomic"),
+                    q[None], kv[None])
+    want_dq, want_dkv = grads(lambda q, kv: ref_sparse_mla(q, kv, idx[None], SCALE, 512),
+                              q[None].astype(jnp.float32), kv[None].astype(jnp.float32))
+    checks = {"dq": breakdown(dq[0], want_dq[0], [token_part(n), *head_parts(1, h), *column_parts(2, 576)],
+                              GRAD_BOUND, zero=(idx_np < 0).all(axis=1)[:, None, None]),
+              "dkv": breakdown(dkv[0], want_dkv[0], [contention_part(0, idx_np, m), *column_parts(1, 576)], GRAD_BOUND,
+                               zero=(np.bincount(idx_np[idx_np >= 0].ravel(), minlength=m) == 0)[:, None])}
+    return dict(shape=shape, checks=checks, bounds={"dq": GRAD_BOUND, "dkv": GRAD_BOUND})
 
 
 def applicable(target: str, case: str, interpret: bool) -> bool:
@@ -426,7 +468,8 @@ def summary(records: list[dict]) -> str:
     lines.append("")
     for r in records:
         if r["target"] in first and first[r["target"]] is r:
-            lines.append(f"- **{r['target']}**: first failure at `{r['case']}` ({r['status']}): {r.get('diagnosis', '')}")
+            lines.append(f"- **{r['target']}**: first failure at `{r['case']}` ({r['status']}): "
+                         f"{r.get('diagnosis', '')}")
     targets = {r["target"] for r in records}
     for t in sorted(targets - set(first)):
         lines.append(f"- **{t}**: every case ran ok")

@@ -85,14 +85,16 @@ def test_records_name_a_case_that_hung_and_each_targets_first_failure(tmp_path):
     lines = [{"event": "start", "target": "fwd", "case": "layout"},
              {"event": "end", "target": "fwd", "case": "layout", "status": "ok", "diagnosis": "ok", "seconds": 1.0},
              {"event": "start", "target": "pds", "case": "layout"},
-             {"event": "end", "target": "pds", "case": "layout", "status": "wrong", "diagnosis": "p: rel 1", "seconds": 1},
+             {"event": "end", "target": "pds", "case": "layout", "status": "wrong", "diagnosis": "p: rel 1",
+              "seconds": 1},
              {"event": "start", "target": "fwd", "case": "one_block"}]
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
     recs = tr.read_records(str(log))
-    assert [(r["target"], r["case"], r["status"]) for r in recs] == [("fwd", "layout", "ok"), ("pds", "layout", "wrong"),
-                                                                     ("fwd", "one_block", "hung")]
+    assert [(r["target"], r["case"], r["status"]) for r in recs] == [
+        ("fwd", "layout", "ok"), ("pds", "layout", "wrong"), ("fwd", "one_block", "hung")]
     text = tr.summary(recs)
-    assert "**fwd**: first failure at `one_block` (hung)" in text and "**pds**: first failure at `layout` (wrong)" in text
+    assert "**fwd**: first failure at `one_block` (hung)" in text
+    assert "**pds**: first failure at `layout` (wrong)" in text
 
 
 def test_triage_runs_the_kernels_and_localizes_an_injected_fault(monkeypatch, tmp_path):
@@ -183,8 +185,28 @@ def test_echo_targets_run_the_gathers_in_interpret_mode():
     additive mask exactly (the chip runs their cp.async gathers instead)."""
     tr = _triage()
     recs = tr.main(["--interpret", "--targets", "echo-split,echo-block,echo-pp", "--cases", "layout,invalid"])
-    assert [(r["target"], r["status"]) for r in recs] == [(t, "ok") for t in ("echo-split", "echo-block", "echo-pp")] * 2
+    assert [(r["target"], r["status"]) for r in recs] == [(t, "ok") for t in ("echo-split", "echo-block",
+                                                                              "echo-pp")] * 2
     assert recs[3]["checks"]["mask"]["inf_mismatch"] == 0 and recs[3]["checks"]["rows"]["invalid_slots"] > 0
+
+
+def test_atomic_target_groups_dkv_rows_by_the_adds_that_meet_on_them(monkeypatch):
+    """The atomic backward's target: the real kernels (interpret mode) pass; dkv rows whose adds were lost where two or
+    more meet (a race: here the atomic add replaced by a store) are reported in those contention groups only."""
+    tr = _triage()
+    idx = np.array([[0, 1, 1, 2, 2, 2, -1, 5]])
+    c = tr.contention_part(0, idx, 8)
+    assert [c[3][g] for g in c[2]] == ["1", "2-4", "2-4", "0", "0", "1", "0", "0"]  # rows 0-7: 1, 2, 3, 0, 0, 1 adds
+    r = tr.run_case("atomic", "tokens", interpret=True)
+    assert tr.diagnose(r["checks"], r["bounds"]) == "ok"
+    import importlib
+    smla = importlib.import_module("dsv32_jax.kernels.sparse_mla")
+    store = lambda ref, at, v: ref.__setitem__(at, v)  # noqa: E731  (an add that keeps only the last value)
+    monkeypatch.setattr(smla.triton_atomics, "atomic_add", store)
+    r = tr.run_case("atomic", "tokens", interpret=True)
+    said = tr.diagnose(r["checks"], r["bounds"])
+    assert said.startswith("dkv: rel") and "kv rows by selections (atomic adds) 2-4" in said and "dq" not in said
+    assert "1," not in said.split("atomic adds) ")[1].split(" of ")[0]  # rows with one add are right
 
 
 def test_triage_refuses_unknown_targets_and_cases(capsys):
