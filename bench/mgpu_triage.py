@@ -352,13 +352,17 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         shape["h"] = None  # no heads: the gather alone
         rows, mask = jax.jit(lambda *a: ge.gather_echo(*a, form=form, interpret=interpret))(kv, idx)
         want, want_mask = ge.gather_echo_reference(kv, idx)
-        rows_check = breakdown(rows, want, [token_part(n), *block_parts(1, k, "pds"),
+        # how the form's warpgroups share the rows: halves of each block (split), alternate blocks (ping-pong, the
+        # slices), one warpgroup (block)
+        shared = {"split": block_parts(1, k, "pds"), "block": block_parts(1, k, "pds")[:1]}.get(
+            form, block_parts(1, k, "dqkv"))
+        rows_check = breakdown(rows, want, [token_part(n), *shared,
                                             part("rows mod 8 (swizzle line)", 1, k, lambda i: i % 8),
                                             *column_parts(2, 576)], 0.0, zero=invalid[:, :, None])
         rows_check["chunks"] = chunk_map(rows, want, ~invalid, kv, idx_np)
         checks = {"rows": rows_check}
         if not form.startswith("slice"):  # the slice gathers write no mask
-            checks["mask"] = lse_check(mask, want_mask, [token_part(n), *block_parts(1, k, "pds")], 0.0)
+            checks["mask"] = lse_check(mask, want_mask, [token_part(n), *shared], 0.0)
         return dict(shape=shape, checks=checks, bounds={name: 0.0 for name in checks})
     ref_fwd = jax.jit(lambda q, kv, idx: sm.sparse_mla_fwd_reference(q, kv, idx, scale=SCALE))
     if kernel == "fwd":
@@ -392,11 +396,10 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
     return dict(shape=shape, checks=checks, bounds={"dq": BOUND, "part": BOUND})
 
 
-def contention_part(axis: int, idx_np: np.ndarray, m: int):
-    """kv rows grouped by how many (token, slot) pairs select them: the atomic adds that meet on a row."""
-    counts = np.bincount(idx_np[idx_np >= 0].ravel(), minlength=m)
+def contention_part(axis: int, counts: np.ndarray):
+    """kv rows grouped by how many (token, slot) pairs select them (counts[row]): the atomic adds that meet on it."""
     edges, labels = (0, 1, 2, 5, 17, 65), ["0", "1", "2-4", "5-16", "17-64", ">64"]
-    return part("kv rows by selections (atomic adds)", axis, m,
+    return part("kv rows by selections (atomic adds)", axis, len(counts),
                 lambda i: int(np.searchsorted(edges, counts[i], "right")) - 1, labels)
 
 
@@ -418,10 +421,11 @@ def _atomic_case(shape, q, kv, idx, idx_np, rng, interpret: bool) -> dict:
                     q[None], kv[None])
     want_dq, want_dkv = grads(lambda q, kv: ref_sparse_mla(q, kv, idx[None], SCALE, 512),
                               q[None].astype(jnp.float32), kv[None].astype(jnp.float32))
+    counts = np.bincount(idx_np[idx_np >= 0].ravel(), minlength=m)
     checks = {"dq": breakdown(dq[0], want_dq[0], [token_part(n), *head_parts(1, h), *column_parts(2, 576)],
                               GRAD_BOUND, zero=(idx_np < 0).all(axis=1)[:, None, None]),
-              "dkv": breakdown(dkv[0], want_dkv[0], [contention_part(0, idx_np, m), *column_parts(1, 576)], GRAD_BOUND,
-                               zero=(np.bincount(idx_np[idx_np >= 0].ravel(), minlength=m) == 0)[:, None])}
+              "dkv": breakdown(dkv[0], want_dkv[0], [contention_part(0, counts), *column_parts(1, 576)], GRAD_BOUND,
+                               zero=(counts == 0)[:, None])}
     return dict(shape=shape, checks=checks, bounds={"dq": GRAD_BOUND, "dkv": GRAD_BOUND})
 
 
