@@ -32,6 +32,10 @@ so a case that hangs the device is the one whose start line has no end.
     python bench/mgpu_triage.py --report triage.jsonl                                # a chip's record, summarized
 
 The `atomic` target (the Triton backward with bwd="atomic") groups dkv's rows by how many atomic adds meet on them.
+The `idx*` targets (the FP8 indexer, `indexer_logits_mgpu`, at the chip tests' block settings) run their own ladder
+(`indexer_case_shape`) against the exact logits, under the chip tests' bound (twice the error of the FP8
+accumulator's model, tests/fp8_accumulator.py), the -inf mask checked apart; on the shapes that failed on the H200
+and wherever the logits fail, accumulator variants are fitted to the kernel's output (`accumulator_fit`).
 `bench/gpu_session.sh` runs it for a test group that failed (TEST_TRIAGE, bench/gpu_owed.sh 0).
 """
 
@@ -62,7 +66,10 @@ TARGETS = {"echo-split": ("echo", "split", 64), "echo-block": ("echo", "block", 
            "fwd": ("fwd", "split", 128), "fwd-pp": ("fwd", "pingpong", 128), "fwd-t": ("fwd", "split", 32),
            "pds": ("pds", None, 128), "pds-t": ("pds", None, 32), "dqkv": ("dqkv", None, 128),
            "dqkv-t": ("dqkv", None, 32), "gather": ("gather", None, 64),
-           "atomic": ("atomic", None, 128)}  # the Triton backward with dkv added by relaxed fp32 atomics
+           "atomic": ("atomic", None, 128),  # the Triton backward with dkv added by relaxed fp32 atomics
+           # the FP8 indexer (`indexer_logits_mgpu`): form = (block_q, block_k, k_steps), the chip tests' settings
+           "idx": ("indexer", (8, 128, None), 64), "idx-64": ("indexer", (4, 64, None), 64),
+           "idx-k2": ("indexer", (4, 64, 2), 64), "idx-k8": ("indexer", (8, 128, 8), 64)}
 GATHER_CASES = {"layout": "contiguous", "one_block": "random", "invalid": "invalid", "blocks_2": "one_row",
                 "blocks_3": "all_invalid"}  # gather_qk has one [64, 576] shape: its own index patterns
 BOUND = 6e-3  # bf16 outputs (the chip tests' bound)
@@ -83,11 +90,12 @@ def _axis_groups(d, nan, axis: int, gid: np.ndarray, n: int):
     return mx, np.bincount(gid, weights=nm.sum(axis=1), minlength=n).astype(int)
 
 
-def breakdown(got, want, partitions, bound: float, zero=None, norm: float | None = None) -> dict:
+def breakdown(got, want, partitions, bound: float, zero=None, norm: float | None = None, checked=None) -> dict:
     """got vs want (same shape), each partition (name, axis, group of each index, group labels) reduced to the groups
     whose error max |got - want| / max |want| (/ norm where given: 1 for an absolute error) exceeds `bound` or that
-    hold a NaN; zero: a mask where got must be exactly 0 (invalid slots). Returns the numbers a diagnosis reads
-    (JSON-ready)."""
+    hold a NaN; zero: a mask where got must be exactly 0 (invalid slots); checked: a mask of the entries compared
+    (default: every one), a group with none of them is left out of its partition's count (it can say nothing).
+    Returns the numbers a diagnosis reads (JSON-ready)."""
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)
     if got.shape != want.shape:
@@ -102,8 +110,12 @@ def breakdown(got, want, partitions, bound: float, zero=None, norm: float | None
            "got_zero": bool(not np.any(fg)), "scale_fit": float(fg @ fw / max(fw @ fw, 1e-300)), "bad": {}}
     for name, axis, gid, labels in partitions:
         mx, nans = _axis_groups(d, nan, axis, np.asarray(gid), len(labels))
-        bad = [labels[i] for i in range(len(labels)) if mx[i] / norm > bound or nans[i]]
-        out["bad"][name] = {"bad": bad, "of": len(labels), "worst": float(mx.max(initial=0.0) / norm)}
+        seen = np.ones(len(labels), bool)
+        if checked is not None:
+            seen = _axis_groups(np.broadcast_to(checked, d.shape).astype(float), np.zeros(d.shape), axis,
+                                np.asarray(gid), len(labels))[0] > 0
+        bad = [labels[i] for i in range(len(labels)) if seen[i] and (mx[i] / norm > bound or nans[i])]
+        out["bad"][name] = {"bad": bad, "of": int(seen.sum()), "worst": float(mx.max(initial=0.0) / norm)}
     if zero is not None:
         zero = np.broadcast_to(zero, got.shape)
         out["nonzero_where_invalid"] = int(np.count_nonzero(np.nan_to_num(got, nan=1.0)[zero]))
@@ -238,7 +250,8 @@ def diagnose(checks: dict, bounds: dict) -> str:
         value = c["abs"] if "abs" in c else c["rel"]
         flags = []
         if value > bounds[out_name]:
-            flags.append(f"{'abs' if 'abs' in c else 'rel'} {value:.2e} > {bounds[out_name]:.0e}")
+            flags.append(c.get("value_said")
+                         or f"{'abs' if 'abs' in c else 'rel'} {value:.2e} > {bounds[out_name]:.0e}")
         if c.get("nan"):
             flags.append(f"{c['nan']} NaN")
         if c.get("inf_mismatch"):
@@ -247,6 +260,7 @@ def diagnose(checks: dict, bounds: dict) -> str:
             flags.append(f"{c['nonzero_where_invalid']} of {c['invalid_slots']} invalid-slot values nonzero")
         if not flags:
             continue
+        flags += c.get("explain", [])  # what a target adds to a failure (the indexer: its accumulator model)
         m = c.get("chunks")
         if m and m["blocks_wrong"]:
             shifts = ", ".join(f"({k}) x{v}" for k, v in m["shifts"].items())
@@ -338,6 +352,8 @@ def run_case(target: str, case: str, interpret: bool, seed: int = 0) -> dict:
         shape = dict(n=1, h=64, m=n, k=64, pattern=pattern)
         return dict(shape=shape, checks=checks, bounds={k: GATHER_BOUND for k in checks})
 
+    if kernel == "indexer":
+        return _indexer_case(case, form, rng, interpret)
     shape = case_shape(kernel, case, h_full, form)
     n, h, m, k = shape["n"], shape["h"], shape["m"], shape["k"]
     idx_np = make_indices(rng, n, m, k, shape["pattern"])
@@ -429,6 +445,179 @@ def _atomic_case(shape, q, kv, idx, idx_np, rng, interpret: bool) -> dict:
     return dict(shape=shape, checks=checks, bounds={"dq": GRAD_BOUND, "dkv": GRAD_BOUND})
 
 
+# ---- the FP8 indexer (`indexer_logits_mgpu`) ----------------------------------------------------------------------
+
+IDX_BOUND = 1e-6  # float32 logits of exact e4m3 products (interpret mode); on a chip, the accumulator model's bound
+IDX_FIT_CASES = ("heads", "tokens")  # the shapes of the chip tests that failed the 1e-6 bound (2026-11-26/27): the
+# accumulator is fitted there even when they pass, so that one chip run calibrates the model (issue 31 item 4)
+IDX_VARIANTS = [(bits, rounding, group) for group in (32, 16) for rounding in ("rz", "rn")
+                for bits in (11, 12, 13, 14, 15, 16)]  # the accumulators the fit tries, beside exact float32
+
+
+def _accumulator():
+    """tests/fp8_accumulator.py: the model of the Hopper FP8 tensor-core accumulator the chip tests bound by."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import fp8_accumulator
+    return fp8_accumulator
+
+
+def indexer_case_shape(case: str, block_q: int, block_k: int) -> dict:
+    """(batches, queries, keys, heads, dims, ranges) of an indexer case: one query block and one key block at the
+    production heads first, then the padded heads and dims, the range mask, several key blocks (the first outside
+    every range: skipped), the chip tests' small shapes (the four that failed the 1e-6 bound were of these two), and
+    a causal prefill."""
+    one = dict(b=1, t=block_q, s=block_k, h=64, d=128, ranges="full")
+    if case == "layout":
+        return one
+    if case == "one_block":
+        return dict(one, h=8, d=32)  # heads padded to 8, dims to 128 with zero codes
+    if case == "invalid":
+        return dict(one, ranges="ragged")  # ragged ranges inside the block, an empty row
+    if case.startswith("blocks_"):
+        return dict(one, s=block_k * int(case.split("_")[1]), ranges="skip_first")
+    if case == "heads":
+        return dict(b=1, t=3, s=70, h=16, d=128, ranges="full")  # test_indexer_logits_full_range_production_head_layout
+    if case == "tokens":
+        return dict(b=2, t=13, s=301, h=8, d=32, ranges="tests")  # test_indexer_logits_ranges_and_block_skip
+    if case == "production":
+        return dict(b=1, t=32, s=2048, h=64, d=128, ranges="causal")  # the model: ~10 s of CPU
+    raise ValueError(f"mgpu_triage: no case {case!r} (cases: {', '.join(CASES)})")
+
+
+def indexer_ranges(rng, b: int, t: int, s: int, kind: str, block_q: int, block_k: int):
+    """starts, ends [B, T] int32 of a case's ranges kind (every range inside [0, S])."""
+    if kind == "full":
+        return np.zeros((b, t), np.int32), np.full((b, t), s, np.int32)
+    if kind == "causal":  # queries spread over the sequence (a strided prefill): the blocks past a query block's
+        ends = np.broadcast_to((np.arange(t) + 1) * s // t, (b, t)).astype(np.int32)  # last row are skipped
+        return np.zeros((b, t), np.int32), ends.copy()
+    if kind == "ragged":
+        starts = rng.integers(0, s // 2, (b, t))
+        ends = np.minimum(starts + rng.integers(1, s, (b, t)), s)
+        starts[0, 1], ends[0, 1] = 5, 5  # an empty row
+    elif kind == "skip_first":  # every range starts past block 0: the kernel skips it (and writes its -inf)
+        starts = rng.integers(min(block_k + 3, s - 1), s - 1, (b, t))
+        ends = np.minimum(starts + rng.integers(1, 2 * block_k, (b, t)), s)
+    else:  # "tests": the chip test's ragged ranges, an empty row and a query block of empty rows
+        starts = rng.integers(0, 200, (b, t))
+        ends = np.minimum(starts + rng.integers(0, 150, (b, t)), s)
+        starts[0, 0], ends[0, 0] = 7, 7
+        starts[1, 8:12], ends[1, 8:12] = 50, 50
+    return starts.astype(np.int32), ends.astype(np.int32)
+
+
+def emulate_logits_chunked(q, k, k_scale, w, max_bytes: float = 2.5e8, **kw) -> np.ndarray:
+    """fp8_accumulator.emulate_logits over chunks of queries (its [B, T, S, H, 33] float64 terms fit max_bytes)."""
+    acc = _accumulator()
+    q, k, k_scale, w = (np.asarray(np.asarray(x).astype(np.float32), np.float64) for x in (q, k, k_scale, w))
+    b, t, h, _ = q.shape
+    step = max(1, int(max_bytes // (b * k.shape[1] * h * 33 * 8)))
+    return np.concatenate([acc.emulate_logits(q[:, i:i + step], k, k_scale, w[:, i:i + step], **kw)
+                           for i in range(0, t, step)], axis=1)
+
+
+def _rel(a, b, finite) -> float:
+    return float(np.max(np.abs(a[finite] - b[finite]), initial=0.0) / max(np.max(np.abs(b[finite]), initial=0.0),
+                                                                          1e-30))
+
+
+def accumulator_fit(got, ref, q, k, k_scale, w, finite, top: int = 3) -> list:
+    """The accumulator variants (fraction bits, rounding, products per aligned group; and exact float32) closest to
+    the kernel's logits: [(name, max |got - variant| / max |ref|)], best first."""
+    fits = [("exact", _rel(got, ref, finite))]
+    for bits, rounding, group in IDX_VARIANTS:
+        model = emulate_logits_chunked(q, k, k_scale, w, frac_bits=bits, rounding=rounding, group=group)
+        fits.append((f"{bits} bits {rounding} /{group}", _rel(got, model, finite)))
+    return sorted(fits, key=lambda f: f[1])[:top]
+
+
+def indexer_mask_check(got, ref, starts, ends, block_q: int, block_k: int, partitions) -> dict:
+    """Where -inf is (ref: outside [start, end)) against where the kernel wrote it: mismatches broken down, and
+    counted in the key blocks the kernel skips (outside every range of the query block: -inf without a load) and at
+    a range's edges (within one key of its start or of its end: an off-by-one)."""
+    got_inf, ref_inf = np.isneginf(got), np.isneginf(ref)
+    bad = got_inf != ref_inf
+    out = breakdown(bad.astype(np.float64), np.zeros(bad.shape), partitions, 0.0, norm=1.0)
+    out["abs"] = out.pop("rel")
+    out.pop("scale_fit", None)
+    out.pop("got_zero", None)
+    b, t, s = got.shape
+    tp = -(-t // block_q) * block_q
+    st = np.pad(starts, ((0, 0), (0, tp - t))).reshape(b, -1, block_q)
+    en = np.pad(ends, ((0, 0), (0, tp - t))).reshape(b, -1, block_q)
+    nonempty = en > st
+    lo = np.where(nonempty, st, np.iinfo(np.int32).max).min(-1)  # [B, query blocks]
+    hi = np.where(nonempty, en, 0).max(-1)
+    kb = np.arange(s) // block_k
+    skipped = ~((kb[None, None] * block_k < hi[..., None]) & ((kb[None, None] + 1) * block_k > lo[..., None]))
+    skipped = np.repeat(skipped, block_q, axis=1)[:, :t]  # [B, T, S]
+    col = np.arange(s)[None, None]
+    edge = (np.abs(col - starts[..., None]) <= 1) | (np.abs(col - ends[..., None]) <= 1)  # a range's first or
+    # last key (start, end - 1) or the key just outside it (start - 1, end), and one further (a key shifted twice)
+    out["mismatch"] = int(bad.sum())
+    out["in_skipped_blocks"] = int((bad & skipped).sum())
+    out["at_range_edges"] = int((bad & ~skipped & edge).sum())
+    out["value_said"] = (f"{out['mismatch']} entries -inf where the reference is finite or the reverse: "
+                         f"{out['in_skipped_blocks']} in key blocks the kernel skips, {out['at_range_edges']} at a "
+                         f"range's edge (off by one), "
+                         f"{out['mismatch'] - out['in_skipped_blocks'] - out['at_range_edges']} elsewhere")
+    return out
+
+
+def _indexer_case(case: str, form, rng, interpret: bool) -> dict:
+    """The FP8 indexer kernel (Mosaic GPU; form (block_q, block_k, k_steps)) against the exact logits (float64 sums
+    of the exact e4m3 products), and against the model of the chip's FP8 accumulator: the chip's bound is twice the
+    model's error (tests/test_kernels.py), interpret mode's 1e-6. The logits' error is broken down by batch, query
+    row of the program (its r loop), query block, key block, the 64-key wgmma tiles of a block and their warps' 16
+    rows; the -inf mask apart. Where the logits fail (and on the chip tests' shapes), the accumulator variants are
+    fitted to the kernel's output: which one it matches says whether the chip rounds as modelled or a bug adds."""
+    import jax
+    import jax.numpy as jnp
+    from dsv32_jax.kernels import indexer_logits_mgpu as im
+    from dsv32_jax.model import indexer as ref_indexer
+    block_q, block_k, k_steps = form
+    shape = indexer_case_shape(case, block_q, block_k)
+    b, t, s, h, d = (shape[x] for x in "btshd")
+    qf, kf, ks, wf = ref_indexer.quantize_indexer(*(jnp.asarray(rng.standard_normal(x), jnp.float32)
+                                                    for x in ((b, t, h, d), (b, s, d), (b, t, h))))
+    starts, ends = indexer_ranges(rng, b, t, s, shape["ranges"], block_q, block_k)
+    got = np.asarray(jax.jit(lambda *a: im.indexer_logits_mgpu(
+        *a, block_q=block_q, block_k=block_k, k_steps=k_steps, interpret=interpret))(
+        qf, kf, ks, wf, jnp.asarray(starts), jnp.asarray(ends)), np.float64)
+    f64 = [np.asarray(np.asarray(x).astype(np.float32), np.float64) for x in (qf, kf, ks, wf)]
+    dots = np.einsum("bthd,bsd->btsh", f64[0], f64[1], optimize=True)
+    inside = (np.arange(s)[None, None] >= starts[..., None]) & (np.arange(s)[None, None] < ends[..., None])
+    ref = np.where(inside, np.einsum("btsh,bth->bts", np.maximum(dots, 0.0), f64[3]) * f64[2][:, None, :], -np.inf)
+    finite = np.isfinite(ref)
+    shape.update(n=b * t, k=s, pattern=shape["ranges"], block=f"{block_q}x{block_k}, k_steps {k_steps}")
+    parts = [part("batch", 0, b, lambda i: i), part("query row of the program (t mod BQ)", 1, t, lambda i: i % block_q),
+             part(f"query block ({block_q})", 1, t, lambda i: i // block_q),
+             part(f"key block ({block_k})", 2, s, lambda i: i // block_k),
+             part("64-key wgmma tile of the block", 2, s, lambda i: (i % block_k) // 64),
+             part("keys mod 64 in 16s (warp rows)", 2, s, lambda i: (i % 64) // 16,
+                  ["0-15", "16-31", "32-47", "48-63"])]
+    model = emulate_logits_chunked(*f64)
+    model_err = _rel(model, ref, finite)
+    bound = IDX_BOUND if interpret else _accumulator().modelled_bound(*f64, ref, model=model)  # the chip tests
+    # the values where the reference has one; a -inf there is the mask's finding (its entry counts as right here)
+    got_v = np.where(finite, np.where(np.isneginf(got), ref, got), 0.0)
+    logits = breakdown(got_v, np.where(finite, ref, 0.0), parts, bound, checked=finite)
+    logits["nan"] += int(np.sum(np.isnan(got) & ~finite))
+    logits["model"] = {"model_err": model_err, "got_vs_model": _rel(got_v, model, finite), "frac_bits": 13}
+    if logits["rel"] > bound or case in IDX_FIT_CASES:
+        logits["model"]["fit"] = accumulator_fit(got_v, ref, *f64, finite)
+    m = logits["model"]
+    logits["explain"] = [f"the accumulator model's own error {m['model_err']:.1e}, the kernel's from the model "
+                         f"{m['got_vs_model']:.1e}"
+                         + (f"; closest accumulators: {', '.join(f'{n} {e:.1e}' for n, e in m['fit'])}"
+                            if "fit" in m else "")]
+    checks = {"logits": logits,
+              "mask": indexer_mask_check(got, ref, starts, ends, block_q, block_k, parts)}
+    return dict(shape=shape, checks=checks, bounds={"logits": bound, "mask": 0.0})
+
+
 def applicable(target: str, case: str, interpret: bool) -> bool:
     if TARGETS[target][0] == "gather":
         return case in GATHER_CASES and not interpret  # inline_mgpu has no interpret mode
@@ -477,6 +666,11 @@ def summary(records: list[dict]) -> str:
     targets = {r["target"] for r in records}
     for t in sorted(targets - set(first)):
         lines.append(f"- **{t}**: every case ran ok")
+    for r in records:  # the FP8 indexer's accumulator, fitted to the kernel's logits (issue 31 item 4)
+        fit = ((r.get("checks") or {}).get("logits") or {}).get("model", {}).get("fit")
+        if fit:
+            lines.append(f"- {r['target']} `{r['case']}` accumulator fit (max |got - variant| / max |exact|): "
+                         + ", ".join(f"{name} {err:.1e}" for name, err in fit))
     return "\n".join(lines) + "\n"
 
 

@@ -43,10 +43,10 @@ def emulate_dots(q, k, frac_bits: int = FRAC_BITS, group: int = GROUP, rounding:
     cut = {"rz": np.trunc, "rn": np.rint}[rounding]
     for g in range(dp // group):
         sl = slice(g * group, (g + 1) * group)
-        terms = np.concatenate([acc[..., None], np.einsum("bthd,bsd->btshd", q[..., sl], k[..., sl])], -1)
-        mag = np.max(np.abs(terms), -1)
-        ulp = np.exp2(np.floor(np.log2(np.where(mag > 0, mag, 1.0))) - frac_bits)[..., None]
-        acc = np.sum(cut(terms / ulp) * ulp, -1)
+        terms = np.concatenate([acc[..., None], q[:, :, None, :, sl] * k[:, None, :, None, sl]], -1)
+        _, e = np.frexp(np.max(np.abs(terms), -1))  # mag = m * 2^e, m in [0.5, 1): the ulp is 2^(e - 1 - frac_bits)
+        shift = (e - 1 - frac_bits)[..., None]  # (0 for mag 0: its terms are all 0)
+        acc = np.sum(np.ldexp(cut(np.ldexp(terms, -shift)), shift), -1)  # exact scalings by powers of two
     return acc
 
 
@@ -56,7 +56,7 @@ def emulate_logits(q, k, k_scale, w, **kw):
     return np.einsum("btsh,bth->bts", np.maximum(dots, 0.0), _f64(w)) * _f64(k_scale)[:, None, :]
 
 
-def modelled_bound(q, k, k_scale, w, ref, margin: float = 2.0) -> float:
+def modelled_bound(q, k, k_scale, w, ref, margin: float = 2.0, model=None) -> float:
     """The relative error bound (max |a - b| / max |b| over the finite entries of the exact `ref`) for an FP8
     kernel on a Hopper chip: `margin` times the model's own error on these inputs, and at least 1e-6 (float32).
     The margin covers what the model does not pin down (rounding mode, carry bits, one bit more or less: each moves
@@ -64,6 +64,6 @@ def modelled_bound(q, k, k_scale, w, ref, margin: float = 2.0) -> float:
     (2^-8), is far outside it."""
     ref = np.asarray(ref, np.float64)
     finite = np.isfinite(ref)
-    model = emulate_logits(q, k, k_scale, w)
+    model = emulate_logits(q, k, k_scale, w) if model is None else np.asarray(model, np.float64)  # (precomputed)
     err = np.max(np.abs(model[finite] - ref[finite])) / np.max(np.abs(ref[finite]))
     return max(margin * float(err), 1e-6)

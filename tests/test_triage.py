@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -254,14 +255,13 @@ def test_gpu_session_reports_a_triage_case_that_hung(tmp_path):
 
 
 def test_triage_case_ladder_shapes_fit_each_kernel():
-    """Every case of every kernel is a shape its kernel takes (K a multiple of its block; dq / dkv's of 128), the
-    ladder grows one thing at a time, and production is the chip tests' shape."""
-    import jax
+    """Every case of every sparse MLA kernel is a shape its kernel takes (K a multiple of its block; dq / dkv's of
+    128), the ladder grows one thing at a time, and production is the chip tests' shape."""
     tr = _triage()
     from dsv32_jax.kernels import gather_echo_mgpu as ge
     from dsv32_jax.kernels import sparse_mla_mgpu as sm
     for target, (kernel, form, h_full) in tr.TARGETS.items():
-        if kernel == "gather":
+        if kernel in ("gather", "indexer"):  # their own cases (test_indexer_ladder_shapes_fit_the_kernel)
             continue
         for case in tr.CASES:
             s = tr.case_shape(kernel, case, h_full, form)
@@ -278,3 +278,145 @@ def test_triage_case_ladder_shapes_fit_each_kernel():
     idx = tr.make_indices(np.random.default_rng(0), 8, 500, 192, "edge")
     assert (idx[1] == -1).all() and (idx[0, 64:128] == -1).all() and 0.1 < (idx[2:] < 0).mean() < 0.3
     assert (tr.make_indices(None, 1, 64, 64, "contiguous") == np.arange(64)).all()
+
+
+def test_indexer_targets_run_the_kernel_and_fit_the_accumulator():
+    """The FP8 indexer's targets (the chip tests' block settings) in interpret mode: every case run here is ok, and on
+    the chip tests' small shapes the accumulator fit is recorded even when they pass; the interpreted kernel sums in
+    float32, so "exact" fits best there (the chip's own fit is what calibrates the model)."""
+    tr = _triage()
+    recs = tr.main(["--interpret", "--targets", "idx-64,idx-k2", "--cases", "one_block,blocks_3,tokens"])
+    assert [(r["target"], r["case"], r["status"]) for r in recs] == [
+        (t, c, "ok") for c in ("one_block", "blocks_3", "tokens") for t in ("idx-64", "idx-k2")]
+    fit = recs[-1]["checks"]["logits"]["model"]["fit"]
+    assert fit[0][0] == "exact" and fit[0][1] <= 1e-6 and fit[1][1] > 1e-6, fit
+    assert "fit" not in recs[0]["checks"]["logits"]["model"]  # a passing case off the fit shapes is not fitted
+    text = tr.summary(recs)
+    assert "- idx-k2 `tokens` accumulator fit (max |got - variant| / max |exact|): exact " in text
+    assert "`one_block` accumulator fit" not in text
+    assert recs[2]["checks"]["mask"]["mismatch"] == 0 and recs[2]["shape"]["pattern"] == "skip_first"
+
+
+def _indexer_stub(tr, monkeypatch, fn):
+    """indexer_logits_mgpu replaced by fn(logits model args, starts, ends) -> [B, T, S] (a chip's output, faked)."""
+    from dsv32_jax.kernels import indexer_logits_mgpu as im
+
+    def host(q, k, ks, w, starts, ends):
+        f = [np.asarray(np.asarray(x).astype(np.float32), np.float64) for x in (q, k, ks, w)]
+        return np.asarray(fn(f, np.asarray(starts), np.asarray(ends)), np.float32)
+
+    def stub(q, k, ks, w, starts, ends, **kw):  # under the triage's jit: a host callback
+        import jax
+        out = jax.ShapeDtypeStruct((q.shape[0], q.shape[1], k.shape[1]), np.float32)
+        return jax.pure_callback(host, out, q, k, ks, w, starts, ends)
+    monkeypatch.setattr(im, "indexer_logits_mgpu", stub)
+
+
+def _masked(logits, starts, ends):
+    col = np.arange(logits.shape[-1])[None, None]
+    return np.where((col >= starts[..., None]) & (col < ends[..., None]), logits, -np.inf)
+
+
+def test_indexer_fit_names_the_accumulator_the_chip_rounds_with(monkeypatch):
+    """A chip whose accumulator keeps 12 bits rounded to nearest in groups of 16 (or 14 truncated in 32s) passes the
+    chip bound (twice the 13-bit model's error) or not, and either way the fit names that accumulator first; a
+    bf16-like accumulator (7 bits) fails the bound and the diagnosis quotes the model's error and the closest
+    variants; one wgmma tile 1% off is placed in that tile."""
+    tr = _triage()
+    acc = tr._accumulator()
+    for bits, rounding, group in ((12, "rn", 16), (14, "rz", 32)):
+        _indexer_stub(tr, monkeypatch, lambda f, st, en: _masked(
+            acc.emulate_logits(*f, frac_bits=bits, rounding=rounding, group=group), st, en))
+        r = tr.run_case("idx", "tokens", interpret=False)
+        fit = r["checks"]["logits"]["model"]["fit"]
+        assert fit[0][0] == f"{bits} bits {rounding} /{group}" and fit[0][1] < 1e-6 < 1e-5 < fit[1][1], fit
+    _indexer_stub(tr, monkeypatch, lambda f, st, en: _masked(acc.emulate_logits(*f, frac_bits=7), st, en))
+    r = tr.run_case("idx", "blocks_2", interpret=False)
+    said = tr.diagnose(r["checks"], r["bounds"])
+    assert said.startswith("logits: rel") and "the accumulator model's own error" in said, said
+    assert "closest accumulators: 11 bits" in said and "mask" not in said, said
+    assert "everywhere" in said  # key block 0 is outside every range (no value): not "key block 1 of 2"
+
+    def tile_off(f, st, en):  # the second 64-key wgmma tile of each block 1% off: far outside the model's error
+        out = _masked(acc.emulate_logits(*f), st, en)
+        out[:, :, 64:128] *= 1.01
+        return out
+    _indexer_stub(tr, monkeypatch, tile_off)
+    said = tr.diagnose(*(lambda r: (r["checks"], r["bounds"]))(tr.run_case("idx", "layout", interpret=False)))
+    assert said.startswith("logits: rel") and said.endswith("; 64-key wgmma tile of the block 1 of 2"), said
+
+
+def test_indexer_mask_faults_are_placed_in_skipped_blocks_or_at_range_edges(monkeypatch):
+    """-inf mismatches are told apart: the key blocks the kernel skips left unwritten (zeros) vs a range's end off by
+    one (the real kernel in interpret mode with its column index shifted by one), and the logits of the keys that
+    both score stay right."""
+    tr = _triage()
+    from dsv32_jax.kernels import indexer_logits_mgpu as im
+
+    def skipped_zero(f, st, en):
+        out = _masked(np.einsum("btsh,bth->bts", np.maximum(np.einsum("bthd,bsd->btsh", f[0], f[1]), 0), f[3])
+                      * f[2][:, None], st, en)
+        out[:, :, :128] = np.where(np.isneginf(out[:, :, :128]), 0.0, out[:, :, :128])  # block 0: every row skips it
+        return out
+    _indexer_stub(tr, monkeypatch, skipped_zero)
+    r = tr.run_case("idx", "blocks_3", interpret=False)
+    mask = r["checks"]["mask"]
+    assert mask["mismatch"] == mask["in_skipped_blocks"] == 8 * 128 and "logits" not in tr.diagnose(r["checks"],
+                                                                                                       r["bounds"])
+    assert mask["bad"]["key block (128)"]["bad"] == ["0"]
+    monkeypatch.undo()
+    real = im._score_block
+    monkeypatch.setattr(im, "_score_block", lambda q, k, ks, w, o, first_key, *a: real(q, k, ks, w, o, first_key - 1,
+                                                                                         *a))
+    r = tr.run_case("idx-64", "invalid", interpret=True)
+    mask = r["checks"]["mask"]
+    said = tr.diagnose(r["checks"], r["bounds"])
+    assert mask["mismatch"] > 0 and mask["at_range_edges"] == mask["mismatch"], mask
+    assert said.startswith("mask:") and "at a range's edge (off by one), 0 elsewhere" in said, said
+
+
+def test_indexer_ladder_shapes_fit_the_kernel():
+    """Every indexer case is a shape its block settings take, with every range inside [0, S]; blocks_N leaves key
+    block 0 outside every range (the skipped blocks' -inf is checked), production skips blocks too, and the small
+    cases are the chip tests' failing shapes."""
+    tr = _triage()
+    from dsv32_jax.kernels import indexer_logits_mgpu as im
+    for target, (kernel, form, _) in tr.TARGETS.items():
+        if kernel != "indexer":
+            continue
+        bq, bk, _ = form
+        for case in tr.CASES:
+            s = tr.indexer_case_shape(case, bq, bk)
+            q = jax.ShapeDtypeStruct((s["b"], s["t"], s["h"], s["d"]), jnp.float8_e4m3fn)
+            assert im.check_shapes(q, jax.ShapeDtypeStruct((s["b"], s["s"], s["d"]), jnp.float8_e4m3fn), bq, bk) \
+                is None, (target, case)
+            st, en = tr.indexer_ranges(np.random.default_rng(0), s["b"], s["t"], s["s"], s["ranges"], bq, bk)
+            assert st.shape == en.shape == (s["b"], s["t"]) and (0 <= st).all() and (en <= s["s"]).all()
+            if case.startswith("blocks_") or case == "production":
+                assert (st >= bk).all() if case != "production" else (en[:, :bq] <= s["s"] // 2).all(), (target, case)
+    assert tr.indexer_case_shape("tokens", 4, 64) == dict(b=2, t=13, s=301, h=8, d=32, ranges="tests")
+    assert tr.indexer_case_shape("heads", 4, 64) == dict(b=1, t=3, s=70, h=16, d=128, ranges="full")
+
+
+def test_indexer_mask_check_maps_skipped_blocks_per_query_block():
+    """Two query blocks with different skipped key blocks (block 0's rows see key block 0 only, block 1's key block 2
+    only; an empty row widens no range): the -inf of every skipped block left as 0 is counted in skipped blocks, ranges
+    scored one and two keys late at a range's edge, and a stray finite value 5 keys past a range (inside a scored
+    block) elsewhere."""
+    tr = _triage()
+    bq, bk, t, s = 4, 64, 8, 192
+    starts = np.array([[3, 10, 0, 20, 130, 150, 128, 140]])
+    ends = np.array([[40, 60, 64, 30, 180, 192, 170, 140]])  # row 7 empty: it widens no range
+    col = np.arange(s)[None, None]
+    ref = np.where((col >= starts[..., None]) & (col < ends[..., None]), 1.0, -np.inf)
+    got = ref.copy()
+    got[0, :4, 64:] = 0.0  # query block 0 skips key blocks 1, 2
+    got[0, 4:, :128] = 0.0  # query block 1 skips key blocks 0, 1
+    got[0, 0, 40] = 1.0  # row 0's range [3, 40) scored one key late
+    got[0, 3, 31] = 1.0  # row 3's range [20, 30) scored two keys late
+    got[0, 6, 175] = 2.0  # row 6's range ends at 170: 175 is no edge (5 keys out)
+    parts = [tr.part(f"key block ({bk})", 2, s, lambda i: i // bk)]
+    m = tr.indexer_mask_check(got, ref, starts, ends, bq, bk, parts)
+    skipped = 4 * 128 - int(np.isfinite(ref[0, :4, 64:]).sum()) + 4 * 128 - int(np.isfinite(ref[0, 4:, :128]).sum())
+    assert m["in_skipped_blocks"] == skipped and m["at_range_edges"] == 2, m
+    assert m["mismatch"] == skipped + 3 and "2 at a range's edge (off by one), 1 elsewhere" in m["value_said"], m
