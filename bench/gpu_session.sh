@@ -17,6 +17,8 @@
 # the bench's key lengths, TEST_K / TEST_ARGS the tests' -k / flags (TEST_K "a;b": a process per group, TEST_S each).
 # TEST_TRIAGE "t1,t2;t3": for each group of TEST_K that fails or times out, bench/mgpu_triage.py over that group's
 # targets (TRIAGE_S seconds; TRIAGE_ARGS extra flags): where its kernel goes wrong, in $OUT/triage.jsonl / .md.
+# Stage calib: CALIB_TARGETS over CALIB_CASES through the same triage whether the tests passed or not (the FP8
+# indexer's accumulator fit: "accumulator fit" lines in $OUT/triage.md).
 # CALL_END (epoch seconds; bench/gpu_owed.sh sets it): every stage's limit is cut to end PACK_S (10) seconds before
 # it, and a stage with under 5 s left is skipped, so the call ends by itself, before the device tool's limit. At the
 # end, if $OUT holds more than OUT_FILES (8: what the device tool brings back) files, the logs go into logs.tar.
@@ -81,6 +83,16 @@ timeout 30 python3 bench/mgpu_triage.py --report "$OUT/triage.jsonl" >"$OUT/tria
   && mv "$OUT/triage.md.tmp" "$OUT/triage.md"
 rm -f "$OUT/triage.md.tmp"
 grep -E "^- " "$OUT/triage.md" 2>/dev/null | cut -c1-600
+}
+
+calib() {  # CALIB_TARGETS (comma-separated) over CALIB_CASES whatever the tests gave: the FP8 indexer's accumulator
+           # fitted to the chip's logits on the shapes that failed on the H200 (issue 31 item 4), CALIB_S seconds each;
+           # a target that a failed group's triage already ran is not run again
+local t
+for t in ${CALIB_TARGETS//,/ }; do
+  if grep -q "\"target\": \"$t\"" "$OUT/triage.jsonl" 2>/dev/null; then echo "calib [$t]: triaged already"; continue; fi
+  TRIAGE_S=${CALIB_S:-40} TRIAGE_ARGS="--cases ${CALIB_CASES:-heads,tokens} ${CALIB_ARGS:-}" triage_group "$t"
+done
 }
 
 pack() {  # the device tool brings back at most 8 files from $OUT: past OUT_FILES, the logs go into one tar

@@ -5,9 +5,12 @@ An e4m3 x e4m3 `wgmma` (QGMMA) does not accumulate in full float32. The model: f
 among them and each is cut to FRAC_BITS = 13 fraction bits below it (truncation toward zero), then summed; the
 accumulator carries the result into the next group (no promotion to float32 inside one MMA chain, as in DeepGEMM's
 `fp8_mqa_logits` and our Mosaic GPU indexer). This is the "FP22 (e8m13)" / "about 14 bits" accumulator reported
-for Hopper FP8 GEMMs (DeepSeek-V3 report section 3.5.2; DeepGEMM issues 50 and 176); Khattak and Mikaitis,
-"Accurate Models of NVIDIA Tensor Cores" (arXiv:2512.07004), give bit-accurate models that we have not checked
-against this one.
+for Hopper FP8 GEMMs (DeepSeek-V3 report section 3.5.2; DeepGEMM issues 50 and 176); an independent probe of
+`wgmma` with FP8 inputs on an H100 (the huweim/emulation_sys README, read 2026-12-06) reports the same: 13 effective
+fraction bits, truncation (RZ), a multi-term sum with one final rounding. Khattak and Mikaitis, "Accurate Models of
+NVIDIA Tensor Cores" (arXiv:2512.07004), give bit-accurate models that we have not checked against this one. The
+chip's own fit is owed: `bench/mgpu_triage.py` fits 24 variants of this model (bits, rounding, group) to the
+kernel's logits, and `bench/gpu_owed.sh 0` runs it (its calib stage).
 
 Evidence (2026-11-27, CPU, `emulate_logits` on the exact inputs of the four tests that failed on an H200 on
 2026-11-26 and 2026-11-27; their seeds are functions of the chip run's test ids): the model gives relative errors

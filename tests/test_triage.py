@@ -420,3 +420,18 @@ def test_indexer_mask_check_maps_skipped_blocks_per_query_block():
     skipped = 4 * 128 - int(np.isfinite(ref[0, :4, 64:]).sum()) + 4 * 128 - int(np.isfinite(ref[0, 4:, :128]).sum())
     assert m["in_skipped_blocks"] == skipped and m["at_range_edges"] == 2, m
     assert m["mismatch"] == skipped + 3 and "2 at a range's edge (off by one), 1 elsewhere" in m["value_said"], m
+
+
+def test_gpu_session_calib_fits_the_accumulator_whatever_the_tests_gave(tmp_path):
+    """bench/gpu_session.sh's calib stage (bench/gpu_owed.sh 0: CALIB_TARGETS=idx): the indexer's cases run through
+    the triage without a failed test group, the accumulator fit lands in the call's output and $OUT/triage.md, and a
+    target already triaged in $OUT is not run again."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OUT=str(tmp_path),
+               STAGES="calib", CALIB_TARGETS="idx", CALIB_CASES="tokens", CALIB_ARGS="--interpret")
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert "triage [idx] rc=0" in r.stdout, r.stdout + r.stderr
+    line = "- idx `tokens` accumulator fit (max |got - variant| / max |exact|): exact "
+    assert line in r.stdout and line in (tmp_path / "triage.md").read_text()
+    r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert "calib [idx]: triaged already" in r.stdout and "triage [idx]" not in r.stdout, r.stdout
