@@ -554,8 +554,8 @@ def indexer_mask_check(got, ref, starts, ends, block_q: int, block_k: int, parti
     skipped = ~((kb[None, None] * block_k < hi[..., None]) & ((kb[None, None] + 1) * block_k > lo[..., None]))
     skipped = np.repeat(skipped, block_q, axis=1)[:, :t]  # [B, T, S]
     col = np.arange(s)[None, None]
-    edge = (np.abs(col - starts[..., None]) <= 1) | (np.abs(col - ends[..., None]) <= 1)  # a range's first or
-    # last key (start, end - 1) or the key just outside it (start - 1, end), and one further (a key shifted twice)
+    # start - 1 .. start + 1 and end - 1 .. end + 1: a range's first or last key, or the key just outside it
+    edge = (np.abs(col - starts[..., None]) <= 1) | (np.abs(col - ends[..., None]) <= 1)
     out["mismatch"] = int(bad.sum())
     out["in_skipped_blocks"] = int((bad & skipped).sum())
     out["at_range_edges"] = int((bad & ~skipped & edge).sum())
