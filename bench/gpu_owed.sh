@@ -27,11 +27,11 @@
 # their keys-as-M forms), so the kernel table's 128-head rows and its 32-head rows (call 0: `fwd (..., 32 heads)`,
 # the P / dS stage at 32 heads) are their fair test (BENCHMARKS.md, "Head padding").
 # Call 0 triages each group of never-run kernels whose tests fail or hang, the atomic backward's and the FP8 indexer's
-# too (the indexer's with the accumulator model fitted to the chip's logits; that fit runs on the two small shapes that
-# failed on the H200 even when the tests pass: the calib stage, about 20 s) (TEST_TRIAGE:
-# bench/mgpu_triage.py, a ladder of cases from one token and one key block to the tests' shape, with where each goes
-# wrong: $OUT/triage.md), so the session after a failure can debug on a CPU. Every call ends by itself CALL_S (565)
-# seconds after it starts (gpu_session.sh's CALL_END: each stage's limit is cut to fit, and the logs are packed into one tar when $OUT would
+# too (TEST_TRIAGE: bench/mgpu_triage.py, a ladder of cases from one token and one key block to the tests' shape, with
+# where each goes wrong: $OUT/triage.md), so the session after a failure can debug on a CPU. The indexer's triage fits
+# the accumulator model to the chip's logits; its calib stage runs that fit on the two small shapes that failed on the
+# H200 even when the tests pass (about 20 s). Every call ends by itself CALL_S (565) seconds after it starts
+# (gpu_session.sh's CALL_END: each stage's limit is cut to fit, and the logs are packed into one tar when $OUT would
 # hold more files than the device tool brings back); run it with timeout_s 600.
 # DRY=1 prints the environment of each call instead of running it. Carried wheels (.whl) are installed first, as
 # the device README says. Results land in $OUT like bench/gpu_session.sh's.

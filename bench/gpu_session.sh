@@ -85,14 +85,12 @@ rm -f "$OUT/triage.md.tmp"
 grep -E "^- " "$OUT/triage.md" 2>/dev/null | cut -c1-600
 }
 
-calib() {  # CALIB_TARGETS (comma-separated) over CALIB_CASES whatever the tests gave: the FP8 indexer's accumulator
-           # fitted to the chip's logits on the shapes that failed on the H200 (issue 31 item 4), CALIB_S seconds each;
-           # a target that a failed group's triage already ran is not run again
-local t
-for t in ${CALIB_TARGETS//,/ }; do
-  if grep -q "\"target\": \"$t\"" "$OUT/triage.jsonl" 2>/dev/null; then echo "calib [$t]: triaged already"; continue; fi
-  TRIAGE_S=${CALIB_S:-40} TRIAGE_ARGS="--cases ${CALIB_CASES:-heads,tokens} ${CALIB_ARGS:-}" triage_group "$t"
-done
+calib() {  # CALIB_TARGETS over CALIB_CASES whatever the tests gave: the FP8 indexer's accumulator fitted to the
+           # chip's logits on the shapes that failed on the H200 (issue 31 item 4), in CALIB_S seconds; the cases that
+           # a failed group's triage already ended are not run again (mgpu_triage.py --skip_done)
+[ -n "${CALIB_TARGETS:-}" ] || return 0
+TRIAGE_S=${CALIB_S:-40} TRIAGE_ARGS="--cases ${CALIB_CASES:-heads,tokens} --skip_done ${CALIB_ARGS:-}" \
+  triage_group "$CALIB_TARGETS"
 }
 
 pack() {  # the device tool brings back at most 8 files from $OUT: past OUT_FILES, the logs go into one tar

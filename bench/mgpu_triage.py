@@ -509,9 +509,9 @@ def indexer_ranges(rng, b: int, t: int, s: int, kind: str, block_q: int, block_k
 
 
 def emulate_logits_chunked(q, k, k_scale, w, max_bytes: float = 2.5e8, **kw) -> np.ndarray:
-    """fp8_accumulator.emulate_logits over chunks of queries (its [B, T, S, H, 33] float64 terms fit max_bytes)."""
+    """fp8_accumulator.emulate_logits over chunks of queries (its [B, T, S, H, 33] float64 terms fit max_bytes);
+    numpy inputs."""
     acc = _accumulator()
-    q, k, k_scale, w = (np.asarray(np.asarray(x).astype(np.float32), np.float64) for x in (q, k, k_scale, w))
     b, t, h, _ = q.shape
     step = max(1, int(max_bytes // (b * k.shape[1] * h * 33 * 8)))
     return np.concatenate([acc.emulate_logits(q[:, i:i + step], k, k_scale, w[:, i:i + step], **kw)
@@ -683,6 +683,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write OUT.jsonl (a line per case start and end) and OUT.md")
     p.add_argument("--report", default=None, help="summarize an existing OUT.jsonl and exit")
+    p.add_argument("--skip_done", action="store_true", help="skip the cases OUT.jsonl already records as ended "
+                                                             "(ok, wrong or error; a hung case runs again)")
     a = p.parse_args(argv)
     if a.report:
         recs = read_records(a.report)
@@ -697,6 +699,9 @@ def main(argv=None) -> list[dict]:
             p.error(f"--cases: no case {c!r} (cases: {', '.join(CASES)})")
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")  # the float32 references at full precision
+    done = set()
+    if a.skip_done and a.out and os.path.exists(a.out + ".jsonl"):
+        done = {(r["target"], r["case"]) for r in read_records(a.out + ".jsonl") if r["status"] != "hung"}
     log = open(a.out + ".jsonl", "a") if a.out else None
     records = []
 
@@ -711,6 +716,9 @@ def main(argv=None) -> list[dict]:
     for case in sorted(cases, key=CASES.index):  # case-major: every target's simplest case before any harder one
         for t in targets:
             if not applicable(t, case, a.interpret):
+                continue
+            if (t, case) in done:
+                print(f"{t:>7} {case:<11} ended in an earlier run: skipped (--skip_done)", flush=True)
                 continue
             emit({"event": "start", "target": t, "case": case})
             t0 = time.perf_counter()

@@ -48,7 +48,7 @@ def emulate_dots(q, k, frac_bits: int = FRAC_BITS, group: int = GROUP, rounding:
         sl = slice(g * group, (g + 1) * group)
         terms = np.concatenate([acc[..., None], q[:, :, None, :, sl] * k[:, None, :, None, sl]], -1)
         _, e = np.frexp(np.max(np.abs(terms), -1))  # mag = m * 2^e, m in [0.5, 1): the ulp is 2^(e - 1 - frac_bits)
-        shift = (e - 1 - frac_bits)[..., None]  # (0 for mag 0: its terms are all 0)
+        shift = (e - 1 - frac_bits)[..., None]  # (mag 0 gives e = 0: its terms are all 0, any shift keeps them)
         acc = np.sum(np.ldexp(cut(np.ldexp(terms, -shift)), shift), -1)  # exact scalings by powers of two
     return acc
 

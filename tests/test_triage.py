@@ -425,7 +425,8 @@ def test_indexer_mask_check_maps_skipped_blocks_per_query_block():
 def test_gpu_session_calib_fits_the_accumulator_whatever_the_tests_gave(tmp_path):
     """bench/gpu_session.sh's calib stage (bench/gpu_owed.sh 0: CALIB_TARGETS=idx): the indexer's cases run through
     the triage without a failed test group, the accumulator fit lands in the call's output and $OUT/triage.md, and a
-    target already triaged in $OUT is not run again."""
+    case that a run in $OUT already ended is not run again (--skip_done), while one that hung there (a start line
+    without its end) and one not yet run are."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], OUT=str(tmp_path),
                STAGES="calib", CALIB_TARGETS="idx", CALIB_CASES="tokens", CALIB_ARGS="--interpret")
     env.pop("PYTHONPATH", None)
@@ -433,5 +434,12 @@ def test_gpu_session_calib_fits_the_accumulator_whatever_the_tests_gave(tmp_path
     assert "triage [idx] rc=0" in r.stdout, r.stdout + r.stderr
     line = "- idx `tokens` accumulator fit (max |got - variant| / max |exact|): exact "
     assert line in r.stdout and line in (tmp_path / "triage.md").read_text()
+    with open(tmp_path / "triage.jsonl", "a") as f:  # the heads case hung in an earlier run
+        f.write(json.dumps({"event": "start", "target": "idx", "case": "heads"}) + "\n")
+    env["CALIB_CASES"] = "tokens,heads,invalid"
     r = subprocess.run(["bash", "bench/gpu_session.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-    assert "calib [idx]: triaged already" in r.stdout and "triage [idx]" not in r.stdout, r.stdout
+    assert "triage [idx] rc=0" in r.stdout, r.stdout + r.stderr
+    ends = [(e["case"]) for e in map(json.loads, (tmp_path / "triage.jsonl").read_text().splitlines())
+            if e["event"] == "end"]
+    assert sorted(ends) == ["heads", "invalid", "tokens"], ends  # tokens once; heads and invalid run now
+    assert "idx tokens      ended in an earlier run: skipped (--skip_done)" in (tmp_path / "triage.log").read_text()
