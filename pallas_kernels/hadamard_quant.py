@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dsv32_jax.model.fp8 import FP8_DTYPE, FP8_MAX, act_quant, hadamard_matrix, hadamard_rotate
+from dsv32_jax.model.fp8 import FP8_DTYPE, FP8_MAX, act_quant, fp8_scale, hadamard_matrix, hadamard_rotate
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 DIM = 128
@@ -43,7 +43,7 @@ def _kernel(x_ref, h_ref, codes_ref, scale_ref, *, scale_fmt):
     y = jnp.dot(x.astype(mma_dtype), h_ref[...].astype(mma_dtype), preferred_element_type=jnp.float32)
     y = (y * DIM**-0.5).astype(x.dtype).astype(jnp.float32)  # the reference rounds the rotation to x's dtype
     amax = jnp.maximum(jnp.max(jnp.abs(y), axis=1), 1e-4)
-    scale = amax / FP8_MAX
+    scale = fp8_scale(amax)  # amax / 448 correctly rounded, as act_quant (XLA would multiply by 1/448)
     if scale_fmt == "ue8m0":
         scale = _pow2_ceil(scale)
     codes_ref[...] = jnp.clip(y / scale[:, None], -FP8_MAX, FP8_MAX).astype(codes_ref.dtype)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dsv32_jax.checkpoint.fp8_weights import dequant_fp8
-from dsv32_jax.model.fp8 import (act_dequant, act_quant, fake_quant, hadamard_matrix,
+from dsv32_jax.model.fp8 import (act_dequant, act_quant, fake_quant, fp8_scale, hadamard_matrix,
                            hadamard_rotate, ue8m0_round_up)
 
 
@@ -69,6 +69,30 @@ def test_non_ue8m0_scale_and_roundtrip_error(rng):
     bound = np.abs(np.asarray(x)) * 2.0**-4 + np.repeat(np.asarray(scale), 128, -1) * 2.0**-9
     assert np.all(err <= bound)
     np.testing.assert_array_equal(np.asarray(fake_quant(x, scale_fmt=None)), back)
+
+
+def test_fp8_scale_is_the_ieee_quotient_eager_and_under_jit(rng):
+    """jax 0.12.1's XLA turns amax / 448 into amax * fl(1/448) under jit: 84 / 448 came out 0.18750001, not 0.1875,
+    and x / s then rounded exact e4m3 ties (28.5 / 0.1875 = 152) to the other neighbour (CI, 2026-12-06: 0.19% of
+    the bf16 codes). numpy's f32 division is the IEEE quotient; every amax must give exactly it, in both modes."""
+    import jax
+
+    amax = np.concatenate([
+        np.exp(rng.uniform(np.log(1e-4), np.log(3e38), 20000)),  # every binade from the 1e-4 floor to the f32 max
+        rng.integers(1, 1 << 16, 20000) * 2.0 ** rng.integers(-20, 20, 20000),  # short mantissas: bf16 / fp8 values
+        448.0 * 2.0 ** np.arange(-13, 100), [84.0, 1e-4, 448.0 - 2.0**-15],
+    ]).astype(np.float32)
+    want = amax / np.float32(448)
+    with jax.numpy_dtype_promotion("strict"):
+        eager, jitted = np.asarray(fp8_scale(jnp.asarray(amax))), np.asarray(jax.jit(fp8_scale)(jnp.asarray(amax)))
+    np.testing.assert_array_equal(eager, want)
+    np.testing.assert_array_equal(jitted, want)
+    assert np.asarray(jax.jit(lambda a: a / 448.0)(jnp.float32(84.0))) in (np.float32(0.1875), np.float32(0.18750001))
+    special = np.asarray(jax.jit(fp8_scale)(jnp.asarray([np.inf, np.nan], jnp.float32)))
+    assert special[0] == np.inf and np.isnan(special[1])
+    codes, scale = jax.jit(lambda x: act_quant(x, scale_fmt=None))(jnp.full((1, 128), 28.5, jnp.float32).at[0, 0]
+                                                                    .set(84.0))
+    assert float(scale[0, 0]) == 0.1875 and float(codes[0, 1].astype(jnp.float32)) == 160.0  # the tie, to even
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

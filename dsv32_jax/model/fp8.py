@@ -47,6 +47,26 @@ def ue8m0_round_up(s: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(jnp.isfinite(s), jnp.ldexp(jnp.ones_like(s), exponent), s)
 
 
+def fp8_scale(amax: jnp.ndarray) -> jnp.ndarray:
+    """amax / 448, correctly rounded in f32, for the same result eager, under jit and inside a Pallas kernel.
+
+    XLA's algebraic simplifier rewrites `x / 448.0` as `x * fl(1/448)` under jit (jax 0.12.1), one ulp above the
+    quotient for some amax (84 / 448 = 0.1875 gives 0.18750001), which moves exact rounding ties of x / s to the
+    other e4m3 neighbour. Here q0 = amax * fl(1/448) is corrected by its residual, computed exactly: q0 splits
+    into a head of 20 significant bits and a tail of 4 (448 = 7 * 2^6 has 3 bits, so head * 448 and tail * 448
+    are exact f32 products, amax - head * 448 is exact by Sterbenz and the residual fits 24 bits); q0 + r / 448
+    is then the correctly rounded quotient (amax / 448 is never a rounding midpoint: it would need 28 bits).
+    For positive normal amax (callers clamp it at 1e-4); inf and NaN pass through as amax / 448 gives them.
+    """
+    amax = amax.astype(jnp.float32)
+    inv = np.float32(1.0 / FP8_MAX)
+    q0 = amax * inv
+    head = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q0, jnp.int32) & np.int32(-16), jnp.float32)
+    tail = q0 - head
+    residual = (amax - head * np.float32(FP8_MAX)) - tail * np.float32(FP8_MAX)
+    return jnp.where(jnp.isfinite(q0), q0 + residual * inv, q0)
+
+
 def act_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0"):
     """Quantizes x [..., N] to e4m3 per group of `block` along the last dim.
 
@@ -57,7 +77,7 @@ def act_quant(x: jnp.ndarray, block: int = 128, scale_fmt: str | None = "ue8m0")
         raise ValueError(f"act_quant: last dim {n} is not a multiple of the block size {block}")
     xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n // block, block)
     amax = jnp.maximum(jnp.max(jnp.abs(xg), axis=-1), 1e-4)
-    scale = amax / FP8_MAX
+    scale = fp8_scale(amax)
     if scale_fmt == "ue8m0":
         scale = ue8m0_round_up(scale)
     elif scale_fmt is not None:
