@@ -89,12 +89,18 @@ gpu-tile-sweep: $(STAMP_CUDA)
 	$(PY_CUDA) tools/gpu_compile/gpu_compile.py --sweep bench/tile_sweep_h100.json
 
 # Compile-only TPU venv for the deviceless TPU compile (no TPU needed): jax[tpu] (libtpu from PyPI) at the same jax
-# version as .venv.
+# version as .venv. When the libtpu that jax[tpu] pins is not in the package index yet (2026-12-06: jax 0.12.1 pins
+# libtpu 0.0.53, the index ends at 0.0.52), the same jax with the newest libtpu there (0.0.52 compiles jax 0.12.1's
+# Mosaic kernels); the versions used are printed.
 $(STAMP_TPU): pyproject.toml $(STAMP)
 	@set -e; interp=$$(tools/find_python.sh); jaxv=$$($(PY) -c 'import jax; print(jax.__version__)'); \
 	  if [ ! -x $(PY_TPU) ]; then "$$interp" -m venv $(VENV_TPU); fi; \
 	  $(PY_TPU) -m pip install -q --upgrade pip; \
-	  $(PY_TPU) -m pip install -q -e . "jax[tpu]==$$jaxv"; \
+	  if ! $(PY_TPU) -m pip install -q -e . "jax[tpu]==$$jaxv"; then \
+	    echo "jax[tpu]==$$jaxv: its libtpu is not in the package index; jax $$jaxv with the newest libtpu there"; \
+	    $(PY_TPU) -m pip install -q -e . "jax==$$jaxv" "jaxlib==$$jaxv" libtpu; \
+	  fi; \
+	  $(PY_TPU) -c 'import importlib.metadata as m; print("TPU venv: jax", m.version("jax"), "libtpu", m.version("libtpu"))'; \
 	  touch $(STAMP_TPU)
 
 venv-tpu: $(STAMP_TPU)

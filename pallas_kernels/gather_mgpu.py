@@ -40,6 +40,25 @@ CHUNK = 8  # bf16 per 16-byte copy
 WARPGROUP = 128
 
 
+def ref_type(plgpu, transforms=(), *, write: bool = True):
+    """`plgpu.RefType` of an `inline_mgpu` ref argument; write=False marks one the inline body only reads (the kv
+    rows and the indices of a gather). jax 0.12.1 counts every inline_mgpu ref argument as written unless told
+    otherwise, and refuses a kernel that writes one of its inputs ("writes to input refs[1] ... which was passed as
+    an array"); jax 0.11.2's RefType has no `write` field and tracks no writes."""
+    if write:
+        return plgpu.RefType(transforms)
+    try:
+        return plgpu.RefType(transforms, write=False)
+    except TypeError:
+        return plgpu.RefType(transforms)
+
+
+def gather_arg_types(plgpu, *dst_transforms):
+    """arg_types of a gather's inline body (kv, idx, *destinations): the two sources read only, the destinations
+    (shared memory buffers with `dst_transforms[i]`, () for an untiled one) written."""
+    return (ref_type(plgpu, write=False), ref_type(plgpu, write=False), *(plgpu.RefType(t) for t in dst_transforms))
+
+
 def chunk_position(r, j, col_tiles, swizzle=SWIZZLE):
     """The 16-byte chunk (from the buffer's base) holding logical row r, columns [8 j, 8 j + 8) of a [R, W *
     col_tiles] bf16 buffer tiled (8, W) and swizzled by `swizzle` bytes, W = swizzle / 2 (one swizzle line per tile
@@ -144,7 +163,7 @@ def _qk_and_store(q_smem, kv_smem, o_smem, o_gmem):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def compute(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(kv_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.transpose((1, 0)))
         return acc_ref[...]
 
     o_smem[...] = pl.run_scoped(compute, plgpu.ACC(o_smem.shape, jnp.float32))
@@ -162,7 +181,7 @@ def gather_qk(q, kv, idx):
     h, d = _check(q, kv, idx)
     bk = idx.shape[0]
     tiles, scratch = _scratch(h, d, bk, plgpu)
-    gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles)))(
+    gather = plgpu.inline_mgpu(arg_types=gather_arg_types(plgpu, tiles))(
         functools.partial(_gather_rows, rows=bk, d=d, sync_warpgroup=True))
 
     def body(q_gmem, kv_gmem, idx_gmem, o_gmem, q_smem, kv_smem, o_smem, idx_smem, bars):
@@ -186,7 +205,7 @@ def gather_qk_ws(q, kv, idx):
     h, d = _check(q, kv, idx)
     bk = idx.shape[0]
     tiles, scratch = _scratch(h, d, bk, plgpu)
-    gather = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles)))(
+    gather = plgpu.inline_mgpu(arg_types=gather_arg_types(plgpu, tiles))(
         functools.partial(_gather_rows, rows=bk, d=d, sync_warpgroup=False))
 
     def body(q_gmem, kv_gmem, idx_gmem, o_gmem, q_smem, kv_smem, o_smem, idx_smem, bars, kv_ready):

@@ -110,7 +110,7 @@ def _issue_slice(ctx, kv_cols, idx_blk, dst_smem, *, swizzle=SWIZZLE):
 class _ChipGather:
     def __init__(self, tiles, swizzle=SWIZZLE):
         plgpu = fwd._plgpu()
-        self._issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles)))(
+        self._issue = plgpu.inline_mgpu(arg_types=gather_mgpu.gather_arg_types(plgpu, tiles))(
             functools.partial(_issue_slice, swizzle=swizzle))
         self._commit = plgpu.inline_mgpu()(fwd._commit)
         self._wait = plgpu.inline_mgpu()(pds._wait_none_pending)

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 
 from dsv32_jax.kernels._dispatch import mosaic_gpu_interpret_params
 from dsv32_jax.kernels import gather_mgpu
+from dsv32_jax.kernels.gather_mgpu import gather_arg_types
 
 H_BLK = 64  # heads per CTA (wgmma M)
 H_T = 32  # heads per CTA of the keys-as-M form (`_kernel_t`: wgmma N = heads), what 32 or fewer heads run
@@ -213,8 +214,8 @@ def _wait_one_pending(ctx):
 class _ChipGather:
     def __init__(self, tiles, full_block: bool = False):
         plgpu = _plgpu()
-        self._issue = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles),
-                                                   plgpu.RefType()))(_issue_block if full_block else _issue_rows)
+        self._issue = plgpu.inline_mgpu(arg_types=gather_arg_types(plgpu, tiles, ()))(
+            _issue_block if full_block else _issue_rows)
         self._commit = plgpu.inline_mgpu()(_commit)
         self._wait = plgpu.inline_mgpu()(_wait_one_pending)
 
@@ -344,7 +345,7 @@ def _wait_all(ctx):
 class _ChipGatherPP:
     def __init__(self, tiles):
         plgpu = _plgpu()
-        types = (plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles), plgpu.RefType(tiles), plgpu.RefType())
+        types = gather_arg_types(plgpu, tiles, tiles, ())
         self._early = plgpu.inline_mgpu(arg_types=types)(_issue_early)
         self._late = plgpu.inline_mgpu(arg_types=types)(_issue_late)
         self._commit = plgpu.inline_mgpu()(_commit)

@@ -43,10 +43,22 @@ PTX = """\
 """
 
 
+# jax 0.12.1's thunk sequence (from a topk[tiny] dump, 2026-12-06): the old format found no kernel in it
+THUNKS_KV = """\
+001: kCustomKernel [source       | next=002 (1)] kernel=loop_broadcast_fusion, profile_annotation=loop_broadcast_fusion, launch dimensions=blocks: {1, 1, 1}, threads/block: {16, 1, 1}, cluster_dim=nullopt, shmem_bytes=0, use_pdl=true
+002: kCustomKernel [prev=001 (1) | next=003 (1)] kernel=_filter_kernel, profile_annotation=pallas_call.0, launch dimensions=blocks: {16, 2, 1}, threads/block: {256, 1, 1}, cluster_dim=nullopt, shmem_bytes=32, use_pdl=true
+    004: kCustomKernel [prev=003 (1) | sink        ] kernel=_emit_kernel, profile_annotation=pallas_call.8, launch dimensions=blocks: {16, 1, 1}, threads/block: {256, 1, 1}, cluster_dim=nullopt, shmem_bytes=8192, use_pdl=true
+"""
+
+
 def test_parse_thunks():
     t = gc.parse_thunks(THUNKS)
     assert t["_fwd_kernel"] == {"grid": (4096, 2, 1), "threads": (256, 1, 1), "smem": 221440}
     assert t["_bracket_kernel"]["smem"] == 1024 and t["loop_select_fusion"]["grid"] == (16384, 1, 1)
+    t = gc.parse_thunks(THUNKS_KV)
+    assert t["_filter_kernel"] == {"grid": (16, 2, 1), "threads": (256, 1, 1), "smem": 32}
+    assert t["_emit_kernel"]["smem"] == 8192 and t["loop_broadcast_fusion"]["threads"] == (16, 1, 1)
+    assert len(t) == 3
 
 
 def test_parse_ptxas_attributes_the_spill_warning_to_its_own_function():

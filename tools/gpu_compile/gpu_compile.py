@@ -452,8 +452,13 @@ class Kernel:
     vector_loads: dict = dataclasses.field(default_factory=dict)
 
 
-THUNK = re.compile(r"(kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+"
+# XLA's thunk sequence, one kernel launch per line: "kKernel [...] NAME grid: [x,y,z] threads: [x,y,z] shared_memory: N"
+# (jax <= 0.12.0) or "kCustomKernel [...] kernel=NAME, ... blocks: {x, y, z}, threads/block: {x, y, z}, ...,
+# shmem_bytes=N" (jax 0.12.1)
+THUNK = re.compile(r"(?:kCustomKernel|kKernel)\s.*?\]\s+(\S+)\s+grid:\s*\[([^\]]*)\]\s+threads:\s*\[([^\]]*)\]\s+"
                    r"shared_memory:\s*(\d+)")
+THUNK_KV = re.compile(r"(?:kCustomKernel|kKernel)\s.*?\]\s+kernel=([^,\s]+),.*?blocks:\s*\{([^}]*)\},\s*"
+                      r"threads/block:\s*\{([^}]*)\}.*?shmem_bytes=(\d+)")
 XLA_NAME = re.compile(r"fusion|^(loop|input|wrapped|gemm|cutlass|cublas|triton_softmax|sort|scatter|reduce)_|"
                       r"^(copy|transpose|bitcast|sort|scatter)")
 MMA = re.compile(r"\b((?:wgmma\.mma_async|mma\.sync)\.[\w.]+)")
@@ -466,9 +471,9 @@ VLOAD = re.compile(r"\b(ld\.global(?:\.\w+)*?\.v[248]\.\w+|cp\.async\.c[ag]\.sha
 def parse_thunks(text: str) -> dict[str, dict]:
     """XLA's thunk sequence -> {kernel name: grid, threads, shared memory}."""
     out = {}
-    for m in THUNK.finditer(text):
-        out[m.group(2)] = dict(grid=tuple(int(x) for x in m.group(3).split(",")),
-                               threads=tuple(int(x) for x in m.group(4).split(",")), smem=int(m.group(5)))
+    for m in [*THUNK.finditer(text), *THUNK_KV.finditer(text)]:
+        out[m.group(1)] = dict(grid=tuple(int(x) for x in m.group(2).split(",")),
+                               threads=tuple(int(x) for x in m.group(3).split(",")), smem=int(m.group(4)))
     return out
 
 

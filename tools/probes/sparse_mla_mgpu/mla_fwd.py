@@ -40,7 +40,7 @@ def gather_cp_async(sync_warpgroup=True):
     gm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gm)
     tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    return plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(tiles)))(
+    return plgpu.inline_mgpu(arg_types=gm.gather_arg_types(plgpu, tiles))(
         functools.partial(gm._gather_rows, rows=BK, d=DQK, sync_warpgroup=sync_warpgroup))
 
 
