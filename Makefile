@@ -97,7 +97,7 @@ $(STAMP_TPU): pyproject.toml $(STAMP)
 	  if [ ! -x $(PY_TPU) ]; then "$$interp" -m venv $(VENV_TPU); fi; \
 	  $(PY_TPU) -m pip install -q --upgrade pip; \
 	  if ! $(PY_TPU) -m pip install -q -e . "jax[tpu]==$$jaxv"; then \
-	    echo "jax[tpu]==$$jaxv: its libtpu is not in the package index; jax $$jaxv with the newest libtpu there"; \
+	    echo "jax[tpu]==$$jaxv did not install (its pinned libtpu is not in the index?): jax $$jaxv with the newest libtpu there"; \
 	    $(PY_TPU) -m pip install -q -e . "jax==$$jaxv" "jaxlib==$$jaxv" libtpu; \
 	  fi; \
 	  $(PY_TPU) -c 'import importlib.metadata as m; print("TPU venv: jax", m.version("jax"), "libtpu", m.version("libtpu"))'; \

@@ -40,23 +40,21 @@ CHUNK = 8  # bf16 per 16-byte copy
 WARPGROUP = 128
 
 
-def ref_type(plgpu, transforms=(), *, write: bool = True):
-    """`plgpu.RefType` of an `inline_mgpu` ref argument; write=False marks one the inline body only reads (the kv
-    rows and the indices of a gather). jax 0.12.1 counts every inline_mgpu ref argument as written unless told
-    otherwise, and refuses a kernel that writes one of its inputs ("writes to input refs[1] ... which was passed as
-    an array"); jax 0.11.2's RefType has no `write` field and tracks no writes."""
-    if write:
-        return plgpu.RefType(transforms)
+def read_only_ref(plgpu):
+    """`plgpu.RefType` of an `inline_mgpu` ref argument the inline body only reads (a gather's kv rows and indices).
+    jax 0.12.1 counts every inline_mgpu ref argument as written unless `RefType(write=False)`, and refuses a kernel
+    that writes one of its inputs ("writes to input refs[1] ... which was passed as an array"); jax 0.11.2's RefType
+    has no `write` field and tracks no writes."""
     try:
-        return plgpu.RefType(transforms, write=False)
+        return plgpu.RefType(write=False)
     except TypeError:
-        return plgpu.RefType(transforms)
+        return plgpu.RefType()
 
 
 def gather_arg_types(plgpu, *dst_transforms):
     """arg_types of a gather's inline body (kv, idx, *destinations): the two sources read only, the destinations
     (shared memory buffers with `dst_transforms[i]`, () for an untiled one) written."""
-    return (ref_type(plgpu, write=False), ref_type(plgpu, write=False), *(plgpu.RefType(t) for t in dst_transforms))
+    return (read_only_ref(plgpu), read_only_ref(plgpu), *(plgpu.RefType(t) for t in dst_transforms))
 
 
 def chunk_position(r, j, col_tiles, swizzle=SWIZZLE):

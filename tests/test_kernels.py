@@ -889,17 +889,15 @@ def test_hf_long_golden_logits_with_kernel_attention(monkeypatch):
 
 # ------------------------------------------------------------------------------ GPU lowering, checked on CPU
 def _h100_lowering():
-    try:  # jax 0.12.1 moved the Triton lowering's GPU table from jax._src.pallas.triton to jax._src
-        from jax._src import gpu_info
-    except ImportError:
+    import importlib
+    for name in ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info"):  # jax 0.12.1 moved it to the first
         try:
-            from jax._src.pallas.triton import gpu_info
-        except ImportError:
-            gpu_info = None
-    try:
-        gpu_info.registry.setdefault("cpu", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100))
-    except AttributeError:
-        pytest.skip("this jax cannot describe an H100 to the Triton lowering without a GPU")
+            gpu_info = importlib.import_module(name)
+            gpu_info.registry.setdefault("cpu", lambda: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H100))
+            return
+        except (ImportError, AttributeError):
+            continue
+    pytest.skip("this jax cannot describe an H100 to the Triton lowering without a GPU")
 
 
 def _lower_for(platform, fn, *shapes):

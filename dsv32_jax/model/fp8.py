@@ -57,6 +57,8 @@ def fp8_scale(amax: jnp.ndarray) -> jnp.ndarray:
     are exact f32 products, amax - head * 448 is exact by Sterbenz and the residual fits 24 bits); q0 + r / 448
     is then the correctly rounded quotient (amax / 448 is never a rounding midpoint: it would need 28 bits).
     For positive normal amax (callers clamp it at 1e-4); inf and NaN pass through as amax / 448 gives them.
+    (`dsv32_jax.checkpoint.fp8_weights` keeps its divisions exact with an optimization barrier instead, which works
+    for whole XLA programs over numpy or jax arrays but not inside a Pallas kernel.)
     """
     amax = amax.astype(jnp.float32)
     inv = np.float32(1.0 / FP8_MAX)
