@@ -755,6 +755,71 @@ def test_summary_items_keep_results_that_contain_the_separator():
     assert manage(msgs, "summary", summarize=lambda m: "") == [System("sys"), User("t")]
 
 
+def test_a_resummary_keeps_items_whose_arguments_or_results_spell_the_separator():
+    """An argument "x, f(y)" holds the item separator followed by a call's start, so the joined text cannot be split
+    back: the default summarizer keeps its items on the SummarizedUser message. Mutant guarded: reading the old
+    items back out of the summary text (the first item became "f(y))=1")."""
+    msgs = [System("s"), User("task"), Assistant(tool_calls=[ToolCall("get", {"k": "x, f(y)"})]), ToolResult("1, g(2)")]
+    once = manage(msgs, "summary")
+    assert once[1].content == "task. known results: get(x, f(y))=1, g(2)"
+    twice = manage(once + [Assistant(tool_calls=[get("q")]), ToolResult("2")], "summary")
+    assert twice[1].content == "task. known results: get(x, f(y))=1, g(2), get(q)=2"
+    assert twice[1].items == ("get(x, f(y))=1, g(2)", "get(q)=2")
+    # another summarizer's text is still read back, at the separator
+    custom = manage(msgs, "summary", summarize=lambda m: "get(a)=1, get(b)=2")
+    assert custom[1].items == ()
+    later = manage(custom + [Assistant(tool_calls=[get("c")]), ToolResult("3")], "summary")
+    assert later[1].content == "task. known results: get(a)=1, get(b)=2, get(c)=3"
+
+
+@pytest.mark.parametrize("codec_name, value, error", [
+    ("tiny", '"\\u00e9"', "format: the turn does not re-encode: TinyCodec: character 'é'"),
+    ("tiny", '{"k": "\\uff5cDSML\\uff5c"}', "format: the turn does not re-encode: TinyCodec: character '｜'"),
+    ("tiny", '"\\uff5cDSML\\uff5c"', "format: tool call 'get': string parameter 'key' contains DSML markup"),
+    ("bpe", '"\\ud800"', "format: the turn does not re-encode: HFCodec: character '\\ud800' at offset"),
+    ("bpe", '"\\uff5cDSML\\uff5c"', "format: tool call 'get': string parameter 'key' contains DSML markup"),
+])
+def test_a_json_argument_that_does_not_re_encode_is_a_format_error(codec_name, value, error):
+    """A string="false" value is JSON, which can spell any string: one the codec cannot encode (a character outside
+    the tiny vocabulary, a lone surrogate for the BPE) or a string parameter holding DSML markup parses, but the
+    next prompt cannot be encoded. The episode ends as a format error before the environment runs the call, never
+    with an exception (which would end a batched rollout). Mutant guarded: no `check_encodable` (the next turn's
+    prompt raises the codec's ValueError, the ChatFormatError or, for the BPE, tokenizers' TypeError)."""
+    codec = CODEC if codec_name == "tiny" else chat.load_tokenizer()
+    text = (f'{chat.CALLS_OPEN}\n{chat.INVOKE_OPEN} name="get">\n{chat.PARAM_OPEN} name="key" string="false">{value}'
+            f'{chat.PARAM_CLOSE}\n{chat.INVOKE_CLOSE}\n{chat.CALLS_CLOSE}{chat.EOS}')
+    env = make_env("lookup")
+    traj = run_episode(env, 0, ScriptedPolicy(codec, [codec.encode(text), codec.encode("0" + chat.EOS)],
+                                              thinking=False), codec, thinking=False)
+    assert traj.reward == 0.0 and traj.turns == 1 and traj.tool_calls == 0, traj.info
+    assert traj.info["error"].startswith(error), traj.info
+
+
+def test_bpe_codec_refuses_what_is_not_text_with_a_value_error():
+    """tokenizers raises TypeError on a lone surrogate; the codecs raise ValueError, which the episode runner turns
+    into an error result (a tool's output) or a named reset error (an environment's text). Mutant guarded: HFCodec
+    without the check (TypeError escapes `_encodable_results`)."""
+    bpe = chat.load_tokenizer()
+    for codec in (bpe, CODEC):
+        with pytest.raises(ValueError, match=r"expected text \(str\), got int"):
+            codec.encode_text(12)
+    with pytest.raises(ValueError, match=r"HFCodec: character '\\ud800' at offset 2 is not valid Unicode text"):
+        bpe.encode_text("ab\ud800")
+    with pytest.raises(ValueError, match=r"HFCodec: character '\\udfff' at offset 0"):
+        bpe.encode("\udfff")
+    assert bpe.decode(bpe.encode_text("abc é")) == "abc é"
+
+    class Surrogate(type(make_env("lookup"))):
+        def _get(self, key):
+            return "bad \ud800 text"
+
+    env = Surrogate()
+    traj = run_episode(env, 0, ScriptedPolicy(bpe, env.demonstration(0)), bpe)
+    results = [m.content for m in traj.history if isinstance(m, ToolResult)]
+    assert results == ['error: tool "get" returned text outside the vocabulary'] * len(results) and results
+    assert traj.tool_crashes == len(results)
+
+
 def test_visible_facts_only_after_the_last_user_message():
     """visible_facts reads the current task's calls (docstring: after the LAST user message); an earlier task's
     results are not facts for this one. Mutant guarded: `prompt.find(USER)` (the first user message)."""

@@ -224,6 +224,27 @@ def test_drop_thinking_reaches_demonstrations_and_rollouts(tmp_path):
         AgentLearner(_config(drop_thinking="sometimes"), str(tmp_path / "c"))
 
 
+def test_env_kwargs_and_sampling_errors_name_the_config_field(tmp_path, caplog):
+    """config.agent.env_kwargs for an environment not in the mix was dropped silently, a keyword the environment does
+    not take failed as a bare TypeError of its constructor, and a bad top_k was reported as SamplingConfig.top_k.
+    (Each raises before the model is built.)"""
+    c = _config(envs="lookup", top_k=100)
+    c.agent.env_kwargs = {"lookupp": {"sum_fraction": 0.5}}
+    with caplog.at_level("WARNING", logger="absl"), pytest.raises(
+            ValueError, match=r"config\.agent\.top_k=100 must be in \[0, max_candidates=16\]"):
+        AgentLearner(c, str(tmp_path / "a"))
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "config.agent.env_kwargs: lookupp is neither an entry of config.agent.envs (lookup)" in said, said
+    c = _config(envs="lookup")
+    c.agent.env_kwargs = {"lookup": {"key_leters": "abc"}}
+    with pytest.raises(ValueError, match=r"config\.agent\.env_kwargs\.lookup: .*unexpected keyword argument "
+                                         r"'key_leters'"):
+        AgentLearner(c, str(tmp_path / "b"))
+    c.agent.env_kwargs = {"lookup": {"min_keys": 1}}
+    with pytest.raises(ValueError, match=r"config\.agent\.env_kwargs\.lookup: lookup: need 2 <= min_keys"):
+        AgentLearner(c, str(tmp_path / "c"))
+
+
 def test_cosine_anneal_decays_from_the_sft_rate_to_the_anneal_rate_over_the_tail():
     """agent.anneal_schedule="cosine": the anneal optimizer's rate at the optimizer's update count n (recall
     updates first, then the cold start) is optimizer.lr until the tail starts at n0 = recall_steps +

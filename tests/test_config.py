@@ -204,10 +204,16 @@ def _training_config(stage, **fields):
     ("grpo", "grpo.temperature", float("inf"), r"config\.grpo\.temperature must be a finite number > 0"),
     ("agent", "agent.max_turns", 0, r"config\.agent\.max_turns must be an integer >= 1"),
     ("agent", "agent.top_p", 1.5, r"config\.agent\.top_p must be in \(0, 1\]"),
+    ("grpo", "grpo.prompts_per_step", 0, r"config\.grpo\.prompts_per_step must be an integer >= 1"),
+    ("grpo", "grpo.indexer_weight", -1.0, r"config\.grpo\.indexer_weight must be a finite number >= 0"),
+    ("agent", "agent.tasks_per_step", 0, r"config\.agent\.tasks_per_step must be an integer >= 1"),
+    ("agent", "agent.indexer_weight", -1.0, r"config\.agent\.indexer_weight must be a finite number >= 0"),
+    ("agent", "agent.tools_prompt", "bad", r"config\.agent\.tools_prompt must be 'full' or 'compact', got 'bad'"),
 ])
 def test_training_config_checks_name_the_field(stage, field, value, needle):
     """Each of these was accepted (a negative weight or clip range silently inverts its loss; eval.batches 0
-    logged a fake eval_loss of 0) or failed deep inside jax / numpy / the first evaluation step without naming it."""
+    logged a fake eval_loss of 0) or failed deep inside jax / numpy / the first evaluation step without naming it
+    (prompts_per_step / tasks_per_step 0: a zero-size reduction in the first rollout)."""
     from dsv32_jax.train.config import check_config
 
     check_config(_training_config(stage))  # the defaults pass

@@ -258,6 +258,14 @@ def test_a_group_of_one_is_refused_by_name(tmp_path):
         learner(tmp_path, 1, **{"grpo.group_size": 1, "grpo.minibatches": 1})
 
 
+def test_sampling_errors_name_the_config_field(tmp_path):
+    """They named SamplingConfig's field, which no config file or flag has."""
+    with pytest.raises(ValueError, match=r"config\.grpo\.top_k=100 must be in \[0, max_candidates=32\]"):
+        learner(tmp_path, 1, **{"grpo.top_k": 100})
+    with pytest.raises(ValueError, match=r"config\.grpo\.max_candidates must be >= 1, got 0"):
+        learner(tmp_path, 1, **{"grpo.top_k": 0, "grpo.max_candidates": 0})
+
+
 def test_kl_weights_of_an_unknown_task_are_refused(tmp_path):
     """A misspelled task in grpo.kl_weights silently took grpo.kl_weight instead (a task outside this run's mix
     is fine: a config may name more)."""

@@ -44,7 +44,7 @@ from dsv32_jax.posttrain.envs.base import as_number
 from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
-from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates
+from dsv32_jax.train.grpo import check_group_size, check_minibatches, minibatch_updates, sampling_config
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
@@ -233,14 +233,21 @@ class AgentLearner:
         a = self.a
         self.codec = make_codec(a.codec)
         self.envs = env_specs(a.envs)
-        self.env_kwargs = {}
+        self.env_kwargs, kwargs_key, names = {}, {}, set()
         for spec in self.envs:
             try:
                 factory = env_factory(spec)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"config.agent.envs: {e}") from e
             # env_kwargs by the entry of envs, or by the environment class's name (import paths hold dots)
-            self.env_kwargs[spec] = dict(a.env_kwargs.get(spec, a.env_kwargs.get(getattr(factory, "name", ""), {})))
+            name = getattr(factory, "name", "")
+            names.add(name)
+            kwargs_key[spec] = spec if spec in a.env_kwargs else name
+            self.env_kwargs[spec] = dict(a.env_kwargs.get(kwargs_key[spec], {}))
+        unknown = sorted(set(a.env_kwargs) - set(self.envs) - names)
+        if unknown:  # (a misspelled environment's kwargs were dropped silently; a config may name more environments)
+            logging.warning("config.agent.env_kwargs: %s is neither an entry of config.agent.envs (%s) nor one's "
+                            "name; its kwargs apply to nothing", ", ".join(unknown), ", ".join(self.envs))
         self.cfg, self.resume = resumed_model_config(config, workdir, "agent")
         if self.cfg.vocab_size < self.codec.vocab_size:
             raise ValueError(f"config.model={config.model!r} has vocab_size {self.cfg.vocab_size} "
@@ -251,7 +258,14 @@ class AgentLearner:
         if a.drop_thinking not in chat.DROP_MODES:
             raise ValueError(f"config.agent.drop_thinking must be one of {', '.join(chat.DROP_MODES)}, "
                              f"got {a.drop_thinking!r}")
-        self._envs = {spec: self.make_env(spec) for spec in self.envs}  # (also the reward terms' instances)
+        self._envs = {}  # (also the reward terms' instances)
+        for spec in self.envs:
+            try:
+                self._envs[spec] = self.make_env(spec)
+            except (TypeError, ValueError) as e:  # (a keyword the constructor does not take, or a bad value)
+                where = (f"config.agent.env_kwargs.{kwargs_key[spec]}" if self.env_kwargs[spec]
+                         else f"config.agent.envs ({spec})")
+                raise ValueError(f"{where}: {e}") from e
         self.domains = {spec: env.domain for spec, env in self._envs.items()}
         if a.get("language_weight", 0.0):
             langs = [s for s, e in self._envs.items() if type(e).language_consistency is not Env.language_consistency]
@@ -266,9 +280,9 @@ class AgentLearner:
                             "domains: %s); it applies to nothing", ", ".join(unknown),
                             ", ".join(sorted(set(self.domains.values()))))
         self.beta = {name: float(a.kl_weights.get(self.domains[name], a.kl_weight)) for name in self.envs}
-        self.sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                       top_p=a.top_p, max_candidates=a.max_candidates, eos_id=self.codec.eos_id,
-                                       pad_id=self.codec.pad_id, vocab_size=mask)
+        self.sampling = sampling_config("agent", max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                                        top_k=a.top_k, top_p=a.top_p, max_candidates=a.max_candidates,
+                                        eos_id=self.codec.eos_id, pad_id=self.codec.pad_id, vocab_size=mask)
         self.greedy = SamplingConfig(max_new_tokens=a.max_new_tokens, greedy=True, eos_id=self.codec.eos_id,
                                      pad_id=self.codec.pad_id, vocab_size=mask)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")

@@ -394,10 +394,20 @@ def check_config(config) -> None:
             fail(f"{section}.top_p", "in (0, 1]")
         integer(f"{section}.epochs", 1)
         integer(f"{section}.max_new_tokens", 1)
+        if "indexer_weight" in config[section]:  # (a negative weight would push the indexer away from its target)
+            number(f"{section}.indexer_weight")
     if config.stage == "grpo":
         if not [t for t in str(config.grpo.tasks).split(",") if t.strip()]:
             fail("grpo.tasks", "one or more comma-separated tasks (map, sum, rev, copy)")
+        integer("grpo.prompts_per_step", 1)
     if config.stage == "agent":
+        integer("agent.tasks_per_step", 1)
+        from typing import get_args
+
+        from dsv32_jax.posttrain.chat.tokens import ToolsPrompt
+
+        if config.agent.tools_prompt not in get_args(ToolsPrompt):
+            fail("agent.tools_prompt", " or ".join(map(repr, get_args(ToolsPrompt))))
         integer("agent.max_turns", 1)
         integer("agent.length_target", -1)
         number("agent.length_penalty")

@@ -57,6 +57,18 @@ def check_group_size(group_size: int, field: str) -> None:
         raise ValueError(f"{field} must be >= 2 (the advantage is a reward minus its group's mean), got {group_size}")
 
 
+def sampling_config(section: str, **kwargs) -> SamplingConfig:
+    """``SamplingConfig(**kwargs)`` whose errors name the config field the value came from (``config.grpo.top_k``,
+    not ``SamplingConfig.top_k``): the fields the stages' sections share with SamplingConfig by name."""
+    try:
+        return SamplingConfig(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        for field in ("top_k", "top_p", "temperature", "max_candidates", "max_new_tokens"):
+            msg = msg.replace(f"SamplingConfig.{field}", f"config.{section}.{field}")
+        raise ValueError(msg) from None
+
+
 def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, field: str) -> None:
     """A step's `rows` must split into `minibatches` equal minibatches (no row sampled and scored but never trained
     on) whose size the mesh's batch axes divide."""
@@ -77,9 +89,9 @@ class GRPOLearner:
         if self.cfg.vocab_size < rl_tasks.VOCAB_SIZE:
             raise ValueError(f"config.model: vocab_size {self.cfg.vocab_size} < the task vocabulary "
                              f"({rl_tasks.VOCAB_SIZE})")
-        self.sampling = SamplingConfig(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                                       top_p=g.top_p, max_candidates=g.max_candidates, eos_id=rl_tasks.EOS,
-                                       pad_id=rl_tasks.PAD)
+        self.sampling = sampling_config("grpo", max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                        top_k=g.top_k, top_p=g.top_p, max_candidates=g.max_candidates,
+                                        eos_id=rl_tasks.EOS, pad_id=rl_tasks.PAD)
         self.greedy = SamplingConfig(max_new_tokens=g.max_new_tokens, greedy=True, eos_id=rl_tasks.EOS)
         self.rewards = {k: rl_tasks.make_reward(k, g.length_target if g.length_target >= 0 else None,
                                                 g.language_weight, g.grm_weight) for k in self.tasks}

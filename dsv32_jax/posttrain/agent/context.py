@@ -18,9 +18,10 @@ including the last user message (the system prompt with its tools, earlier conve
 * ``discard_all`` drops all n units.
 * ``summary`` drops all n units and appends ``summarize(messages)`` to the last user message after
   :data:`SUMMARY_MARKER` (one user-visible message: task + summary). A second summary replaces the first: the default
-  summarizer reads the old summary's items back out of the user message and keeps them. The summary goes into the
-  user message rather than a second user message because the chat format puts ``<｜Assistant｜></think>`` after every
-  user message that is not last, which would read as an empty assistant reply.
+  summarizer keeps the old summary's items (held on the :class:`SummarizedUser` message as written; read back from
+  its text only when another summarizer wrote it, since an argument or a result may spell the separator). The
+  summary goes into the user message rather than a second user message because the chat format puts
+  ``<｜Assistant｜></think>`` after every user message that is not last, which would read as an empty assistant reply.
 
 The default summarizer (:func:`extractive_summary`) is extractive and needs no model: one item per tool call,
 ``name(arg,...)=result`` (:func:`format_call`), items joined by ``", "``, exact duplicates kept once, e.g.
@@ -107,6 +108,9 @@ class SummarizedUser(User):
     content: str = dataclasses.field(init=False, default="")
     task: str = ""
     summary: str = ""
+    #: the extractive summary's items when the default summarizer wrote it (a later summary keeps them as they are:
+    #: items cannot be read back out of the joined text when an argument or a result spells ", name(")
+    items: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         self.content = self.task + SUMMARY_MARKER + self.summary
@@ -127,7 +131,9 @@ def _task_and_summary(message: Message) -> tuple[str, str]:
 
 
 def parse_summary(summary: str) -> dict[str, str]:
-    """The ``{call: result}`` items of an extractive summary (the inverse of the join in :func:`extractive_summary`)."""
+    """The ``{call: result}`` items of an extractive summary's text (the inverse of the join in
+    :func:`extractive_summary` when no argument or result spells ``", name("``; :func:`manage` keeps the items
+    themselves on :class:`SummarizedUser`, this is for rendered text)."""
     out: dict[str, str] = {}
     for item in _ITEM_START.split(summary) if summary else []:
         at = item.find(")=")
@@ -136,18 +142,27 @@ def parse_summary(summary: str) -> dict[str, str]:
     return out
 
 
-def extractive_summary(messages: Sequence[Message]) -> str:
-    """The default summarizer: the old summary's items (if the last user message has one), then one
-    ``name(args)=result`` item per tool call of the history, duplicates kept once, joined by ``", "``."""
-    last = _last_user(messages)
-    items = [f"{k}={v}" for k, v in parse_summary(_task_and_summary(messages[last])[1]).items()]
+def _summary_items(messages: Sequence[Message]) -> list[str]:
+    """The old summary's items (as kept on :class:`SummarizedUser`, else read back from its text), then one
+    ``name(args)=result`` item per tool call of the history, duplicates kept once."""
+    user = messages[_last_user(messages)]
+    if isinstance(user, SummarizedUser) and user.items:
+        items = list(user.items)
+    else:
+        items = [f"{k}={v}" for k, v in parse_summary(_task_and_summary(user)[1]).items()]
     for start, end in history_units(messages):
         turn = messages[start]
         results = [m.content for m in messages[start + 1:end]]
         for j, call in enumerate(turn.tool_calls):
             result = results[j] if j < len(results) else "(no result)"
             items.append(f"{format_call(call.name, call.arguments)}={result}")
-    return _ITEM_SEP.join(dict.fromkeys(items))
+    return list(dict.fromkeys(items))
+
+
+def extractive_summary(messages: Sequence[Message]) -> str:
+    """The default summarizer: the old summary's items (if the last user message has one), then one
+    ``name(args)=result`` item per tool call of the history, duplicates kept once, joined by ``", "``."""
+    return _ITEM_SEP.join(_summary_items(messages))
 
 
 def manage(messages: Sequence[Message], strategy: str, summarize: Summarizer | None = None) -> list[Message]:
@@ -168,8 +183,9 @@ def manage(messages: Sequence[Message], strategy: str, summarize: Summarizer | N
     if strategy == "discard75":
         drop = max(1, math.floor(0.75 * len(units)))
         return out[:first] + [m for start, end in units[drop:] for m in out[start:end]]
-    summary = (summarize or extractive_summary)(out)
+    items = tuple(_summary_items(out)) if summarize in (None, extractive_summary) else ()
+    summary = _ITEM_SEP.join(items) if items else (summarize or extractive_summary)(out)
     last = first - 1
     task = _task_and_summary(out[last])[0]
-    out[last] = SummarizedUser(task=task, summary=summary) if summary else User(task)
+    out[last] = SummarizedUser(task=task, summary=summary, items=items) if summary else User(task)
     return out[:first] + out[units[-1][1]:]

@@ -13,9 +13,10 @@ The episode starts from ``[System(env system prompt), User(task)]`` with the env
 prompt by the chat encoding. Right after ``env.reset`` every text of the environment (system prompt, task, tool
 schemas) must be encodable by the codec, or a ValueError names the environment, the seed and the field. The episode
 ends when the env says done (a final answer, or more than the env's max_steps tool turns), on a malformed completion
-(``info["error"]`` starts with ``format``: unparsable text, ids after EOS, PAD or BOS inside the completion), when a
-completion has no EOS (cut by ``max_new_tokens`` or by the context budget), when the prompt alone fills the budget
-(``context full``) or after ``max_turns`` generations. Ids outside the codec's vocabulary are a bug of the policy
+(``info["error"]`` starts with ``format``: unparsable text, ids after EOS, PAD or BOS inside the completion, a tool
+call whose JSON argument does not re-encode: ``chat.check_encodable``), when a completion has no EOS (cut by
+``max_new_tokens`` or by the context budget), when the prompt alone fills the budget (``context full``) or after
+``max_turns`` generations. Ids outside the codec's vocabulary are a bug of the policy
 (a sampler must mask the logits beyond the codec: ``SamplingConfig.vocab_size``) and raise a ValueError.
 
 Tool failures are the model's data, never an exception (``dsv32_jax.posttrain.envs.tools``): a tool that raises, returns what
@@ -308,10 +309,11 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
             break
         try:
             parsed = chat.parse_completion(chat.decode_completion(gen, codec), thinking=thinking)
+            assistant = _to_assistant(parsed)
+            chat.check_encodable(assistant, codec)  # (a JSON argument can spell what the codec cannot encode)
         except chat.ChatFormatError as e:
             fail(f"format: {e}")
             break
-        assistant = _to_assistant(parsed)
         action = Action(parsed["content"], assistant.tool_calls, parsed["reasoning"] or "")
         obs, reward, done, step_info = env.step(action)
         info = dict(step_info)

@@ -38,6 +38,19 @@ TINY_CHARS = string.digits + string.ascii_lowercase + " \n" + "{}[]\":,.=+-*/()_
 PRINTABLE_CHARS = "".join(c for c in string.printable if c not in "\t\r\x0b\x0c")
 
 
+def _check_text(codec: str, text: Any) -> None:
+    """What the codecs encode: a ``str`` that UTF-8 can represent (a lone surrogate such as ``"\\ud800"``, which a
+    JSON value can spell, cannot be). Raises a ValueError naming the codec, so callers that turn unencodable data into
+    an error result (tool results, a model's tool-call arguments) need to catch one exception type."""
+    if not isinstance(text, str):
+        raise ValueError(f"{codec}: expected text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{codec}: character {text[e.start]!r} at offset {e.start} is not valid Unicode text "
+                         f"({e.reason})") from None
+
+
 class TinyCodec:
     """A character-level codec for CPU tests with tiny models: ids 0..16 are :data:`SPECIAL_TOKENS` (PAD = 0),
     then one id per character of ``chars``. Special tokens are matched greedily (longest first) wherever they
@@ -65,6 +78,8 @@ class TinyCodec:
         return cls(PRINTABLE_CHARS)
 
     def encode(self, text: str, specials: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            _check_text("TinyCodec", text)
         ids, i = [], 0
         while i < len(text):
             c = text[i]
@@ -137,9 +152,11 @@ class HFCodec:
         return cls(tokenizers.Tokenizer.from_file(str(path)), strict=strict)
 
     def encode(self, text: str) -> list[int]:
+        _check_text("HFCodec", text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
+        _check_text("HFCodec", text)
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

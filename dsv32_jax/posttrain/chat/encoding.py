@@ -22,7 +22,7 @@ from dsv32_jax.posttrain.chat.tokens import (ASSISTANT, BOS, CALLS_CLOSE, CALLS_
                                    RESULTS_OPEN, THINK_CLOSE, THINK_OPEN, USER, ChatFormatError, DropThinking,
                                    ToolsPrompt)
 
-__all__ = ["COMPACT_TOOLS_PROMPT", "TOOLS_PROMPT", "Piece", "encode", "encode_parts", "encode_tokens",
+__all__ = ["COMPACT_TOOLS_PROMPT", "TOOLS_PROMPT", "Piece", "check_encodable", "encode", "encode_parts", "encode_tokens",
            "render_assistant", "render_pieces", "render_tool_calls", "render_tools"]
 
 #: The tool-use instructions appended to the system prompt; ``{tool_schemas}`` is one JSON object per line.
@@ -252,6 +252,19 @@ def encode_parts(codec, parts: Sequence[Part]) -> list[int]:
     for text, data in parts:
         ids += codec.encode_text(text) if data else codec.encode(text)
     return ids
+
+
+def check_encodable(msg: Assistant, codec) -> None:
+    """Raise :class:`ChatFormatError` unless assistant turn ``msg`` renders and ``codec`` encodes it: what a parsed
+    completion must pass before it joins a conversation. A ``string="false"`` argument is JSON, which can spell any
+    string (``"\\uff5cDSML\\uff5c"``, a lone surrogate, a character outside a small codec's vocabulary), so a turn that
+    parsed may still not re-encode; this is the model's format error, not a crash of the run."""
+    try:
+        encode_parts(codec, _assistant_parts(msg, keep_reasoning=True))
+    except ChatFormatError:
+        raise
+    except ValueError as e:
+        raise ChatFormatError(f"the turn does not re-encode: {e}") from None
 
 
 def encode_tokens(messages: Sequence[MessageLike], codec, tools: Sequence[ToolLike] | None = None,
