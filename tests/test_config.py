@@ -109,6 +109,12 @@ def test_error_names_the_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         ModelConfig.from_hf(str(path))
+    path.write_text("[1]")  # (raw.get raised AttributeError)
+    with pytest.raises(ConfigError, match=rf"{path}: not a JSON object \(a JSON list"):
+        ModelConfig.from_hf(str(path))
+    path.write_bytes(b"\xff\xfe\x00garbage")  # (the UnicodeDecodeError did not name the file)
+    with pytest.raises(ConfigError, match=rf"{path}: cannot be read as a JSON text file \('utf-8' codec"):
+        ModelConfig.from_hf(str(path))
     with pytest.raises(ConfigError, match="no such file"):
         ModelConfig.from_hf(str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="available presets"):

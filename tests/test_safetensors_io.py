@@ -57,6 +57,7 @@ def test_malformed_headers_and_indexes_fail_naming_file_and_tensor(tmp_path):
         "backwards": ({"w": {**ok, "data_offsets": [8, 0]}}, r"tensor 'w' has data_offsets \[8, 0\]"),
         "shape": ({"w": {**ok, "shape": [-2, -1]}}, r"tensor 'w' has shape \[-2, -1\]"),
         "float_shape": ({"w": {**ok, "shape": [2.0]}}, r"tensor 'w' has shape \[2.0\]"),
+        "list_dtype": ({"w": {**ok, "dtype": ["F32"]}}, r"tensor 'w' has dtype \['F32'\] \(a string"),  # (unhashable)
     }
     for label, (header, match) in cases.items():
         path = _raw_safetensors(tmp_path / f"{label}.safetensors", header)

@@ -85,7 +85,8 @@ def restore_target(state, shardings):
 
 class ResumeError(ValueError):
     """A workdir's checkpoint does not hold the arrays this run would restore (another model, stage or set of
-    trained parameters); the message names the workdir, the item and the differing leaves."""
+    trained parameters; the message names the workdir, the item and the differing leaves), or cannot be read (a
+    damaged file; the message names the step's directory and the read error)."""
 
 
 def _leaves(tree) -> dict[tuple[str, ...], tuple]:
@@ -111,8 +112,9 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
         try:
             stored = {p: tuple(m.shape) for p, m in ParamsReader(step_dir, item=name).leaves.items()
                       if m is not None}  # (None: a MaskedNode placeholder)
-        except CheckpointError:
-            continue  # unreadable metadata: orbax's restore reports it
+        except CheckpointError as e:  # unreadable metadata
+            raise ResumeError(f"{step_dir}: the checkpoint of step {step} cannot be read ({e}); "
+                              + _earlier_step_advice(mngr, step)) from None
         want = _leaves(tree)
         missing = sorted(set(want) - set(stored))
         extra = sorted(set(stored) - set(want))
@@ -179,14 +181,30 @@ def data_fingerprint(data) -> dict:
     return json_lib.loads(json_lib.dumps({k: data[k] for k in RESUME_DATA_FIELDS if k in data}))
 
 
+def _earlier_step_advice(mngr: ocp.CheckpointManager, step: int) -> str:
+    earlier = [s for s in mngr.all_steps() if s < step]
+    return ("move that directory away to resume from " + (f"step {max(earlier)}" if earlier else "scratch")
+            + ", or start a new --workdir")
+
+
 def restore(mngr: ocp.CheckpointManager, step: int, *, arrays: dict, json: tuple = ()) -> dict:
     """Restores step `step`. `arrays`: name -> (nnx.State, its shardings); each of those states is updated in
     place. `json`: names of JSON items. Returns name -> restored value (pure dicts for the array items). A stored
     tree that differs from a target raises ResumeError (`check_stored`)."""
+    from dsv32_jax.checkpoint.orbax_io import innermost_cause, quiet_failed_reads, read_error_text  # noqa: PLC0415
+
     check_stored(mngr, step, {name: state for name, (state, _) in arrays.items()})
     items = {name: ocp.args.StandardRestore(restore_target(state, sh)) for name, (state, sh) in arrays.items()}
     items.update({name: ocp.args.JsonRestore() for name in json})
-    restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    try:
+        with quiet_failed_reads():
+            restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:
+        if not isinstance(innermost_cause(e), (ValueError, OSError)):  # (TensorStore's read errors: ValueError)
+            raise
+        step_dir = os.fspath(ocp.step.standard_name_format().find_step(mngr.directory, step).path)
+        raise ResumeError(f"{step_dir}: the checkpoint of step {step} cannot be read ({read_error_text(e)}); "
+                          + _earlier_step_advice(mngr, step)) from e
     for name, (state, _) in arrays.items():
         nnx.replace_by_pure_dict(state, restored[name])
     return {name: restored[name] for name in items}

@@ -52,9 +52,12 @@ per array and only where it divides the dimension; anything else is replicated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import sys
 from typing import Any, Iterator, Mapping
 
 import jax
@@ -355,9 +358,15 @@ class ParamsReader:
         root = os.path.abspath(self.path if item is None else self.directory)
         self._source = (root, "AUTO") if item is None else (root, item)
         try:
-            tree = ocp.metadata(self._source[0], checkpointable_name=self._source[1]).metadata
+            with quiet_failed_reads():
+                tree = ocp.metadata(self._source[0], checkpointable_name=self._source[1]).metadata
+                if not isinstance(tree, Mapping):  # (orbax logs the read error as a warning and returns None)
+                    raise CheckpointError(f"{self.path}: cannot read the orbax checkpoint metadata (orbax read none: "
+                                          "a damaged or truncated file?)")
+        except CheckpointError:
+            raise
         except Exception as e:  # orbax raises a variety of types for unreadable checkpoints
-            raise CheckpointError(f"{self.path}: cannot read the orbax checkpoint metadata ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{self.path}: cannot read the orbax checkpoint metadata ({read_error_text(e)})") from None
         self.tree = tree
         self.leaves: dict[tuple[str, ...], Any] = dict(flatten(tree))
 
@@ -388,13 +397,74 @@ class ParamsReader:
         ctx = ocp.Context()
         ctx.pytree.loading.partial_load = True
         try:
-            with ctx:
+            with ctx, quiet_failed_reads():
                 tree = ocp.load(self._source[0], abstract, checkpointable_name=self._source[1])
         except Exception as e:
             raise CheckpointError(f"{self.path}: failed to read {[ '/'.join(str_path(p)) for p in paths][:3]}... "
-                                  f"({type(e).__name__}: {e})") from None
+                                  f"({read_error_text(e)})") from None
         return {str_path(p): (get_leaf(tree, str_path(p)) if str_path(p) in shardings
                               else np.asarray(get_leaf(tree, str_path(p)))) for p in paths}
+
+
+_TS_SPEC = re.compile(r"\s*\[tensorstore_spec(\[\d+\])?='[^']*'\]")
+
+
+def innermost_cause(e: BaseException) -> BaseException:
+    """The end of `e`'s `raise ... from` chain (orbax wraps TensorStore's read error in a bare Exception)."""
+    seen = {id(e)}
+    while e.__cause__ is not None and id(e.__cause__) not in seen:
+        e = e.__cause__
+        seen.add(id(e))
+    return e
+
+
+def read_error_text(e: BaseException, limit: int = 400) -> str:
+    """A failed orbax / TensorStore read on one line: the innermost cause's type and first line (orbax's wrapper of
+    a sharded read names the array index and appends the whole TensorStore spec, ~150 lines, but not the cause)."""
+    e = innermost_cause(e)
+    lines = str(e).strip().splitlines()
+    first = _TS_SPEC.sub("", lines[0]) if lines else ""  # (TensorStore appends its specs, ~1,500 characters each)
+    text = f"{type(e).__name__}: {first}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _orphaned_read(record) -> bool:
+    """False for asyncio's log record of a read task or gather whose error nobody retrieved (drops it; see below)."""
+    return "exception was never retrieved" not in str(record.msg).split("\n", 1)[0]
+
+
+def _orphaned_unraisable(u) -> bool:
+    """An unraisable error of a read orbax left behind: the read coroutine's own error, TensorStore's callback into
+    the closed loop, or the import a dying read attempts at interpreter exit."""
+    msg, code = str(u.exc_value), getattr(u.object, "cr_code", None)
+    return ((code is not None and "orbax" in code.co_filename)
+            or (isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in msg)
+            or (isinstance(u.exc_value, ImportError) and "sys.meta_path is None" in msg))
+
+
+@contextlib.contextmanager
+def quiet_failed_reads():
+    """Around an orbax restore: when one read fails, orbax's event loop closes under the reads still in flight, and
+    each of them reports its end as an unraisable error (its own error with the whole TensorStore spec, "Event loop
+    is closed" from TensorStore's callbacks, "sys.meta_path is None" as the interpreter exits) or as asyncio's
+    "... exception was never retrieved" log record: up to 4,000 lines that bury the read error itself. Those are
+    dropped; every other unraisable error reaches the previous hook. After a failure both filters stay installed
+    (the orphaned reads end later, at the latest at exit); after a success both are gone."""
+    import logging  # noqa: PLC0415
+
+    previous, asyncio_log = sys.unraisablehook, logging.getLogger("asyncio")
+    filtered = _orphaned_read in asyncio_log.filters
+
+    def hook(u):
+        if not _orphaned_unraisable(u):
+            previous(u)
+
+    sys.unraisablehook = hook
+    asyncio_log.addFilter(_orphaned_read)  # (a no-op when it is there already)
+    yield  # (an exception leaves both in place)
+    sys.unraisablehook = previous
+    if not filtered:
+        asyncio_log.removeFilter(_orphaned_read)
 
 
 def _numpy_abstract(shape, dtype):

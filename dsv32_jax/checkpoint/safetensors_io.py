@@ -39,6 +39,9 @@ def _check_entry(path: str, name: str, e) -> None:
     for key in ("dtype", "shape", "data_offsets"):
         if key not in e:
             raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has no '{key}'")
+    if not isinstance(e["dtype"], str):
+        raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has dtype {e['dtype']!r} (a "
+                              "string such as \"BF16\" expected)")
     shape, offsets = e["shape"], e["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has shape {shape!r} (a list of "

@@ -186,6 +186,10 @@ class ModelConfig:
                 raise ConfigError(f"{source}: no such file (expected an HF config.json)") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{source}: not valid JSON ({e})") from None
+            except (UnicodeDecodeError, OSError) as e:  # (not UTF-8 text; a directory or unreadable file)
+                raise ConfigError(f"{source}: cannot be read as a JSON text file ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: not a JSON object (a JSON {type(raw).__name__}; expected an HF config.json)")
         model_type = raw.get("model_type", "deepseek_v32")
         if model_type not in ("deepseek_v32", "deepseek_v3"):
             raise ConfigError(f"{source}: field 'model_type' is {model_type!r}; expected 'deepseek_v32' or 'deepseek_v3'")
