@@ -319,6 +319,9 @@ def test_round_trip_fixture_f32_bit_exact(tmp_path):
     assert compare_checkpoints(src, str(tmp_path / "hf")) == []
     cfg = json.load(open(tmp_path / "hf" / "config.json"))
     assert dsv32_jax.ModelConfig.from_hf(cfg) == dsv32_jax.ModelConfig.from_hf(src)
+    # the source's dtype (transformers 5 writes "dtype"): the export said bfloat16 over F32 tensors, so HF's
+    # torch_dtype="auto" loaded it down-cast
+    assert json.load(open(os.path.join(src, "config.json")))["dtype"] == cfg["torch_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -609,6 +612,11 @@ def test_bad_orbax_checkpoints(tmp_path, orbax_fp8):
                                               r"expected \[8, 48, 64\] from config.json"):
         dsv32_jax.from_pretrained(ck)
     with pytest.raises(CheckpointError, match="experts/w_(gate|down)"):
+        orbax_to_hf(ck, str(tmp_path / "hf"), progress=False)
+    meta_path = os.path.join(ck, orbax_io.META_FILE)
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "hf_dtypes": [1]}, open(meta_path, "w"))  # (an AttributeError deep in the export plan)
+    with pytest.raises(CheckpointError, match=re.escape(f"{meta_path}: field 'hf_dtypes' is [1], expected an object")):
         orbax_to_hf(ck, str(tmp_path / "hf"), progress=False)
     os.remove(os.path.join(ck, orbax_io.META_FILE))
     with pytest.raises((CheckpointError, ConfigError)):  # no marker: treated as HF dir, which has no safetensors

@@ -268,6 +268,30 @@ def test_only_params_and_meta_are_read(run, hf_f32, tmp_path):
     assert compare_checkpoints(str(tmp_path / "hf"), hf_f32) == []
 
 
+def test_the_recorded_tokenizer_goes_along(run, tmp_path):
+    """A workdir trained with a tokenizer.json (config.data.tokenizer; the meta item records its path) exported
+    without it, so `dsv32-generate` on the export failed "no tokenizer". A byte-level run's export has none; a
+    tokenizer.json in the workdir itself wins over the recorded one. Mutant guarded: no `_recorded_tokenizer` copy."""
+    from dsv32_jax.posttrain.chat.codecs import CHAT_TOKENIZER_PATH
+
+    work = str(tmp_path / "w")
+    shutil.copytree(os.path.join(run["workdir"], "checkpoints"), os.path.join(work, "checkpoints"))
+    meta_file = os.path.join(work, "checkpoints", str(STEPS), "meta", "metadata")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    assert meta["tokenizer"] == "byte"
+    orbax_to_hf(work, str(tmp_path / "hf_byte"), progress=False)
+    assert not os.path.exists(tmp_path / "hf_byte" / "tokenizer.json")
+    meta["tokenizer"] = str(CHAT_TOKENIZER_PATH)
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    orbax_to_hf(work, str(tmp_path / "hf_tok"), progress=False)
+    assert open(tmp_path / "hf_tok" / "tokenizer.json", "rb").read() == open(CHAT_TOKENIZER_PATH, "rb").read()
+    (tmp_path / "w" / "tokenizer.json").write_text("{}")
+    orbax_to_hf(work, str(tmp_path / "hf_own"), progress=False)
+    assert (tmp_path / "hf_own" / "tokenizer.json").read_text() == "{}"
+
+
 # ------------------------------------------------------------------------------------------------- errors
 def _fails(src, tmp_path, match, exc=CheckpointError, **kw):
     out = str(tmp_path / "out")

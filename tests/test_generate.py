@@ -48,6 +48,8 @@ def test_cli_on_a_training_workdir_streams_greedy_tokens(workdir):
     streamed = r.stdout.rstrip("\n")
     # a dense-stage workdir: its indexers never trained, so --dsa=auto attends to every earlier token, and says so
     assert "a dense-stage training checkpoint (its indexers had no loss): attending to every earlier token" in r.stderr
+    # the note is what stderr says (~70 INFO lines of orbax and jax buried it)
+    assert len(r.stderr.splitlines()) <= 2, r.stderr[-3000:]
     # the same greedy tokens without the decode cache (the whole prefix re-run per token), byte-decoded
     model = dsv32_jax.from_pretrained(workdir, dtype=jnp.float32, include_mtp=False,
                                       options=dsv32_jax.RunOptions(dsa=False))

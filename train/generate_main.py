@@ -30,7 +30,7 @@ import math
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("ckpt", None, "HF checkpoint dir, dsv32-jax orbax checkpoint dir, or training workdir")
@@ -292,6 +292,8 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # (orbax's and jax's INFO lines, ~70 of them, buried the notes and errors)
+        logging.set_verbosity(logging.WARNING)
     if not FLAGS.ckpt:
         raise app.UsageError("--ckpt is required (an HF checkpoint, an orbax checkpoint or a training workdir)")
     if (FLAGS.prompt is None) == (FLAGS.prompts_file is None):

@@ -40,6 +40,7 @@ casts).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import Mapping
 
@@ -293,14 +294,23 @@ def _export_plan(specs, fp8: bool, requested, src_dtypes, alias_of) -> list[tupl
 
 def _source_dtypes(source: orbax_io.StoredParams) -> tuple[dict, str]:
     """(HF name -> safetensors dtype the export reproduces by default, config.json torch_dtype without --dtype):
-    a converted checkpoint's dtypes recorded at import; a training run's dtypes as trained."""
+    a converted checkpoint's dtypes recorded at import and its source's torch_dtype (config.json keeps it); a
+    training run's dtypes as trained."""
     if not source.training:
-        return source.meta.get("hf_dtypes") or {}, "bfloat16"
+        return source.meta.get("hf_dtypes") or {}, source.cfg.torch_dtype
     reader = source.reader
     dtypes = {s.hf_names[0]: DTYPE_NAMES.get(reader.dtype(s.path))
               for s in tensor_specs(source.cfg, source.has_mtp) if not s.alias and s.path in reader}
     default = "float32" if ("embed",) in reader and reader.dtype(("embed",)) == F32 else "bfloat16"
     return dtypes, default
+
+
+def _recorded_tokenizer(source: orbax_io.StoredParams) -> str | None:
+    """The tokenizer.json a training workdir's checkpoint names (its meta's "tokenizer",
+    `train.trainer.tokenizer_record`), when that file exists; None for "byte" (no file) and for a converted
+    checkpoint (its tokenizer files lie beside it)."""
+    spec = source.meta.get("tokenizer") if source.training and isinstance(source.meta, dict) else None
+    return spec if isinstance(spec, str) and spec.endswith(".json") and os.path.isfile(spec) else None
 
 
 def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None, shard_size_gb: float = 5.0,
@@ -332,7 +342,10 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
     total = sum(_nbytes(s, k) for _, s, k in plan)
     bar = Progress("orbax-to-hf", len(plan), total, enabled=progress)
     with atomic_output_dir(out, overwrite, inputs=[source.guard]) as tmp:
-        copy_tokenizer_files(os.fspath(ckpt), tmp)
+        copied = copy_tokenizer_files(os.fspath(ckpt), tmp)
+        recorded = _recorded_tokenizer(source)
+        if "tokenizer.json" not in copied and recorded:  # (a workdir records the tokenizer it trained with)
+            shutil.copy2(recorded, os.path.join(tmp, "tokenizer.json"))
         writer = ShardedSafetensorsWriter(tmp, plan, int(shard_size_gb * 1e9),
                                           metadata={"converted_by": "dsv32_jax.checkpoint.convert"})
         try:

@@ -147,6 +147,10 @@ def read_meta(path: str | os.PathLike) -> dict:
     if meta.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_path}: format version {meta.get('version')!r} is not supported "
                               f"(this code reads version {FORMAT_VERSION})")
+    dtypes = meta.get("hf_dtypes", {})
+    if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
+        raise CheckpointError(f"{meta_path}: field 'hf_dtypes' is {str(dtypes)[:80]}, expected an object of HF tensor "
+                              "name -> safetensors dtype")
     if not os.path.isdir(os.path.join(path, PARAMS_DIR)):
         raise CheckpointError(f"{path}: {PARAMS_DIR}/ is missing")
     return meta

@@ -204,6 +204,8 @@ class ModelConfig:
                               f"({e})") from None
         if "n_routed_experts" not in raw and "num_experts" in raw:
             kwargs["n_routed_experts"] = raw["num_experts"]
+        if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):  # (transformers 5 renamed it "dtype")
+            kwargs["torch_dtype"] = raw["dtype"]
         if raw.get("q_lora_rank", 1) is None:
             raise ConfigError(f"{source}: field 'q_lora_rank' is null; DeepSeek-V3.2 requires a query LoRA (the indexer reads it)")
         try:
