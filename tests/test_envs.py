@@ -436,6 +436,20 @@ def _tool(function, name="t"):
     return Tool(name, "test tool", NAME_SCHEMA, function)
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+class _UnprintableToolError(ToolError):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+def _raise(e):
+    raise e
+
+
 @pytest.mark.parametrize("function, status, text", [
     (lambda name: 1 // 0, "crash", 'error: tool "t" failed: ZeroDivisionError: integer division or modulo by zero'),
     (lambda name: {"a"}, "crash", 'error: tool "t" returned a set that JSON cannot encode (Object of type set is not '
@@ -445,11 +459,15 @@ def _tool(function, name="t"):
     (lambda name: object(), "crash", 'error: tool "t" returned a object that JSON cannot encode'),
     (lambda name: {}["k" + name], "crash", "error: tool \"t\" failed: KeyError: 'ka'"),
     (lambda name: exit(3), "crash", 'error: tool "t" failed: SystemExit: 3'),
+    (lambda name: _raise(_Unprintable()), "crash", 'error: tool "t" failed: _Unprintable: (a _Unprintable whose '
+                                                    "message cannot be printed)"),
+    (lambda name: _raise(_UnprintableToolError()), "error", "error: (a _UnprintableToolError whose message cannot"),
     (lambda name: "x" * 500, "ok", "x" * 500),
     (lambda name: {"n": name}, "ok", '{"n":"a"}'),
 ])
 def test_any_tool_failure_is_an_error_result(function, status, text):
-    """Mutation tried: catching only ToolError (the old Tool.call) raises ZeroDivisionError / TypeError here."""
+    """Mutation tried: catching only ToolError (the old Tool.call) raises ZeroDivisionError / TypeError here; str(e)
+    in place of `_message(e)` raises the exception's own __str__ error out of the tool."""
     out = _tool(function).run({"name": "a"})
     assert out.status == status and out.text.startswith(text), out
     assert _tool(function).call({"name": "a"}) == out.text

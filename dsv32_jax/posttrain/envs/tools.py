@@ -113,6 +113,14 @@ def _limit(text: str, n: int = 160) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
+def _message(e: BaseException) -> str:
+    """str(e), or a stand-in when the exception's own __str__ raises (a broken tool's exception is data too)."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return f"(a {type(e).__name__} whose message cannot be printed)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Tool(ChatTool):
     """A tool the agent may call: the chat tool definition (`name`, `description`, JSON-schema `parameters`) plus
@@ -136,16 +144,16 @@ class Tool(ChatTool):
         try:
             out = self.function(**arguments)
         except ToolError as e:
-            return ToolOutput(f"error: {e}", "error")
+            return ToolOutput(f"error: {_message(e)}", "error")
         except (Exception, SystemExit) as e:  # noqa: BLE001 (a broken tool is data for the model, not a crash)
-            return ToolOutput(f'error: tool "{self.name}" failed: {type(e).__name__}: {_limit(str(e))}', "crash")
+            return ToolOutput(f'error: tool "{self.name}" failed: {type(e).__name__}: {_limit(_message(e))}', "crash")
         if isinstance(out, str):
             return ToolOutput(out)
         try:
             return ToolOutput(compact_json(out))
         except (TypeError, ValueError, RecursionError) as e:
             return ToolOutput(f'error: tool "{self.name}" returned a {type(out).__name__} that JSON cannot encode '
-                              f"({_limit(str(e))})", "crash")
+                              f"({_limit(_message(e))})", "crash")
 
     def call(self, arguments: Any) -> str:
         """The result text of a call with `arguments` (an `error: ...` on failure)."""
