@@ -310,6 +310,31 @@ def test_cli_refused_configuration_is_one_line_and_leaves_no_workdir(args, messa
     assert not os.path.exists(tmp_path / "w")
 
 
+_LR_ABC = r"^error: flag --config\.optimizer\.lr=abc: could not convert string to float"
+
+
+@pytest.mark.parametrize("args,message,config_flag", [
+    (["--config.stpes=2"], r'^error: --config\.stpes=2: config has no field \'stpes\' \(Did you mean "steps"', False),
+    (["--config.optimizer.zzz=1"], r"^error: --config\.optimizer\.zzz=1: config\.optimizer has no field 'zzz'$",
+     False),
+    (["--config.optimizer.lr=abc"], _LR_ABC, False),
+    (["--config.optimizer.lr=abc"], _LR_ABC, True),
+    (["--workdirr=w"], r"^error: Unknown command line flag 'workdirr'", True),
+])  # (the misspelled fields with --config: test_cli_refused_configuration_is_one_line_and_leaves_no_workdir)
+def test_cli_refused_flag_is_one_line_with_or_without_config(args, message, config_flag, tmp_path):
+    """Without --config, ml_collections applies the overrides to the default config file at import, before absl
+    parses anything: a misspelled field was a traceback (exit 1) there; a value of the wrong type and an unknown
+    flag were absl's "FATAL Flags parsing error" (exit 1) either way. Now one line naming the flag, exit 2."""
+    import re
+
+    pre = [f"--config={ROOT}/configs/quickstart.py"] if config_flag else []
+    res = cli([*pre, "--workdir=w", *args], cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and "FATAL" not in res.stderr, res.stderr[-2000:]
+    assert re.search(message, res.stderr, re.M), res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.parametrize("fields,message", [
     ({"data.paths": ("nope.jsonl",)}, r"^data source 'jsonl': file 'nope\.jsonl' does not exist$"),
     ({"data.paths": ("*.nojsonl",)}, r"^data source 'jsonl': no files match the pattern '\*\.nojsonl'$"),

@@ -16,8 +16,24 @@ from ml_collections import config_flags
 from dsv32_jax.train.config import CONFIGS_DIR
 
 _DEFAULT_CONFIG = os.path.join(CONFIGS_DIR, "quickstart.py")
-config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "experiment config file (configs/*.py; default: "
-                                "configs/quickstart.py, a few steps from random init)")
+_PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError)
+
+
+def _refuse(e: BaseException, argv) -> None:
+    """A config file or override that ml_collections refuses, in one line (exit 2) instead of a traceback."""
+    print(f"error: {_unknown_field(e, argv) or _plain(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _define_config_flag() -> None:
+    """--config. Without --config on the command line, ml_collections loads the default file and applies the
+    --config.* overrides of sys.argv here, at import, before absl parses anything (so before _parse_flags):
+    a misspelled field in that case is refused here the same way."""
+    try:
+        config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "experiment config file (configs/*.py; "
+                                        "default: configs/quickstart.py, a few steps from random init)")
+    except _PARSE_ERRORS as e:
+        _refuse(e, sys.argv)
 flags.DEFINE_string("workdir", "", "checkpoints, metrics.jsonl, TensorBoard events (default runs/<config name>)")
 flags.DEFINE_bool("distributed", False, "call jax.distributed.initialize() (auto-detected cluster environment)")
 flags.DEFINE_string("coordinator_address", "", "host:port of process 0 for multi-host runs")
@@ -116,13 +132,17 @@ def _plain(e: BaseException) -> str:
 
 
 def _parse_flags(argv):
-    """absl's parser, with a config file or override that ml_collections refuses (a missing file, a misspelled
-    field, a value of the wrong type) reported in one line (exit 2) instead of a traceback."""
+    """absl's flag parsing, with what it refuses (an unknown flag, a value of the wrong type) and a config file or
+    override that ml_collections refuses (a missing file, a misspelled field) reported in one line (exit 2), not
+    absl's "FATAL" (exit 1) or a traceback."""
     try:
-        return app.parse_flags_with_usage(argv)
-    except (AttributeError, KeyError, TypeError, ValueError, OSError) as e:
-        print(f"error: {_unknown_field(e, argv) or _plain(e)}", file=sys.stderr, flush=True)
+        return FLAGS(argv)
+    except flags.Error as e:  # an unknown flag, a value of the wrong type (absl's own handler: "FATAL", exit 1)
+        print(f"error: {' '.join(str(e).split())}\nPass --helpshort or --helpfull to see help on flags.",
+              file=sys.stderr, flush=True)
         sys.exit(2)
+    except _PARSE_ERRORS as e:
+        _refuse(e, argv)
 
 
 def _unknown_field(e: BaseException, argv) -> str | None:
@@ -146,6 +166,9 @@ def _unknown_field(e: BaseException, argv) -> str | None:
                         "config's c.model_overrides = {...}")
             return msg
     return None
+
+
+_define_config_flag()
 
 
 def cli() -> None:
