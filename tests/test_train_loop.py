@@ -131,6 +131,82 @@ def test_loop_stops_after_a_signal_and_saves_that_step(signum, tmp_path):
     assert len(metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))) == 3
 
 
+class ExhaustingStage(FakeStage):
+    """A stage whose data runs out (a finite data.num_epochs) after `batches` steps; every `save_every` steps saved."""
+
+    def __init__(self, batches, save_every=1000):
+        super().__init__(None, signal_at=None)
+        self.batches, self.save_every = batches, save_every
+
+    def run_step(self):
+        if self.step == self.batches:
+            raise loop.DataExhausted("the training data ran out after data.num_epochs=1 epoch(s)")
+        return super().run_step()
+
+    def save_checkpoint(self, mngr, step, force):
+        if force or step % self.save_every == 0:
+            self.saved.append((step, force))
+        return True
+
+
+@pytest.mark.parametrize("save_every,saved", [(1000, [(3, True)]), (3, [(3, False)])])
+def test_loop_stops_where_finite_data_runs_out_and_saves_that_step(save_every, saved, tmp_path, monkeypatch, caplog):
+    """A finite data.num_epochs that ran out before config.steps ended the run in a bare StopIteration from grain,
+    losing the steps since the last checkpoint (and a rerun resumed into the same crash). The loop stops at the last
+    finished step, saves it unless it is saved already, and says so."""
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    stage = ExhaustingStage(batches=3, save_every=save_every)
+    monkeypatch.setattr(checkpointing, "latest_step", lambda mngr: stage.saved[-1][0] if stage.saved else None)
+    with caplog.at_level(logging.WARNING):
+        history = loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert stage.saved == saved
+    assert "ran out after data.num_epochs=1 epoch(s) at step 3 of config.steps=10: stopped there" in caplog.text
+
+
+def test_data_that_runs_out_before_the_first_step_is_an_error(tmp_path):
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    stage = ExhaustingStage(batches=0)
+    with pytest.raises(loop.DataExhausted, match=r"epoch\(s\) before the first step: one epoch holds no full batch"):
+        loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
+    assert stage.saved == []
+
+
+def test_trainer_step_names_the_data_that_ran_out():
+    """Trainer.run_step turns the data iterator's StopIteration into the loop's DataExhausted (a StopIteration
+    escaping a generator frame above it would also become a RuntimeError)."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.train.trainer import Trainer
+
+    fake = SimpleNamespace(_data_iter=iter(()), config=load_config("dense_tiny", **{"data.num_epochs": 2}))
+    with pytest.raises(loop.DataExhausted, match=r"^the training data ran out after data\.num_epochs=2 epoch\(s\)$"):
+        Trainer.run_step(fake)
+
+
+def test_finite_epochs_over_several_data_readers_are_refused(tmp_path, monkeypatch):
+    """Several processes reading their own rows run out a few batches apart: one that stops would hang the others
+    in the next collective, so a finite data.num_epochs is refused there (one reader: allowed)."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.train import run as run_lib
+
+    made = []
+    monkeypatch.setattr(run_lib.data_lib, "make_iterator", lambda *a, **k: made.append(1))
+    for shard, ok in (((0, 2), False), ((0, 1), True)):
+        monkeypatch.setattr(run_lib, "Trainer", lambda *a, **k: SimpleNamespace(data_shard=shard,
+                                                                                 cfg=SimpleNamespace(vocab_size=256)))
+        config = load_config("dense_tiny", **{"data.num_epochs": 1})
+        if ok:
+            run_lib.setup(config, str(tmp_path / "w"))
+            assert made == [1]
+        else:
+            with pytest.raises(run_lib.SetupError, match=r"^data\.num_epochs=1 with 2 processes reading their own "
+                                                         r"rows: .*use data\.num_epochs=None"):
+                run_lib.setup(config, str(tmp_path / "w"))
+            assert made == [] and not os.path.exists(tmp_path / "w")
+
+
 class PreparingStage(FakeStage):
     """A stage with work before step 1 (the agent's SFT stages) that a signal ends early."""
 

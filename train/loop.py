@@ -7,7 +7,8 @@ A stage (train/trainer.py's Trainer, train/grpo.py's GRPOLearner) provides:
     restore_checkpoint(m, s)    load step s from CheckpointManager m
     run_step() -> dict          one training step; host-side scalar metrics
     save_checkpoint(m, s, f)    save step s (forced: f)
-and may provide prepare(stop): work before step 1 that checkpoints its own progress and returns early once
+(run_step raises DataExhausted when finite data, data.num_epochs, has run out: the loop stops there with the last
+finished step saved), and may provide prepare(stop): work before step 1 that checkpoints its own progress and returns early once
 `stop.requested` (train/agent_grpo.py: the recall stage and cold start); run_loop calls it at step 0.
 """
 
@@ -21,6 +22,11 @@ from absl import logging
 
 from dsv32_jax.train import checkpointing
 from dsv32_jax.train.metrics import MetricsWriter, Progress
+
+
+class DataExhausted(Exception):
+    """The stage's data ran out (a finite data.num_epochs) before config.steps. run_loop stops at the last finished
+    step (saved); before the first step of a fresh run it is an error (one epoch holds no full batch)."""
 
 
 class Stage(Protocol):
@@ -93,7 +99,17 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                 while step < config.steps and not stop.requested:
                     profiler.before(step + 1)
                     with jax.profiler.StepTraceAnnotation(desc, step_num=step + 1):
-                        metrics = stage.run_step()
+                        try:
+                            metrics = stage.run_step()
+                        except DataExhausted as e:
+                            if step == 0:
+                                raise DataExhausted(f"{e} before the first step: one epoch holds no full batch "
+                                                    "(data.batch_size x data.seq_len tokens)") from None
+                            if checkpointing.latest_step(mngr) != step:
+                                stage.save_checkpoint(mngr, step, force=True)
+                            logging.warning("%s at step %d of config.steps=%d: stopped there (checkpoint saved "
+                                            "in %s)", e, step, config.steps, mngr.directory)
+                            break
                     step += 1
                     profiler.after(step)
                     writer.write(step, metrics)

@@ -108,10 +108,12 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     from dsv32_jax.train.checkpointing import ResumeError
+    from dsv32_jax.train.loop import DataExhausted
 
     try:
         fit()
-    except ResumeError as e:  # the workdir's checkpoint was written by another configuration (nothing was trained)
+    except (ResumeError, DataExhausted) as e:  # the workdir's checkpoint was written by another configuration, or
+        # the data ran out before the first step (nothing was trained)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -51,6 +51,10 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
             check_data_inputs(config, data_cfg)
             trainer = Trainer(config, workdir)
             i, n = trainer.data_shard  # the block of the batch's rows this process's devices own
+            if n > 1 and data_cfg.num_epochs is not None:
+                raise ValueError(f"data.num_epochs={data_cfg.num_epochs} with {n} processes reading their own rows: "
+                                 "their shards run out a few batches apart, and a process that stops while the "
+                                 "others step hangs them; use data.num_epochs=None and config.steps")
             it = data_lib.make_iterator(data_cfg, vocab_size=trainer.cfg.vocab_size, process_index=i, process_count=n)
 
             def fit():

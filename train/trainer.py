@@ -30,7 +30,7 @@ from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_config, check_init_from, check_model_overrides
-from dsv32_jax.train.loop import run_loop
+from dsv32_jax.train.loop import DataExhausted, run_loop
 from dsv32_jax.train.metrics import LM_KEYS, read_steps
 from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
 
@@ -386,7 +386,11 @@ class Trainer:
         return self.save(mngr, step, data_state, force=force)
 
     def run_step(self) -> dict:
-        batch = next(self._data_iter)
+        try:
+            batch = next(self._data_iter)
+        except StopIteration:
+            raise DataExhausted(f"the training data ran out after data.num_epochs={self.config.data.num_epochs} "
+                                "epoch(s)") from None
         t0 = time.perf_counter()
         metrics = jax.device_get(self.train_step(batch))
         dt = time.perf_counter() - t0
