@@ -207,6 +207,20 @@ def test_a_utf8_byte_order_mark_is_not_text(tmp_path):
     assert data.ArrayRecordSource([ar], "text")[0] == "z"
 
 
+def test_a_lone_surrogate_in_a_json_string_is_replacement_text(tmp_path):
+    """JSON may spell a lone surrogate ("\\ud800": common in scraped data); it decoded to a str that no tokenizer can
+    encode (UnicodeEncodeError deep in the pipeline, no file named). It becomes U+FFFD, as invalid bytes do; an
+    escaped surrogate pair stays the one character it spells."""
+    (tmp_path / "s.jsonl").write_text('{"text": "a\\ud800b"}\n{"text": "\\udfff"}\n{"text": "\\ud83d\\ude00 ok"}\n')
+    jsonl = data.JsonlSource([str(tmp_path / "s.jsonl")], "text")
+    assert [jsonl[i] for i in range(3)] == ["a\ufffdb", "\ufffd", "\U0001F600 ok"]
+    ar = write_arrayrecord(tmp_path / "s.array_record", [b'{"text": "x\\udc80"}'])
+    assert data.ArrayRecordSource([ar], "text")[0] == "x\ufffd"
+    rows = take(make_iterator(DataConfig(source="jsonl", paths=(str(tmp_path / "s.jsonl"),), seq_len=4, batch_size=1,
+                                         shuffle=False, num_epochs=1), vocab_size=256))
+    assert sum(int(r["loss_mask"].sum()) for r in rows) > 0
+
+
 def test_parquet_block_shuffle_is_a_permutation(tmp_path):
     docs = [f"doc {i}" for i in range(23)]
     paths = [write_parquet(tmp_path / "a.parquet", docs[:10], row_group_size=3),

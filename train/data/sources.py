@@ -14,7 +14,8 @@ Sources (``DataConfig.source``; ``paths`` are files, directories or glob pattern
 * ``text``: ``.txt`` files (a directory means the ``*.txt`` files under it); each file is one document.
   Files larger than 1 MiB are read as consecutive pieces of about 1 MiB cut at line ends, each piece its
   own document (bounded memory; documents are split into seq_len pieces anyway). Invalid UTF-8 bytes in
-  text files and raw ArrayRecord records decode to U+FFFD.
+  text files and raw ArrayRecord records decode to U+FFFD, and so do lone surrogates that a JSON string spells
+  (``"\\ud800"``: valid JSON, not encodable text).
 
 pyarrow (parquet) and array_record (arrayrecord) are optional: imported only when their source is used; a
 missing one raises an ImportError naming ``data.source`` and the pip extra.
@@ -26,6 +27,7 @@ import collections
 import glob
 import json
 import os
+import re
 import threading
 from typing import Any, Sequence
 
@@ -182,6 +184,9 @@ class JsonlSource:
         return _text_of(record, self.field, lambda: self._where(index))
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads joins an escaped pair into one character)
+
+
 def _text_of(record, field: str, where) -> str:
     if not isinstance(record, dict):
         raise ValueError(f"{where()}: expected a JSON object with the text field {field!r}, "
@@ -193,7 +198,7 @@ def _text_of(record, field: str, where) -> str:
         return ""
     if not isinstance(value, str):
         raise ValueError(f"{where()}: text field {field!r} holds {type(value).__name__}, expected a string")
-    return value
+    return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
