@@ -444,6 +444,10 @@ def test_error_messages(tmp_path):
         DataConfig(source="jsonl")
     with pytest.raises(ValueError, match="data.source must be one of"):
         DataConfig(source="csv")
+    # a path with the built-in corpus trained on the built-in corpus, silently (even a file that does not exist)
+    with pytest.raises(ValueError, match=r"^data\.paths is set \('/nonexistent/x\.jsonl'\) but data\.source='builtin' "
+                                         r"reads no files: set data\.source to their format \(jsonl, "):
+        DataConfig(paths=("/nonexistent/x.jsonl",))
 
     path = write_jsonl(tmp_path / "f.jsonl", ["a", "b"], field="content")
     with pytest.raises(KeyError, match=r"f\.jsonl, line 1: text field 'text' missing"):

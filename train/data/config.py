@@ -12,7 +12,7 @@ SOURCES = ("builtin", "jsonl", "parquet", "arrayrecord", "text")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin"  # "builtin" | "jsonl" | "parquet" | "arrayrecord" | "text"
-    paths: tuple[str, ...] = ()  # files, directories or glob patterns (ignored for builtin)
+    paths: tuple[str, ...] = ()  # files, directories or glob patterns (refused for builtin, which reads none)
     text_field: str = "text"  # JSONL key / Parquet column / JSON key inside ArrayRecord records
     tokenizer: str = "byte"  # "byte", a tokenizer.json, or a checkpoint dir containing tokenizer.json
     seq_len: int = 128
@@ -39,6 +39,10 @@ class DataConfig:
             raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
         if self.source != "builtin" and not self.paths:
             raise ValueError(f"data.paths is empty: source {self.source!r} needs files or glob patterns")
+        if self.source == "builtin" and self.paths:
+            raise ValueError(f"data.paths is set ({', '.join(map(repr, self.paths[:3]))}"
+                             f"{', ...' if len(self.paths) > 3 else ''}) but data.source='builtin' reads no files: "
+                             f"set data.source to their format ({', '.join(SOURCES[1:])})")
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.batch_size < 1:
