@@ -142,7 +142,7 @@ def test_cli_scores_held_out_files_through_the_data_flags(tmp_path, rng):
                         ([f"--paths={held}"], r"--paths is set .* but --source=builtin reads no files"),
                         (["--source=parquet"], r"--paths names no held-out files: --source=parquet needs them")):
         with pytest.raises(SystemExit, match=match):
-            eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=1", *args])
+            eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=1", "--tokenizer=byte", *args])
 
 
 def test_cli_refuses_an_unwritable_out_before_evaluating(tmp_path, monkeypatch):
@@ -157,11 +157,55 @@ def test_cli_refuses_an_unwritable_out_before_evaluating(tmp_path, monkeypatch):
     afile.write_text("x")
     out = str(afile / "res")
     with pytest.raises(SystemExit, match=rf"^error: --out={out}: Not a directory: {afile}$"):
-        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", "--batches=1", "--batch_size=2", f"--out={out}"])
+        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", "--batches=1", "--batch_size=2", "--tokenizer=byte",
+                       f"--out={out}"])
     (tmp_path / "res.json").mkdir()
     with pytest.raises(SystemExit, match=r"^error: --out=.*/res: .*/res\.json is a directory$"):
-        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", f"--out={tmp_path / 'res'}"])
+        eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=32", "--tokenizer=byte", f"--out={tmp_path / 'res'}"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "res.json"]  # nothing created, nothing half-written
+
+
+def test_cli_reads_the_text_with_the_tokenizer_the_workdirs_record(tmp_path, monkeypatch, capsys):
+    """The CLI's --tokenizer defaulted to "byte": a model trained with a tokenizer.json was scored on byte ids
+    without a word. Now each workdir's recorded tokenizer is used, workdirs that disagree or record none need
+    --tokenizer, and an explicit one that differs from a recording is warned about."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.checkpoint import orbax_io
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    conv = tmp_path / "conv"  # a converted checkpoint with its tokenizer.json beside it
+    conv.mkdir()
+    (conv / "tokenizer.json").write_text("{}")
+    records = {str(tmp_path / "bpe"): str(tok / "tokenizer.json"), str(tmp_path / "bpe2"): str(tok),
+               str(tmp_path / "byte"): "byte", str(tmp_path / "old"): None}
+    monkeypatch.setattr(orbax_io, "is_training_workdir", lambda p: p in records)
+    monkeypatch.setattr(orbax_io, "training_checkpoint",
+                        lambda p: SimpleNamespace(meta={} if records[p] is None else {"tokenizer": records[p]}))
+    bpe, bpe2, byte, old = records
+    for w in records:
+        os.mkdir(w)
+    assert eval_lib.eval_tokenizer([bpe]) == str(tok / "tokenizer.json")
+    assert eval_lib.eval_tokenizer([bpe, bpe2]) == str(tok / "tokenizer.json")  # the same file, spelled two ways
+    assert eval_lib.eval_tokenizer([byte]) == "byte"
+    assert eval_lib.eval_tokenizer([str(conv)]) == str(conv / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"^--workdirs record different tokenizers \(.*bpe: .*tokenizer\.json; "
+                                         r".*byte: byte\): a loss per token compares only under one; pass --tokenizer"):
+        eval_lib.eval_tokenizer([bpe, byte])
+    with pytest.raises(ValueError, match=r"^--workdirs: .*old record\(s\) no tokenizer .*: pass --tokenizer$"):
+        eval_lib.eval_tokenizer([byte, old])
+    assert eval_lib.eval_tokenizer([bpe, old], "byte") == "byte"
+    assert capsys.readouterr().err == f"warning: --tokenizer=byte, but {bpe} was trained with {records[bpe]}\n"
+    assert eval_lib.eval_tokenizer([bpe], str(tok)) == str(tok) and capsys.readouterr().err == ""
+
+    seen = []  # the CLI hands the resolved tokenizer to the table
+    monkeypatch.setattr(eval_lib, "eval_table", lambda *a, data, **k: seen.append(data["tokenizer"]) or {"rows": []})
+    assert eval_lib.main([f"--workdirs={bpe}", "--seq_lens=32"]) == 0
+    assert seen == [str(tok / "tokenizer.json")]
+    with pytest.raises(SystemExit, match=r"^error: --workdirs record different tokenizers"):
+        eval_lib.main([f"--workdirs={bpe},{byte}", "--seq_lens=32"])
 
 
 def _table(path, dense, dsa_gap, model2="sparse (sparse, step 150)"):

@@ -17,6 +17,8 @@ prints a markdown table and writes <out>.md and <out>.json. The trainer runs the
 `config.eval.every` steps (metric eval_loss). Built-in data: data.split='heldout' (stdlib docstrings disjoint from
 the training corpus, train/data/builtin.py); other sources: config.eval.paths in the trainer, and in the CLI
 --source=jsonl|parquet|arrayrecord|text --paths=held/*.jsonl [--tokenizer=tokenizer.json] [--text_field=text].
+The text is tokenized with the tokenizer every workdir records (its trainer's data.tokenizer, or a converted
+checkpoint's tokenizer.json); --tokenizer overrides it, and is needed where they differ or record none.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +197,57 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def recorded_tokenizer(path: str) -> str | None:
+    """The tokenizer a workdir or checkpoint was trained with: a training workdir's recorded data.tokenizer ("byte"
+    or a tokenizer.json path, `trainer.tokenizer_record`), else the tokenizer.json beside a converted checkpoint;
+    None when neither says."""
+    from dsv32_jax.checkpoint import orbax_io
+
+    if orbax_io.is_training_workdir(path):
+        meta = orbax_io.training_checkpoint(path).meta
+        spec = meta.get("tokenizer") if isinstance(meta, dict) else None
+        if isinstance(spec, str):
+            return spec
+    own = os.path.join(path, "tokenizer.json")
+    return own if os.path.isfile(own) else None
+
+
+def eval_tokenizer(workdirs: list[str], override: str = "") -> str:
+    """The tokenizer the held-out text is read with: `override` (--tokenizer; a warning names each workdir that
+    records another one), else the one every workdir records. The table compares nats per token, so workdirs
+    that record different tokenizers (or none) need --tokenizer. The CLI's default was "byte" whatever the
+    workdirs were trained with: a BPE-trained model was scored on byte ids without a word."""
+    from dsv32_jax.train.data.tokenizers import tokenizer_file
+
+    def same(a: str, b: str) -> bool:
+        if "byte" in (a, b) or a.startswith("chat:") or b.startswith("chat:"):
+            return a == b
+        try:
+            return os.path.realpath(tokenizer_file(a)) == os.path.realpath(tokenizer_file(b))
+        except (OSError, ValueError):
+            return a == b
+
+    recorded = {w: recorded_tokenizer(w) for w in workdirs}
+    if override:
+        for w, spec in recorded.items():
+            if spec is not None and not same(spec, override):
+                print(f"warning: --tokenizer={override}, but {w} was trained with {spec}", file=sys.stderr,
+                      flush=True)
+        return override
+    missing = [w for w, spec in recorded.items() if spec is None]
+    if missing:
+        raise ValueError(f"--workdirs: {', '.join(missing)} record(s) no tokenizer (no recorded data.tokenizer, no "
+                         "tokenizer.json beside the checkpoint): pass --tokenizer")
+    specs = list(dict.fromkeys(recorded.values()))
+    if any(not same(specs[0], s) for s in specs[1:]):
+        raise ValueError("--workdirs record different tokenizers (" + "; ".join(f"{w}: {s}" for w, s in
+                         recorded.items()) + "): a loss per token compares only under one; pass --tokenizer")
+    if specs[0].startswith("chat:"):
+        raise ValueError(f"--workdirs were trained with the chat codec {specs[0]}: the held-out text is read with "
+                         "'byte' or a tokenizer.json; pass --tokenizer")
+    return specs[0]
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -207,7 +261,9 @@ def main(argv=None) -> int:
                    help="held-out data format: builtin (the built-in corpus's held-out split) or the files' format")
     p.add_argument("--paths", default="", help="comma-separated held-out files, directories or globs (--source "
                    "other than builtin)")
-    p.add_argument("--tokenizer", default="byte", help="byte, a tokenizer.json, or a checkpoint dir holding one")
+    p.add_argument("--tokenizer", default="", help="byte, a tokenizer.json, or a checkpoint dir holding one "
+                   "(default: the one every workdir records: its trainer's data.tokenizer, or a checkpoint's own "
+                   "tokenizer.json)")
     p.add_argument("--text_field", default="text", help="JSONL key / Parquet column / ArrayRecord JSON key")
     a = p.parse_args(argv)
     workdirs = [w for w in a.workdirs.split(",") if w]
@@ -230,7 +286,11 @@ def main(argv=None) -> int:
         raise SystemExit("error: --paths " + (f"is set ({a.paths!r}) but --source=builtin reads no files: set --source "
                                               "to their format" if paths else
                                               f"names no held-out files: --source={a.source} needs them"))
-    data = {"source": a.source, "tokenizer": a.tokenizer, "text_field": a.text_field}
+    try:
+        tokenizer = eval_tokenizer(workdirs, a.tokenizer)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    data = {"source": a.source, "tokenizer": tokenizer, "text_field": a.text_field}
     if paths:  # the check DataConfig makes, up front (a missing file otherwise surfaces mid-table)
         data_lib.DataConfig(**data, paths=paths)
     from dsv32_jax.checkpoint.safetensors_io import CheckpointError
@@ -253,7 +313,7 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, OSError) as e:  # the data: files, records' fields, tokenizer, vocabulary
         why = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise SystemExit(f"error: held-out data (--source {a.source}, --paths {a.paths!r}, --tokenizer "
-                         f"{a.tokenizer}): {why}") from None
+                         f"{tokenizer}): {why}") from None
     text = markdown(table)
     print(text, flush=True)
     if a.out:
