@@ -437,6 +437,39 @@ def test_setup_refuses_missing_data_inputs_before_it_builds_the_model(fields, me
         run_lib.setup(config, str(tmp_path / "w"))
 
 
+def test_setup_reads_the_held_out_batches_before_the_first_step(tmp_path, monkeypatch):
+    """A held-out file whose records lack the text field passed the setup check (which only resolves paths) and
+    ended the run in a KeyError traceback at its first evaluation, after steps and checkpoints. setup() now builds
+    the trainer's evaluator (its batches are read then), and names config.eval."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.train import eval as eval_lib
+    from dsv32_jax.train import run as run_lib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"text": "one document"}\n')
+    (tmp_path / "held.jsonl").write_text('{"txt": "a b c"}\n')
+
+    class FakeTrainer:  # the real evaluator's batches, without building a model
+        def __init__(self, config, workdir):
+            self.config, self.data_shard = config, (0, 1)
+
+        def evaluator(self):
+            cfg = eval_lib.eval_data_config(self.config.data.to_dict(), self.config.eval)
+            return eval_lib.eval_batches(cfg, 256, self.config.eval.batches, shard=self.data_shard)
+
+    monkeypatch.setattr(run_lib, "Trainer", FakeTrainer)
+    read, make_iterator = [], run_lib.data_lib.make_iterator
+    monkeypatch.setattr(run_lib.data_lib, "make_iterator", lambda cfg, **k: read.append(cfg.paths) or
+                        make_iterator(cfg, **k))
+    config = load_config("quickstart", **{"data.source": "jsonl", "data.paths": ("d.jsonl",), "eval.every": 2,
+                                          "eval.paths": ("held.jsonl",)})
+    with pytest.raises(run_lib.SetupError, match=r"^config\.eval \(the held-out data\): held\.jsonl, line 1: text "
+                                                 r"field 'text' missing \(keys: \['txt'\]\)$"):
+        run_lib.setup(config, str(tmp_path / "w"))
+    assert read == [("held.jsonl",)] and not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.heavy  # 30 s on 2 cores
 def test_cli_without_flags_trains_the_quickstart_config(tmp_path):
     res = cli([], cwd=tmp_path)

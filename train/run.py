@@ -50,6 +50,13 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
             data_cfg = data_lib.DataConfig(**config.data.to_dict())
             check_data_inputs(config, data_cfg)
             trainer = Trainer(config, workdir)
+            if "eval" in config and config.eval.get("every"):
+                try:  # the held-out batches, read now: a record without the text field, too few documents or a
+                    trainer.evaluator()  # tokenizer too large ended the run at its first evaluation, after steps
+                except (ValueError, KeyError, OSError) as e:
+                    why = e.args[0] if isinstance(e, KeyError) and e.args else e
+                    raise ValueError(f"config.eval (the held-out data): {why}" if "config.eval" not in str(why)
+                                     else str(why)) from e
             i, n = trainer.data_shard  # the block of the batch's rows this process's devices own
             if n > 1 and data_cfg.num_epochs is not None:
                 raise ValueError(f"data.num_epochs={data_cfg.num_epochs} with {n} processes reading their own rows: "
