@@ -437,6 +437,54 @@ def test_resuming_a_checkpoint_of_another_stage_is_refused_naming_the_stage():
     checkpointing.check_resume(point, stage="warmup", model_cfg=load_preset("tiny"))
 
 
+def test_resuming_with_other_data_files_is_warned_about_by_name(tmp_path, caplog):
+    """A resume with other data.paths / tokenizer / text_field / add_eos restored the saved iterator position into
+    another stream without a word. They may change (a dataset moved), so they are warned about, naming each; the
+    tokenizer is compared as the checkpoint records it (an absolute tokenizer.json path)."""
+    import logging
+
+    from dsv32_jax.train import checkpointing
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    saved = {"source": "jsonl", "paths": ["a.jsonl"], "text_field": "text", "tokenizer": str(tmp_path / "tok"),
+             "add_eos": True, "seq_len": 16, "batch_size": 2, "seed": 0, "shuffle": True}
+    recorded = checkpointing.data_fingerprint(saved)
+    assert recorded["tokenizer"] == str(tmp_path / "tok" / "tokenizer.json") and recorded["paths"] == ["a.jsonl"]
+    point = types.SimpleNamespace(meta={"stage": "dense", "data_config": recorded}, workdir="W", step=7)
+    with caplog.at_level(logging.WARNING):
+        checkpointing.check_resume(point, stage="dense", data={**saved, "tokenizer": str(tmp_path / "tok" /
+                                                                                           "tokenizer.json")})
+        assert caplog.text == ""
+        checkpointing.check_resume(point, stage="dense", data={**saved, "paths": ("b.jsonl",), "text_field": "body"})
+    assert ("W: resuming step 7 with other data (config.data.paths ['a.jsonl'] there, ['b.jsonl'] here; "
+            "config.data.text_field 'text' there, 'body' here)") in caplog.text
+    with pytest.raises(checkpointing.ResumeError, match=r"config\.data\.seq_len 16 there, 32 here"):
+        checkpointing.check_resume(point, stage="dense", data={**saved, "seq_len": 32})
+
+
+def test_a_data_state_of_another_shard_count_is_a_resume_error():
+    """The pipeline's own refusal of a data state (another shard count) and grain's KeyError on a state of another
+    layout were ValueErrors that the CLI printed as tracebacks (exit 1); they are ResumeErrors (one line, exit 2)
+    naming the checkpoint's step."""
+    from dsv32_jax.train import checkpointing, data as data_lib
+    from dsv32_jax.train.config import default_config
+    from dsv32_jax.train.trainer import Trainer
+
+    config = default_config()
+    config.data.shards = 2
+    it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=256)
+    unsharded = data_lib.make_iterator(data_lib.DataConfig(**{**config.data.to_dict(), "shards": 0}), vocab_size=256)
+    for target, state, match in (
+            (it, unsharded.get_state(), r"^checkpoint step 4: data state is one unsharded stream \(data\.shards=0 on "
+                                        r"one process\), this run has 2 shards"),
+            (it, {**it.get_state(), "num_shards": 3}, r"^checkpoint step 4: data state has 3 shards, this run 2"),
+            (unsharded, it.get_state(), r"^checkpoint step 4: its data state does not fit this run's data pipeline")):
+        fake = types.SimpleNamespace(restore=lambda mngr, step, state=state: state, config=config, _data_iter=target)
+        with pytest.raises(checkpointing.ResumeError, match=match):
+            Trainer.restore_checkpoint(fake, None, 4)
+
+
 def test_the_trainers_eval_batches_come_from_the_heldout_documents():
     """eval.eval_data_config of a built-in training config reads the held-out split: every real row of the first
     eval batches is a piece of the held-out documents (their bytes: the byte tokenizer) and of no training document.

@@ -207,6 +207,41 @@ def test_finite_epochs_over_several_data_readers_are_refused(tmp_path, monkeypat
             assert made == [] and not os.path.exists(tmp_path / "w")
 
 
+class RefusingStage(ExhaustingStage):
+    def run_step(self):
+        if self.step == self.batches:
+            raise loop.DataError("training data: f.jsonl, line 8: text field 'text' missing (keys: ['txt'])")
+        return FakeStage.run_step(self)
+
+
+@pytest.mark.parametrize("batches,saved,where", [(3, [(3, True)], "step 3 is saved in"), (0, [], "no step was run")])
+def test_a_refused_record_mid_run_saves_the_last_step_and_names_the_batch(batches, saved, where, tmp_path,
+                                                                         monkeypatch):
+    """A record the pipeline refuses deep in a file (the message names file and line) was a traceback that lost
+    the steps since the last checkpoint: the loop saves the last finished step and re-raises it as one line."""
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    stage = RefusingStage(batches=batches)
+    monkeypatch.setattr(checkpointing, "latest_step", lambda mngr: stage.saved[-1][0] if stage.saved else None)
+    with pytest.raises(loop.DataError, match=rf"^training data: f\.jsonl, line 8: .* \(reading step {batches + 1}'s "
+                                             rf"batch; {where}"):
+        loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
+    assert stage.saved == saved
+
+
+def test_trainer_step_names_a_refused_record():
+    from types import SimpleNamespace
+
+    from dsv32_jax.train.trainer import Trainer
+
+    def refusing():
+        raise KeyError("f.jsonl, line 8: text field 'text' missing")
+        yield
+
+    fake = SimpleNamespace(_data_iter=refusing(), config=load_config("dense_tiny"))
+    with pytest.raises(loop.DataError, match=r"^training data: f\.jsonl, line 8: text field 'text' missing$"):
+        Trainer.run_step(fake)
+
+
 class PreparingStage(FakeStage):
     """A stage with work before step 1 (the agent's SFT stages) that a signal ends early."""
 

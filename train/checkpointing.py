@@ -134,6 +134,9 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
 
 # config.data fields a resume must keep: the data state is a position in the stream these define
 RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle")
+# config.data fields a resume may change (a dataset moved, a field renamed), but whose change makes the restored
+# iterator position a position in another stream: warned about by name
+WARN_DATA_FIELDS = ("paths", "text_field", "tokenizer", "add_eos")
 
 
 def resume_point(workdir: str):
@@ -170,6 +173,12 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
         here = data_fingerprint(data)
         problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
                      if k in recorded and recorded[k] != here.get(k)]
+        changed = [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in WARN_DATA_FIELDS
+                   if k in recorded and recorded[k] != here.get(k)]
+        if changed and not problems:
+            logging.warning("%s: resuming step %d with other data (%s): the restored data position indexes this "
+                            "run's stream, which is not the one it was saved in", point.workdir, point.step,
+                            "; ".join(changed))
     if problems:
         raise ResumeError(f"{point.workdir}: its checkpoint at step {point.step} was written with another "
                           f"configuration ({'; '.join(problems)}): resume it with the config that wrote it, or "
@@ -177,8 +186,14 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
 
 
 def data_fingerprint(data) -> dict:
-    """What check_resume compares of config.data (JSON values, as the checkpoint's meta records them)."""
-    return json_lib.loads(json_lib.dumps({k: data[k] for k in RESUME_DATA_FIELDS if k in data}))
+    """What check_resume compares of config.data (JSON values, as the checkpoint's meta records them); the
+    tokenizer as `trainer.tokenizer_record` writes it (an absolute path), so a relative spelling is no change."""
+    keys = [k for k in RESUME_DATA_FIELDS + WARN_DATA_FIELDS if k in data]
+    out = {k: data[k] for k in keys}
+    if isinstance(out.get("tokenizer"), str) and out["tokenizer"] != "byte":
+        path = os.path.abspath(os.path.expanduser(out["tokenizer"]))
+        out["tokenizer"] = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    return json_lib.loads(json_lib.dumps(out))
 
 
 def _earlier_step_advice(mngr: ocp.CheckpointManager, step: int) -> str:

@@ -29,6 +29,11 @@ class DataExhausted(Exception):
     step (saved); before the first step of a fresh run it is an error (one epoch holds no full batch)."""
 
 
+class DataError(ValueError):
+    """A record the stage's data pipeline refused mid-run (a missing text field, invalid JSON deep in a file; the
+    message names the file and line). run_loop saves the last finished step and re-raises it."""
+
+
 class Stage(Protocol):
     step: int
 
@@ -110,6 +115,13 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                             logging.warning("%s at step %d of config.steps=%d: stopped there (checkpoint saved "
                                             "in %s)", e, step, config.steps, mngr.directory)
                             break
+                        except DataError as e:
+                            if step and checkpointing.latest_step(mngr) != step:
+                                stage.save_checkpoint(mngr, step, force=True)
+                                mngr.wait_until_finished()
+                            raise DataError(f"{e} (reading step {step + 1}'s batch; "
+                                            + (f"step {step} is saved in {mngr.directory})" if step else
+                                               "no step was run)")) from None
                     step += 1
                     profiler.after(step)
                     writer.write(step, metrics)

@@ -108,12 +108,12 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     from dsv32_jax.train.checkpointing import ResumeError
-    from dsv32_jax.train.loop import DataExhausted
+    from dsv32_jax.train.loop import DataError, DataExhausted
 
     try:
         fit()
-    except (ResumeError, DataExhausted) as e:  # the workdir's checkpoint was written by another configuration, or
-        # the data ran out before the first step (nothing was trained)
+    except (ResumeError, DataExhausted, DataError) as e:  # the workdir's checkpoint was written by another
+        # configuration or cannot be read, the data ran out before the first step, or a record was refused
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -30,7 +30,7 @@ from dsv32_jax.model import sharding as shd
 from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_config, check_init_from, check_model_overrides
-from dsv32_jax.train.loop import DataExhausted, run_loop
+from dsv32_jax.train.loop import DataError, DataExhausted, run_loop
 from dsv32_jax.train.metrics import LM_KEYS, read_steps
 from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
 
@@ -366,15 +366,17 @@ class Trainer:
         saved = state.pop(DATA_STATE_KEY, None)  # (absent in checkpoints written before it was recorded)
         workers = self.config.data.get("worker_count", 0)
         if saved is not None and saved.get("worker_count") != workers:
-            raise ValueError(f"checkpoint step {step}: its data state was saved with data.worker_count="
+            raise checkpointing.ResumeError(f"checkpoint step {step}: its data state was saved with data.worker_count="
                              f"{saved.get('worker_count')} and this run has {workers}; the iterator state's format "
                              "depends on it (the rows do not): resume with the checkpoint's data.worker_count")
         try:
             self._data_iter.set_state(state)
+        except ValueError as e:  # (the pipeline's own check: another number of shards)
+            raise checkpointing.ResumeError(f"checkpoint step {step}: {e}") from None
         except (KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"checkpoint step {step}: its data state does not fit this run's data pipeline ({e!r}); "
-                             "resume with the data config the checkpoint was written with (data.worker_count, "
-                             "data.shards)") from None
+            raise checkpointing.ResumeError(
+                f"checkpoint step {step}: its data state does not fit this run's data pipeline ({e!r}); resume with "
+                "the data config the checkpoint was written with (data.worker_count, data.shards)") from None
 
     def save_checkpoint(self, mngr, step: int, force: bool) -> bool:
         if not force and not mngr.should_save(step):
@@ -391,6 +393,8 @@ class Trainer:
         except StopIteration:
             raise DataExhausted(f"the training data ran out after data.num_epochs={self.config.data.num_epochs} "
                                 "epoch(s)") from None
+        except (KeyError, ValueError, UnicodeError) as e:  # a record the pipeline refused (it names file and line)
+            raise DataError(f"training data: {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
         t0 = time.perf_counter()
         metrics = jax.device_get(self.train_step(batch))
         dt = time.perf_counter() - t0

@@ -339,8 +339,11 @@ class ShardedBatches:
         return {"num_shards": self.num_shards, "shards": {str(i): it.get_state() for i, it in zip(self.ids, self.iters)}}
 
     def set_state(self, state: dict) -> None:
-        if state.get("num_shards") != self.num_shards:
-            raise ValueError(f"data state has {state.get('num_shards')} shards, this run {self.num_shards}: set "
+        if "num_shards" not in state:
+            raise ValueError(f"data state is one unsharded stream (data.shards=0 on one process), this run has "
+                             f"{self.num_shards} shards: resume with data.shards=0 on one process")
+        if state["num_shards"] != self.num_shards:
+            raise ValueError(f"data state has {state['num_shards']} shards, this run {self.num_shards}: set "
                              "data.shards to the checkpoint's count to resume on another number of processes")
         missing = [i for i in self.ids if str(i) not in state["shards"]]
         if missing:
