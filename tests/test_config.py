@@ -202,6 +202,8 @@ def _training_config(stage, **fields):
     ("sparse", "eval.batches", 0, r"config\.eval\.batches must be an integer >= 1"),
     ("sparse", "eval.every", -1, r"config\.eval\.every must be an integer >= 0"),
     ("sparse", "eval.batch_size", -1, r"config\.eval\.batch_size must be an integer >= 0"),
+    ("sparse", "eval.seed", -1, r"config\.eval\.seed must be an integer >= 0, got -1"),  # (named data.seed)
+    ("sparse", "eval.seed", 2**32, r"config\.eval\.seed must be an integer in \[0, 2\*\*32\)"),
     ("grpo", "grpo.eps", -0.2, r"config\.grpo\.eps must be a finite number > 0"),
     ("grpo", "grpo.delta", -1.0, r"config\.grpo\.delta must be a finite number >= 0"),
     ("grpo", "grpo.kl_weight", -0.1, r"config\.grpo\.kl_weight must be a finite number >= 0"),

@@ -145,6 +145,25 @@ def test_cli_scores_held_out_files_through_the_data_flags(tmp_path, rng):
             eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=40", "--batches=1", "--tokenizer=byte", *args])
 
 
+def test_a_context_no_held_out_document_reaches_skips_only_the_long_split(tmp_path, rng):
+    """Held-out files of short documents made the whole table fail ("no document to train on", naming
+    data.min_doc_tokens, a field a CLI user never set): the long split at that context is skipped and named, the
+    ordinary held-out column kept."""
+    docs = ["".join(chr(c) for c in rng.integers(97, 123, int(n))) for n in rng.integers(20, 40, 12)]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = str(tmp_path / "eval")
+    assert eval_lib.main([f"--workdirs={HF_SHORT}", "--seq_lens=24,64", "--batches=1", "--batch_size=2",
+                          "--source=jsonl", f"--paths={held}", "--tokenizer=byte", f"--out={out}"]) == 0
+    with open(out + ".json") as f:
+        table = json.load(f)
+    assert {(r["split"], r["seq_len"]) for r in table["rows"]} == {("heldout", 24), ("heldout-long", 24),
+                                                                   ("heldout", 64)}
+    assert table["skipped"] == {"heldout-long @ 64": "no held-out document of >= 64 tokens"}
+    with open(out + ".md") as f:
+        assert "Not evaluated: heldout-long @ 64 (no held-out document of >= 64 tokens)." in f.read()
+
+
 def test_cli_refuses_an_unwritable_out_before_evaluating(tmp_path, monkeypatch):
     """--out=<a path under a regular file>/res computed the whole table, then died with a FileExistsError traceback
     (the --out parent was created only at the end; audit F10): now a one-line error naming --out, before any

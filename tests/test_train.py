@@ -138,6 +138,18 @@ def test_curves_png(stages, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curves_in_the_format_out_names_with_the_eval_loss(tmp_path):
+    """`eval_loss` (the LM stages' held-out loss) had no panel, and a --out of another extension got PNG bytes (the
+    temporary file's name said .png); a format matplotlib cannot write is a named error that leaves no file."""
+    runs = {"r": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5, "eval_loss": 1.7}, {"step": 3, "loss": 1.2}]}
+    for name, magic in (("c.pdf", b"%PDF"), ("c.svg", b"<?xml"), ("c.png", b"\x89PNG"), ("c", b"\x89PNG")):
+        assert plot(runs, str(tmp_path / name)) == ["loss", "eval_loss"]
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+    with pytest.raises(ValueError, match=r"^--out=.*c\.xyz: Format 'xyz' is not supported"):
+        plot(runs, str(tmp_path / "c.xyz"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "c.pdf", "c.png", "c.svg"]
+
+
 CLI = [sys.executable, "-m", "dsv32_jax.train.main", "--config=configs/dense_tiny.py", "--config.steps=10",
        "--config.checkpoint.every=2", "--config.data.seq_len=32", "--config.data.batch_size=4",
        "--config.log_every=1", "--config.optimizer.warmup_steps=2", "--config.eval.every=0"]

@@ -421,6 +421,23 @@ def test_cli_refused_configuration_is_one_line_and_leaves_no_workdir(args, messa
     assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("flags,message", [
+    ((":1234", 0, 0), r"^--num_processes must be >= 1, got 0$"),
+    (("", 2, 0), r"^--num_processes=2 needs --coordinator_address=host:port"),
+    ((":1234", 2, 2), r"^--process_id must be in \[0, --num_processes=2\), got 2$"),
+    ((":1234", 2, -1), r"^--process_id must be in \[0, --num_processes=2\), got -1$"),
+])
+def test_multihost_flags_are_checked_by_name(flags, message):
+    """jax.distributed.initialize's own errors (a traceback: "coordinator_address should be defined") name no
+    flag; main prints these (exit 2) before it initializes anything."""
+    import re
+
+    from dsv32_jax.train.main import multihost_flag_problem
+
+    assert re.search(message, multihost_flag_problem(*flags))
+    assert multihost_flag_problem("", 1, 0) is None and multihost_flag_problem("h:1", 4, 3) is None
+
+
 _LR_ABC = r"^error: flag --config\.optimizer\.lr=abc: could not convert string to float"
 
 

@@ -373,6 +373,10 @@ def check_config(config) -> None:
         integer("eval.batches", 1)
         integer("eval.batch_size", 0)
         integer("eval.seq_len", 0)
+        if "seed" in config.eval:  # (eval_data_config hands it to DataConfig, whose error named data.seed)
+            integer("eval.seed", 0)
+            if config.eval.seed >= 2**32:
+                fail("eval.seed", "an integer in [0, 2**32)")
         if config.eval.seq_len == 1:
             fail("eval.seq_len", "0 (the data's) or >= 2")
         if config.eval.every and config.stage in ("dense", "warmup", "sparse"):

@@ -141,6 +141,7 @@ def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_siz
                paths: tuple[str, ...] = ()) -> dict:
     """{"rows": [{"model", "attention", "split", "seq_len", "loss", "tokens"}], ...} for every workdir x attention
     x split. attentions: workdir -> which attentions (default: 'dense' for a dense-stage workdir, else both).
+    A context at which no held-out document is long enough has no heldout-long rows; "skipped" names it.
     data: DataConfig fields (default: the built-in corpus, whose held-out split is used); paths: the held-out files
     of any other source (config.eval.paths)."""
     import dsv32_jax
@@ -148,7 +149,7 @@ def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_siz
 
     data = dict(data or {"source": "builtin"})
     eval_cfg = {"batch_size": batch_size, "seed": 0, "paths": tuple(paths)}
-    rows, cache = [], {}
+    rows, cache, skipped = [], {}, {}
     for path in workdirs:
         model = dsv32_jax.from_pretrained(path, dtype=jnp.float32)
         stage = orbax_io.training_checkpoint(path).meta.get("stage") if orbax_io.is_training_workdir(path) else None
@@ -158,12 +159,20 @@ def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_siz
                 key = (seq_len, long, model.config.vocab_size)
                 if key not in cache:
                     cfg = eval_data_config(data, _Cfg(eval_cfg), seq_len, long)
-                    cache[key] = eval_batches(cfg, model.config.vocab_size, batches)
+                    try:
+                        cache[key] = eval_batches(cfg, model.config.vocab_size, batches)
+                    except data_lib.NoDocuments:
+                        if not long:
+                            raise
+                        cache[key] = None  # (the other columns are still worth having)
+                        skipped[f"{split} @ {seq_len}"] = f"no held-out document of >= {seq_len} tokens"
+                if cache[key] is None:
+                    continue
                 for attention in which:
                     r = evaluate_model(model, cache[key], attention)
                     rows.append({"model": _workdir_label(path), "workdir": path, "attention": attention,
                                  "split": split, "seq_len": seq_len, "index_topk": model.config.index_topk, **r})
-    return {"rows": rows, "batches": batches, "batch_size": batch_size}
+    return {"rows": rows, "batches": batches, "batch_size": batch_size, "skipped": skipped}
 
 
 class _Cfg(dict):
@@ -194,6 +203,8 @@ def markdown(table: dict) -> str:
     lines.append("")
     lines.append("Held-out loss in nats/token (difference to the first row in brackets); tokens per column: "
                  + ", ".join(f"{s} @ {n}: {t}" for (s, n), t in sorted(tokens.items(), key=lambda x: x[0][1])))
+    if table.get("skipped"):
+        lines.append("Not evaluated: " + "; ".join(f"{c} ({why})" for c, why in table["skipped"].items()) + ".")
     return "\n".join(lines)
 
 

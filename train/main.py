@@ -78,12 +78,28 @@ def configure_logging() -> None:
     logging.get_absl_handler().addFilter(_QuietLibraries())
 
 
+def multihost_flag_problem(coordinator_address: str, num_processes: int, process_id: int) -> str | None:
+    """What is wrong with the multi-host flags, naming them; None when they are consistent."""
+    if num_processes < 1:
+        return f"--num_processes must be >= 1, got {num_processes}"
+    if not 0 <= process_id < num_processes:
+        return f"--process_id must be in [0, --num_processes={num_processes}), got {process_id}"
+    if num_processes > 1 and not coordinator_address:
+        return (f"--num_processes={num_processes} needs --coordinator_address=host:port (process 0's), or use "
+                "--distributed where the cluster environment names it")
+    return None
+
+
 def main(argv):
     del argv
     faulthandler.enable()  # a native crash (XLA, grain threads) prints the Python stacks instead of a bare exit code
     import jax
 
     configure_logging()
+    problem = multihost_flag_problem(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if problem:  # (jax.distributed.initialize's own errors are tracebacks that name no flag)
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 2
     if FLAGS.coordinator_address or FLAGS.num_processes > 1:
         jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     elif FLAGS.distributed:

@@ -1,4 +1,5 @@
-"""Renders training curves to PNG: `python -m dsv32_jax.train.plot RUN_DIR [RUN_DIR ...] --out curves.png`.
+"""Renders training curves: `python -m dsv32_jax.train.plot RUN_DIR [RUN_DIR ...] --out curves.png` (the format
+--out's extension names: png, pdf, svg, ...; none: PNG).
 
 Every metrics.jsonl under the given directories becomes one line per metric panel (labelled by its directory).
 Evaluations (`eval_*` panels) are drawn as points, unsmoothed. An agentic run (train/agent_grpo.py) logs, in its
@@ -15,7 +16,7 @@ import os
 from dsv32_jax.optional import require
 from dsv32_jax.train.metrics import read_steps
 
-PANELS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
+PANELS = ("loss", "lm_loss", "eval_loss", "indexer_kl", "captured_mass", "mtp_loss", "grad_norm", "lr", "tokens_per_s",
           "reward_mean", "accuracy", "response_length", "kl", "clip_fraction", "opsm_masked_fraction",
           "success", "eval_success", "turns", "format_errors")
 
@@ -94,8 +95,14 @@ def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
     fig.legend(handles=handles, loc="lower right", fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    root, ext = os.path.splitext(out)
+    fmt = ext[1:].lower() or "png"  # the format --out names (a .pdf got PNG bytes: the temporary name said .png)
+    tmp = f"{root}.tmp{ext}"
+    try:
+        fig.savefig(tmp, dpi=110, format=fmt)
+    except ValueError as e:  # a format matplotlib cannot write
+        plt.close(fig)
+        raise ValueError(f"--out={out}: {e}") from None
     os.replace(tmp, out)
     plt.close(fig)
     return panels
@@ -113,7 +120,10 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     if not runs:
         raise SystemExit(f"no metrics.jsonl under {args.runs}")
-    panels = plot(runs, args.out, args.smooth)
+    try:
+        panels = plot(runs, args.out, args.smooth)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     print(f"wrote {args.out}: {', '.join(panels)} for {len(runs)} run(s)")
 
 

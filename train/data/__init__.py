@@ -11,8 +11,8 @@
 
 from dsv32_jax.train.data.builtin import builtin_documents
 from dsv32_jax.train.data.config import SOURCES, DataConfig
-from dsv32_jax.train.data.pipeline import (BlockShuffleMapDataset, ShardedBatches, check_inputs, make_dataset,
-                                           make_iterator, merge_states, pack_documents)
+from dsv32_jax.train.data.pipeline import (BlockShuffleMapDataset, NoDocuments, ShardedBatches, check_inputs,
+                                           make_dataset, make_iterator, merge_states, pack_documents)
 from dsv32_jax.train.data.sources import (ArrayRecordSource, JsonlSource, ListSource, ParquetSource, TextSource,
                                           make_source, resolve_paths)
 from dsv32_jax.train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
@@ -20,4 +20,4 @@ from dsv32_jax.train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenize
 __all__ = ["SOURCES", "ArrayRecordSource", "BlockShuffleMapDataset", "ByteTokenizer", "DataConfig", "HFTokenizer",
            "JsonlSource", "ListSource", "ParquetSource", "TextSource", "Tokenizer", "builtin_documents", "check_inputs",
            "make_dataset", "make_iterator", "make_source", "make_tokenizer", "merge_states", "pack_documents",
-           "resolve_paths", "ShardedBatches"]
+           "resolve_paths", "NoDocuments", "ShardedBatches"]

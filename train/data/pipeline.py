@@ -173,6 +173,10 @@ class _DropEmpty(grain.IterDataset):
         return "DropEmpty"
 
 
+class NoDocuments(ValueError):
+    """A stream that yields no document (every one empty or shorter than data.min_doc_tokens)."""
+
+
 class _DropEmptyIterator(grain.DatasetIterator):
     def __init__(self, parent, max_run: int | None, what: str):
         super().__init__(parent)
@@ -186,7 +190,7 @@ class _DropEmptyIterator(grain.DatasetIterator):
                 return ids
             run += 1
             if self.max_run is not None and run >= self.max_run:
-                raise ValueError(f"data: {run} documents in a row of {self.what} were empty or shorter than "
+                raise NoDocuments(f"data: {run} documents in a row of {self.what} were empty or shorter than "
                                  "data.min_doc_tokens (two passes' worth): no document to train on")
 
     def get_state(self) -> dict:
