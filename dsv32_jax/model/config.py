@@ -116,7 +116,7 @@ class ModelConfig:
         positive = [
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "index_n_heads", "index_head_dim", "moe_layer_freq",
+            "index_n_heads", "index_head_dim", "moe_layer_freq", "max_position_embeddings",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -160,6 +160,19 @@ class ModelConfig:
             fail("attention_bias", "must be false: DeepSeek-V3.2's attention projections have no bias")
         if not self.rms_norm_eps > 0:
             fail("rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        if self.n_shared_experts < 0:  # (a negative count failed in MLIR: "invalid tensor dimension size")
+            fail("n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        if not 0 < self.rope_theta < math.inf:  # (0 or less: a math domain error in the RoPE tables)
+            fail("rope_theta", f"must be a finite number > 0, got {self.rope_theta}")
+        if self.rope_type == "yarn":  # (as HF transformers' yarn checks: factor 0 gave NaN logits, silently)
+            if not 1 <= self.rope_factor < math.inf:
+                fail("rope_scaling.factor", f"must be a finite number >= 1 for yarn, got {self.rope_factor}")
+            for name, key in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow")):
+                if not 0 < getattr(self, name) < math.inf:
+                    fail(f"rope_scaling.{key}", f"must be a finite number > 0, got {getattr(self, name)}")
+            if self.rope_original_max_position_embeddings < 1:
+                fail("rope_scaling.original_max_position_embeddings",
+                     f"must be >= 1, got {self.rope_original_max_position_embeddings}")
 
     @property
     def has_moe(self) -> bool:

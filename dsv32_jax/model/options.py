@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 ATTENTION_IMPLS = ("sparse", "dense", "kernel")
 # Rematerialization of each decoder block (jax.checkpoint policies): what the backward pass may keep from the
 # forward. "none": everything (fastest, most memory); "full": only the block's inputs (recompute the block);
@@ -103,9 +105,13 @@ class RunOptions:
             raise ValueError(f"RunOptions.indexer_loss must be None, 'dense' or 'sparse', got {self.indexer_loss!r}")
         if self.indexer_loss == "sparse" and not self.dsa:
             raise ValueError("RunOptions.indexer_loss='sparse' needs dsa=True (it trains on the selected set)")
+        for name in ("dsa", "indexer_fp8", "fp8_kv", "scan_layers"):  # ("false" is truthy: it switched a path on)
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise ValueError(f"RunOptions.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("attn_chunk", "index_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RunOptions.{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"RunOptions.{name} must be an integer >= 1, got {v!r}")
         if self.attention == "kernel":
             import_kernels()
 

@@ -74,15 +74,22 @@ class Transformer(nnx.Module):
     """DeepSeek-V3.2 causal LM.
 
     `model(tokens)` -> float32 logits [B, T, V]. With `return_aux=True` -> (logits, aux) where aux holds, per
-    layer (keys 0..L-1, and L+j for MTP depth j as in the checkpoint): `topk` (indexer selections [B, T, k]), `routing` (expert ids [B, T, k]),
-    `router_prob` (MoE layers), `indexer_kl` / `indexer_captured` (with RunOptions.indexer_loss); and
+    layer (keys 0..L-1, and L+j for MTP depth j as in the checkpoint): `topk` (indexer selections
+    [B, T, min(index_topk, S)] for S keys), `routing` (expert ids [B, T, num_experts_per_tok]; None for a dense
+    layer), `router_prob` (MoE layers), `indexer_kl` / `indexer_captured` (with RunOptions.indexer_loss); and
     `mtp_logits` (list of [B, T, V]; entry j predicts token t+2+j) and `hidden` (final normed state).
+
+    The batch is an axis of the model's own: `jax.vmap` over a model with MoE layers fails in `lax.ragged_dot`
+    (no batching rule for per-row group sizes); pass the rows as the batch dimension instead.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  options: RunOptions | None = None):
         cfg = config
         self.config = cfg
+        if options is not None and not isinstance(options, RunOptions):  # (a dict failed at the first call)
+            raise ValueError(f"Transformer: options must be a RunOptions, got {type(options).__name__} "
+                             "(e.g. RunOptions(**options))")
         self.options = options or RunOptions()
         self.dtype = dtype
         self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype,
@@ -101,6 +108,9 @@ class Transformer(nnx.Module):
         (default: the slot index), segments (default: one document), and the keys' segments (default: the
         tokens' own, i.e. no cache)."""
         b, t = tokens.shape
+        for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+            if x is not None and tuple(np.shape(x)) != (b, t):
+                raise ValueError(f"{name} must have the tokens' shape [B, T] = {(b, t)}, got {tuple(np.shape(x))}")
         index = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         positions = index if positions is None else positions.astype(jnp.int32)
         segments = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -127,6 +137,7 @@ class Transformer(nnx.Module):
         aux["mtp_hidden"] (the MTP heads' normed states) instead of logits, for a loss that applies the head
         chunk by chunk (`train.losses.chunked_token_nll`: no [B, T, V] buffer at long context)."""
         _check_tokens(tokens, self.config.vocab_size)
+        _check_routing(routing, self.config, tokens.shape)
         pos = self.positions(tokens, positions, segment_ids)
         h, aux = self.backbone(self.embed_tokens(tokens), pos, routing)
         if not head:
@@ -176,6 +187,11 @@ class Transformer(nnx.Module):
 
         positions [B, T] are RoPE positions, segment_ids [B, T] (0 for padding). Prefill = decode on an empty
         cache with index 0. Returns (logits [B, T, V] float32, new cache, aux per layer: topk, routing)."""
+        _check_tokens(tokens, self.config.vocab_size)
+        _check_routing(routing, self.config, tokens.shape)
+        if segment_ids is None:
+            raise ValueError("decode: segment_ids [B, T] are required (the slots' documents; 0 marks padding)")
+        _check_cache_layout(cache, tokens.shape[0], self.options)
         _check_cache_room(index, tokens.shape[1], cache["segment"].shape[1])
         seg_cache = jax.lax.dynamic_update_slice_in_dim(cache["segment"], segment_ids.astype(jnp.int32), index, axis=1)
         pos = self.positions(tokens, positions, segment_ids, start=index, kv_segment=seg_cache)
@@ -273,12 +289,58 @@ def _collect(aux: dict, key, layer_aux: dict) -> None:
         aux.setdefault(name, {})[key] = value
 
 
+def _concrete(x) -> bool:
+    return isinstance(x, np.ndarray | jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def _check_routing(routing, cfg: ModelConfig, bt: tuple[int, int]) -> None:
+    """Recorded expert ids to replay ({layer: ids [B, T, num_experts_per_tok]}, None for a layer without them):
+    a key of a dense layer was ignored, a wrong width silently reshaped (ids of 1 or 3 experts per token), and an
+    id outside [0, n_routed_experts) gave NaN logits or another expert's weight."""
+    if not routing:
+        return
+    want = (*bt, cfg.num_experts_per_tok)
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    for key, ids in routing.items():
+        if ids is None:
+            continue
+        if isinstance(key, bool) or not isinstance(key, int | np.integer) or not 0 <= key < layers \
+                or not cfg.is_moe_layer(int(key)):
+            moe = [i for i in range(layers) if cfg.is_moe_layer(i)]
+            raise ValueError(f"routing[{key!r}]: not an MoE layer of this model (its MoE layers: {moe})")
+        if tuple(np.shape(ids)) != want or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+            raise ValueError(f"routing[{key}]: expert ids must be integers of shape [B, T, num_experts_per_tok] = "
+                             f"{want}, got {jnp.result_type(ids)} {tuple(np.shape(ids))}")
+        if _concrete(ids) and np.size(ids):
+            concrete = np.asarray(ids)
+            lo, hi = int(concrete.min()), int(concrete.max())
+            if lo < 0 or hi >= cfg.n_routed_experts:
+                raise ValueError(f"routing[{key}]: expert ids must be in [0, n_routed_experts={cfg.n_routed_experts}), "
+                                 f"got range [{lo}, {hi}]")
+
+
+def _check_cache_layout(cache: dict, batch: int, opts: RunOptions) -> None:
+    """A decode cache built for another batch or under other FP8 options failed inside the layers (a reshape, a
+    KeyError 'c_kv_scale', a float8 type promotion) without naming the cache."""
+    rows = cache["segment"].shape[0]
+    if rows != batch:
+        raise ValueError(f"decode: the cache holds {rows} rows and tokens {batch}: call init_cache({batch}, ...)")
+    layer = cache["layers"][0] if cache["layers"] else {}
+    for option, key in (("fp8_kv", "c_kv_scale"), ("indexer_fp8", "idx_k_scale")):
+        built = key in layer
+        if built != bool(getattr(opts, option)):
+            raise ValueError(f"decode: the cache was built with {option}={built} and model.options has "
+                             f"{option}={getattr(opts, option)}: call init_cache again under these options")
+
+
 def _check_tokens(tokens, vocab_size: int) -> None:
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq] integers, got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    if isinstance(tokens, np.ndarray | jax.Array) and not isinstance(tokens, jax.core.Tracer):
+    if tokens.shape[1] == 0:
+        raise ValueError(f"tokens must hold at least one position, got shape {tokens.shape}")
+    if _concrete(tokens) and tokens.size:
         concrete = np.asarray(tokens)  # numpy: no tracing even when the array is closed over inside a jit
         lo, hi = int(concrete.min()), int(concrete.max())
         if lo < 0 or hi >= vocab_size:

@@ -72,6 +72,7 @@ def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) ->
     if n_new == 0:
         return
     vocab = model.config.vocab_size
+    cfg.check_vocab(vocab)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ValueError(f"prompt: token id {bad[0]} outside the model's vocabulary [0, {vocab})")

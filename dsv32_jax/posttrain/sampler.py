@@ -42,13 +42,21 @@ class SamplingConfig:
 
     def kept_width(self, vocab: int) -> int:
         """K, the candidates recorded per token for a model vocabulary of `vocab` ids: 0 when sampling is over the
-        full vocabulary; all `vocab_size` ids when only the mask restricts it."""
-        if self.vocab_size > vocab:
-            raise ValueError(f"SamplingConfig.vocab_size={self.vocab_size} exceeds the model's vocabulary of {vocab}")
+        full vocabulary; all `vocab_size` ids when only the mask restricts it. Checks the ids against the model's
+        vocabulary first (check_vocab)."""
+        self.check_vocab(vocab)
         limit = self.vocab_size or vocab
         if self.truncated:
             return self.num_candidates(limit)
         return limit if limit < vocab else 0
+
+    def check_vocab(self, vocab: int) -> None:
+        """vocab_size and pad_id against the model's vocabulary of `vocab` ids: a pad id outside it embedded as NaN
+        (jnp.take's fill), and the padding slots, invisible to attention, still turned every row's logits NaN."""
+        if self.vocab_size > vocab:
+            raise ValueError(f"SamplingConfig.vocab_size={self.vocab_size} exceeds the model's vocabulary of {vocab}")
+        if not 0 <= self.pad_id < vocab:
+            raise ValueError(f"SamplingConfig.pad_id={self.pad_id} must be a token id of the model, in [0, {vocab})")
 
     def __post_init__(self):
         if not 0 < self.temperature < float("inf") and not self.greedy:  # (nan refused too; inf sampled uniformly)
@@ -197,6 +205,12 @@ def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollou
         if bad:
             raise ValueError(f"prompt_lengths must be in [1, P={prompts.shape[1]}] (the prompts' padded width); "
                              f"got {bad[:4]}")
+    cfg.check_vocab(model.config.vocab_size)
+    if not isinstance(prompts, jax.core.Tracer) and prompts.size:  # (padding too: a NaN row poisons every row)
+        lo, hi = int(jnp.min(prompts)), int(jnp.max(prompts))
+        if lo < 0 or hi >= model.config.vocab_size:
+            raise ValueError(f"prompts: token ids must be in [0, vocab_size={model.config.vocab_size}), got range "
+                             f"[{lo}, {hi}] (padding included)")
     ctx = int(model.config.max_position_embeddings)
     longest = prompts.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jax.device_get(lengths).max())
     if longest + cfg.max_new_tokens > ctx:  # (RoPE past the trained context: the model extrapolates, silently)
