@@ -87,9 +87,11 @@ def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str
     """
     if scale_fmt not in ("ue8m0", None):
         raise ValueError(f"hadamard_quant: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+        raise ValueError(f"hadamard_quant: block_rows must be an integer >= 1, got {block_rows!r}")
     impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu"), op="hadamard_quant",
                         shapes={"x": x}, unsupported=None if x.shape[-1] == DIM else f"the kernel rotates rows of "
                         f"{DIM}, got a last dim of {x.shape[-1]}")
-    if impl == "reference":
+    if impl == "reference" or x.size == 0:  # (no rows: the kernels' grid would be empty, a division by 0)
         return hadamard_quant_reference(x, scale_fmt)
     return _hadamard_quant_pallas(x, scale_fmt=scale_fmt, block_rows=block_rows, backend=impl)

@@ -34,9 +34,33 @@ from dsv32_jax.kernels._dispatch import target_device, next_pow2, resolve_impl, 
 
 
 def _ranges(starts, ends, b, t, s):
-    starts = jnp.zeros((b, t), jnp.int32) if starts is None else jnp.clip(starts.astype(jnp.int32), 0, s)
-    ends = jnp.full((b, t), s, jnp.int32) if ends is None else jnp.clip(ends.astype(jnp.int32), 0, s)
-    return starts, ends
+    out = []
+    for name, x, default in (("starts", starts, 0), ("ends", ends, s)):
+        if x is None:
+            out.append(jnp.full((b, t), default, jnp.int32))
+            continue
+        x = jnp.asarray(x)
+        try:  # (a [B, 1] range read past its end: the interpreted kernel looped on garbage bounds)
+            x = jnp.broadcast_to(x, (b, t))
+        except ValueError:
+            raise ValueError(f"indexer_logits: {name} of shape {x.shape} must broadcast to (B, T) = {(b, t)}") from None
+        out.append(jnp.clip(x.astype(jnp.int32), 0, s))
+    return tuple(out)
+
+
+def check_shapes(q_fp8, k_fp8, k_scale, weights) -> None:
+    """The arguments' shapes against q_fp8's [B, T, H, D]: the kernels read by them, and a mismatch came back as
+    NaN (interpret mode's padding) or, on a chip, whatever memory held."""
+    if q_fp8.ndim != 4:
+        raise ValueError(f"indexer_logits: q_fp8 must be [B, T, H, D], got shape {q_fp8.shape}")
+    b, t, h, d = q_fp8.shape
+    if k_fp8.ndim != 3 or k_fp8.shape[0] != b or k_fp8.shape[2] != d:
+        raise ValueError(f"indexer_logits: k_fp8 must be [B, S, D] = [{b}, S, {d}] (q_fp8 {q_fp8.shape}), got shape "
+                         f"{k_fp8.shape}")
+    if k_scale.shape != k_fp8.shape[:2]:
+        raise ValueError(f"indexer_logits: k_scale must be [B, S] = {k_fp8.shape[:2]}, got shape {k_scale.shape}")
+    if weights.shape != (b, t, h):
+        raise ValueError(f"indexer_logits: weights must be [B, T, H] = {(b, t, h)}, got shape {weights.shape}")
 
 
 def indexer_logits_reference(q_fp8, k_fp8, k_scale, weights, starts=None, ends=None, out_dtype=jnp.float32):
@@ -224,6 +248,7 @@ def indexer_logits(q_fp8, k_fp8, k_scale, weights, *, starts=None, ends=None, ou
     """
     if k_steps is not None and k_steps < 1:
         raise ValueError(f"indexer_logits: k_steps={k_steps} must be >= 1 (or None)")
+    check_shapes(q_fp8, k_fp8, k_scale, weights)
     if out_dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"indexer_logits: out_dtype must be float32 or bfloat16, got {out_dtype}")
     impl = resolve_impl(impl, ("pallas_gpu", "interpret", "pallas_tpu", "interpret_tpu", *MOSAIC_BACKENDS),

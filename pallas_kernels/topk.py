@@ -55,6 +55,7 @@ import functools
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -430,6 +431,8 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
     pallas_gpu, interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs
     the reference (`jax.lax.top_k`, a full sort).
     """
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:  # (-1 gave [..., 0] on the TPU path)
+        raise ValueError(f"topk: k must be an integer >= 1, got {k!r}")
     if lengths is not None:  # one length per row (a scalar or any shape that broadcasts to the rows' shape)
         lengths = jnp.asarray(lengths, jnp.int32)
         try:

@@ -11,6 +11,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import rel_err
 
 from dsv32_jax import kernels
@@ -320,3 +321,54 @@ def test_impl_resolves_from_the_active_meshs_devices_before_the_default_device(m
         with shd.use_mesh(mesh):
             assert _dispatch.target_device() is mesh.devices.flat[0]
             assert _dispatch.resolve_impl(None, backends) == "pallas_tpu"
+
+
+# ------------------------------------------------------------------------- argument checks (audit 2026-12-06)
+
+
+def _indexer_inputs(rng, b=1, t=2, h=4, s=16, d=128):
+    from dsv32_jax.model import indexer as ri
+
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    return ri.quantize_indexer(q, k, w)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "interpret_tpu"])
+def test_indexer_logits_names_a_mismatched_argument(impl, rng):
+    """Mismatched heads, D or k_scale came back as NaN (interpret mode's padding for the reads past an argument's
+    end; on a chip, whatever memory held), and a [B, 1] range made the interpreted Triton kernel loop on garbage
+    bounds (a hang). Each is a ValueError naming the argument; a range that broadcasts still runs."""
+    qf, kf, ks, wf = _indexer_inputs(rng)
+    for args, kw, msg in (
+            ((qf, kf, ks, wf[..., :2]), {}, r"weights must be \[B, T, H\] = \(1, 2, 4\), got shape \(1, 2, 2\)"),
+            ((qf, kf[..., :64], ks, wf), {}, r"k_fp8 must be \[B, S, D\] = \[1, S, 128\] .*got shape \(1, 16, 64\)"),
+            ((qf, kf, ks[:, :5], wf), {}, r"k_scale must be \[B, S\] = \(1, 16\), got shape \(1, 5\)"),
+            ((qf[0], kf, ks, wf), {}, r"q_fp8 must be \[B, T, H, D\], got shape \(2, 4, 128\)"),
+            ((qf, kf, ks, wf), {"starts": jnp.zeros((1, 3), jnp.int32)},
+             r"starts of shape \(1, 3\) must broadcast to \(B, T\) = \(1, 2\)")):
+        with pytest.raises(ValueError, match=r"^indexer_logits: " + msg):
+            kernels.indexer_logits(*args, impl=impl, **kw)
+    want = kernels.indexer_logits(qf, kf, ks, wf, starts=jnp.zeros((1, 2), jnp.int32),
+                                  ends=jnp.full((1, 2), 9, jnp.int32), impl="reference")
+    got = kernels.indexer_logits(qf, kf, ks, wf, starts=jnp.zeros((1, 1), jnp.int32), ends=9, impl=impl)
+    assert np.isinf(np.asarray(got)[..., 9:]).all()
+    assert rel_err(np.asarray(got)[..., :9], np.asarray(want)[..., :9]) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "interpret_tpu"])
+@pytest.mark.parametrize("k", [0, -1, 2.5, True])
+def test_topk_refuses_a_k_that_is_not_a_positive_integer(impl, k):
+    """k=-1 returned [..., 0] on the TPU path and failed deep in Pallas on the GPU one (k=0, 2.5 too)."""
+    scores = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64)), jnp.float32)
+    with pytest.raises(ValueError, match=rf"^topk: k must be an integer >= 1, got {k!r}$"):
+        kernels.topk(scores, k, impl=impl)
+
+
+def test_hadamard_quant_refuses_block_rows_below_one_and_takes_no_rows():
+    with pytest.raises(ValueError, match=r"^hadamard_quant: block_rows must be an integer >= 1, got 0$"):
+        kernels.hadamard_quant(jnp.ones((4, 128)), impl="interpret", block_rows=0)
+    for impl in ("interpret", "interpret_tpu"):  # (a ZeroDivisionError / an out-of-bound slice)
+        codes, scale = kernels.hadamard_quant(jnp.zeros((0, 128)), impl=impl)
+        assert codes.shape == (0, 128) and scale.shape == (0,)
