@@ -187,12 +187,12 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
 
 def data_fingerprint(data) -> dict:
     """What check_resume compares of config.data (JSON values, as the checkpoint's meta records them); the
-    tokenizer as `trainer.tokenizer_record` writes it (an absolute path), so a relative spelling is no change."""
-    keys = [k for k in RESUME_DATA_FIELDS + WARN_DATA_FIELDS if k in data]
-    out = {k: data[k] for k in keys}
-    if isinstance(out.get("tokenizer"), str) and out["tokenizer"] != "byte":
-        path = os.path.abspath(os.path.expanduser(out["tokenizer"]))
-        out["tokenizer"] = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    tokenizer as the meta records it (`data.tokenizers.tokenizer_record`), so a relative spelling is no change."""
+    from dsv32_jax.train.data.tokenizers import tokenizer_record  # noqa: PLC0415
+
+    out = {k: data[k] for k in RESUME_DATA_FIELDS + WARN_DATA_FIELDS if k in data}
+    if isinstance(out.get("tokenizer"), str):
+        out["tokenizer"] = tokenizer_record(out["tokenizer"])
     return json_lib.loads(json_lib.dumps(out))
 
 

@@ -210,7 +210,7 @@ def markdown(table: dict) -> str:
 
 def recorded_tokenizer(path: str) -> str | None:
     """The tokenizer a workdir or checkpoint was trained with: a training workdir's recorded data.tokenizer ("byte"
-    or a tokenizer.json path, `trainer.tokenizer_record`), else the tokenizer.json beside a converted checkpoint;
+    or a tokenizer.json path, `data.tokenizers.tokenizer_record`), else the tokenizer.json beside a converted checkpoint;
     None when neither says."""
     from dsv32_jax.checkpoint import orbax_io
 
@@ -228,15 +228,10 @@ def eval_tokenizer(workdirs: list[str], override: str = "") -> str:
     records another one), else the one every workdir records. The table compares nats per token, so workdirs
     that record different tokenizers (or none) need --tokenizer. The CLI's default was "byte" whatever the
     workdirs were trained with: a BPE-trained model was scored on byte ids without a word."""
-    from dsv32_jax.train.data.tokenizers import tokenizer_file
+    from dsv32_jax.train.data.tokenizers import tokenizer_record
 
-    def same(a: str, b: str) -> bool:
-        if "byte" in (a, b) or a.startswith("chat:") or b.startswith("chat:"):
-            return a == b
-        try:
-            return os.path.realpath(tokenizer_file(a)) == os.path.realpath(tokenizer_file(b))
-        except (OSError, ValueError):
-            return a == b
+    def same(a: str, b: str) -> bool:  # (a directory and the tokenizer.json in it are one tokenizer)
+        return tokenizer_record(a) == tokenizer_record(b)
 
     recorded = {w: recorded_tokenizer(w) for w in workdirs}
     if override:

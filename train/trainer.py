@@ -31,6 +31,7 @@ from dsv32_jax.train import checkpointing, steps
 from dsv32_jax.train import data as data_lib
 from dsv32_jax.train.config import check_batch_mesh, check_config, check_init_from, check_model_overrides
 from dsv32_jax.train.loop import DataError, DataExhausted, run_loop
+from dsv32_jax.train.data.tokenizers import tokenizer_record
 from dsv32_jax.train.metrics import LM_KEYS, read_steps
 from dsv32_jax.train.optimizer import group_config, learning_rate_schedule, make_tx, trainable_filter
 
@@ -221,15 +222,6 @@ def flops_per_token(cfg: dsv32_jax.ModelConfig, seq_len: int, sparse: bool) -> f
     attention = cfg.num_hidden_layers * 2 * h * keys * (cfg.kv_latent_dim + cfg.kv_lora_rank)
     index_scores = cfg.num_hidden_layers * 2 * cfg.index_n_heads * cfg.index_head_dim * seq_len / 2
     return 6 * matmul + 3 * (attention + index_scores)
-
-
-def tokenizer_record(spec: str) -> str:
-    """What a checkpoint's meta records as its tokenizer (`dsv32-generate` reads it): "byte", or the absolute
-    path of the tokenizer.json that config.data.tokenizer names (a file or a directory holding one)."""
-    if spec == "byte":
-        return spec
-    path = os.path.abspath(os.path.expanduser(spec))
-    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
 @dataclasses.dataclass

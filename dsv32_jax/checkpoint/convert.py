@@ -307,7 +307,7 @@ def _source_dtypes(source: orbax_io.StoredParams) -> tuple[dict, str]:
 
 def _recorded_tokenizer(source: orbax_io.StoredParams) -> str | None:
     """The tokenizer.json a training workdir's checkpoint names (its meta's "tokenizer",
-    `train.trainer.tokenizer_record`), when that file exists; None for "byte" (no file) and for a converted
+    `train.data.tokenizers.tokenizer_record`), when that file exists; None for "byte" (no file) and for a converted
     checkpoint (its tokenizer files lie beside it)."""
     spec = source.meta.get("tokenizer") if source.training and isinstance(source.meta, dict) else None
     return spec if isinstance(spec, str) and spec.endswith(".json") and os.path.isfile(spec) else None

@@ -132,6 +132,15 @@ def tokenizer_file(spec: str) -> str:
     return path
 
 
+def tokenizer_record(spec: str) -> str:
+    """What a checkpoint's meta records as its tokenizer (`dsv32-generate`, the eval CLI and a resume read it): "byte", or the absolute
+    path of the tokenizer.json that config.data.tokenizer names (a file or a directory holding one)."""
+    if spec == "byte":
+        return spec
+    path = os.path.abspath(os.path.expanduser(spec))
+    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
 def make_tokenizer(spec: str, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
     """"byte", a tokenizer.json path, or a (checkpoint) directory containing tokenizer.json. With
     ``vocab_size`` (the model's), raises if the tokenizer can produce ids >= vocab_size."""
