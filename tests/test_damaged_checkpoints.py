@@ -131,7 +131,9 @@ def test_a_sharded_load_of_a_damaged_checkpoint_names_the_read_error(tmp_path):
     assert msg is not None, res.stdout
     assert msg.startswith(f"CHECKPOINT_ERROR {os.path.join(out, 'params')}: failed to read [") and "OUT_OF_RANGE" in msg
     assert "TensorStore(" not in msg and "tensorstore_spec" not in msg and len(msg) < 900, msg
-    assert "Traceback" not in res.stderr and len(res.stderr.splitlines()) <= 3, res.stderr[-3000:]
+    # the conversion's progress bar redraws once more on a slower machine: only what is not the bar counts
+    noise = [x for x in res.stderr.splitlines() if x.strip() and not x.startswith("hf-to-orbax:")]
+    assert "Traceback" not in res.stderr and len(noise) <= 3, res.stderr[-3000:]
 
 
 def test_quiet_failed_reads_drops_only_orphaned_reads_and_restores_after_a_success(restore_hooks):
