@@ -30,11 +30,12 @@ def hadamard_quant_reference(x: jnp.ndarray, scale_fmt: str | None = "ue8m0"):
 
 
 def _pow2_ceil(s: jnp.ndarray) -> jnp.ndarray:
-    """Smallest power of two >= s for normal positive f32 s (exponent + 1 when the mantissa is non-zero)."""
+    """Smallest power of two >= s for normal positive f32 s (exponent + 1 when the mantissa is non-zero); inf and
+    NaN stay as they are, as in `ue8m0_round_up` (a NaN's mantissa carried into the sign bit: -0.0)."""
     bits = jax.lax.bitcast_convert_type(s, jnp.int32)
     exponent = (bits >> 23) & 0xFF
     exponent = jnp.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
-    return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+    return jnp.where(jnp.isfinite(s), jax.lax.bitcast_convert_type(exponent << 23, jnp.float32), s)
 
 
 def _kernel(x_ref, h_ref, codes_ref, scale_ref, *, scale_fmt):

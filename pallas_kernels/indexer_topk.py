@@ -66,6 +66,10 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
     quantizes with the `hadamard_quant` kernel, which needs D = 128: other D raise with an explicit impl and
     use the reference quantization with impl=None. Not differentiable (integer output).
     """
+    ref_indexer.check_topk_args("indexer_topk", q, k, w, q_index, q_segment, kv_segment, topk, fp8=fp8,
+                                q_chunk=q_chunk, k_scale=k_scale)
+    if jnp.dtype(logits_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"indexer_topk: logits_dtype must be float32 or bfloat16, got {jnp.dtype(logits_dtype)}")
     reason = None
     if fp8 and q.shape[-1] != HADAMARD_DIM:
         reason = f"the fp8 path's hadamard_quant kernel needs D = {HADAMARD_DIM}, got D = {q.shape[-1]}"
@@ -77,6 +81,8 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
                                         k_scale=k_scale)
     sub_impl = impl  # the caller's request goes to each kernel: explicit stays explicit, None resolves per op
     k_eff = min(topk, k.shape[1])
+    if k_eff == 0 or q.shape[1] == 0:  # no keys or no queries: nothing to score (as the reference)
+        return jnp.full((q.shape[0], q.shape[1], k_eff), -1, jnp.int32)
     q, k, w = jax.lax.stop_gradient((q, k, w))
     starts, ends = _key_ranges(q_index, q_segment, kv_segment)
     if fp8:

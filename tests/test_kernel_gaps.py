@@ -372,3 +372,100 @@ def test_hadamard_quant_refuses_block_rows_below_one_and_takes_no_rows():
     for impl in ("interpret", "interpret_tpu"):  # (a ZeroDivisionError / an out-of-bound slice)
         codes, scale = kernels.hadamard_quant(jnp.zeros((0, 128)), impl=impl)
         assert codes.shape == (0, 128) and scale.shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------------ indexer_topk
+def _topk_args(rng, b=1, t=2, s=8, h=2, d=128):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    q_index = jnp.broadcast_to(jnp.arange(s - t, s, dtype=jnp.int32), (b, t))
+    return q, k, w, q_index, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32)
+
+
+def _indexer_topk_fn(impl):
+    from dsv32_jax.model import indexer as ref_indexer
+
+    if impl == "model":  # the model's own reference (dsv32_jax.model.indexer), which takes no impl
+        return ref_indexer.indexer_topk
+    return lambda *a, **kw: kernels.indexer_topk(*a, impl=impl, **kw)
+
+
+@pytest.mark.parametrize("impl", ["model", "reference", "interpret", "interpret_tpu"])
+def test_indexer_topk_names_a_mismatched_argument(impl, rng):
+    """A kv_segment shorter than k clipped every query's causal range to its length: keys past it were never chosen,
+    with no error (fp8 kernel path); [B, 1] query ids, a [B, T, 1] w and a batch-2 k broadcast against a batch-1
+    q; e4m3 codes with their k_scale but fp8=False were scored as unrotated float keys (a wrong selection); q_chunk
+    0 was a ZeroDivisionError. Each is now a ValueError naming the argument, in the model's reference and in the
+    kernel composition alike. Mutants: the kv_segment shape check dropped; the k_scale / fp8 check dropped."""
+    from dsv32_jax.model.indexer import quantize_keys
+
+    fn = _indexer_topk_fn(impl)
+    q, k, w, qi, qs, ks = _topk_args(rng)
+    codes, scale = quantize_keys(k)
+    for args, kw, msg in (
+            ((q, k, w, qi, qs, ks[:, :3]), {}, r"kv_segment must have shape \(1, 8\) .*got \(1, 3\)"),
+            ((q, k, w, qi, qs, jnp.zeros((1, 12), jnp.int32)), {}, r"kv_segment must have shape \(1, 8\)"),
+            ((q, k, w, qi[:, :1], qs, ks), {}, r"q_index must have shape \(1, 2\) .*got \(1, 1\)"),
+            ((q, k, w, qi, qs[:, :1], ks), {}, r"q_segment must have shape \(1, 2\)"),
+            ((q, k, w[..., :1], qi, qs, ks), {}, r"w must have shape \(1, 2, 2\)"),
+            ((q, jnp.concatenate([k, k]), w, qi, qs, ks), {}, r"k must be \[B, S, D\] = \[1, S, 128\]"),
+            ((q[0], k, w, qi, qs, ks), {}, r"q must be \[B, T, H_I, D\], got shape \(2, 2, 128\)"),
+            ((q, codes, w, qi, qs, ks), {"k_scale": scale}, r"k_scale goes with fp8=True and k given as e4m3 codes"),
+            ((q, k, w, qi, qs, ks), {"k_scale": scale, "fp8": True}, r"k_scale goes with fp8=True and k given as"),
+            ((q, codes, w, qi, qs, ks), {"fp8": True}, r"k is e4m3 codes \(float8_e4m3fn\): pass their k_scale"),
+            ((q, codes, w, qi, qs, ks), {"k_scale": scale[:, :4], "fp8": True}, r"k_scale must have shape \(1, 8\)"),
+            ((q, k, w, qi, qs, ks), {"q_chunk": 0}, r"q_chunk must be None or an integer >= 1, got 0"),
+            ((q, k, w, qi, qs, ks), {"q_chunk": 2.5}, r"q_chunk must be None or an integer >= 1, got 2.5")):
+        with pytest.raises(ValueError, match=r"^indexer_topk: " + msg):
+            fn(*args[:6], 4, **kw)
+    for topk in (0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"^indexer_topk: topk must be an integer >= 1, got {topk!r}$"):
+            fn(q, k, w, qi, qs, ks, topk)
+    if impl in ("interpret", "interpret_tpu"):  # integer logits truncated scores and the -inf mask (fp8=False)
+        with pytest.raises(ValueError, match=r"^indexer_topk: logits_dtype must be float32 or bfloat16, got int32$"):
+            fn(q, k, w, qi, qs, ks, 4, logits_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("impl", ["model", "interpret", "interpret_tpu"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_topk_with_no_keys_or_no_queries(impl, fp8, rng):
+    """S = 0 was an argmax of an empty sequence, T = 0 a slice error in indexer_logits (and a reduction of an empty
+    array in the reference's exact path): both are empty selections [B, T, min(topk, S)], the contract's shape."""
+    fn = _indexer_topk_fn(impl)
+    q, k, w, qi, qs, ks = _topk_args(rng, b=2)
+    out = fn(q, k[:, :0], w, jnp.zeros_like(qi), qs, ks[:, :0], 4, fp8=fp8)
+    assert out.shape == (2, 2, 0) and out.dtype == jnp.int32
+    out = fn(q[:, :0], k, w[:, :0], qi[:, :0], qs[:, :0], ks, 4, fp8=fp8)
+    assert out.shape == (2, 0, 4) and out.dtype == jnp.int32
+
+
+def test_hadamard_quant_codes_equal_the_reference_on_rounding_midpoints():
+    """The kernel sums the +-1 products and then scales by 128^-1/2 (as fast_hadamard_transform(x, scale) does);
+    the reference multiplied by a matrix of +-128^-1/2 entries, which rounds differently: about one value in 1e5
+    fell on the other side of an e4m3 midpoint (8192 rows of N(0, 37.3^2): 11 codes), a different code and so a
+    different selection when two keys tie. Expected: the rotation within float32 rounding of float64 numpy's x @ H
+    128^-1/2, and the kernel's codes and scales equal to the reference's, all of them (on CPU both sum the 128
+    products in the same order; a chip's order may differ, test_hadamard_quant_matches_reference_exactly allows
+    that). Mutant: the reference's matrix scaled first again (`hadamard_matrix(d) * d**-0.5`: 11 codes differ)."""
+    from dsv32_jax.model.fp8 import hadamard_matrix, hadamard_rotate
+
+    x = (np.random.default_rng(0).standard_normal((8192, 128)) * 37.3).astype(np.float32)
+    y = np.asarray(hadamard_rotate(jnp.asarray(x)), np.float64)
+    want = x.astype(np.float64) @ hadamard_matrix(128).astype(np.float64) * 128 ** -0.5
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    codes, scale = kernels.hadamard_quant(jnp.asarray(x), impl=IMPL, block_rows=1024)
+    ref_codes, ref_scale = kernels.hadamard_quant(jnp.asarray(x), impl="reference")
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(ref_scale))
+    np.testing.assert_array_equal(np.asarray(codes, np.float32), np.asarray(ref_codes, np.float32))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "interpret_tpu"])
+def test_hadamard_quant_keeps_a_nan_rows_scale_nan(impl):
+    """A NaN row's ue8m0 scale came back as -0.0 from the kernel (the NaN's mantissa carried into the sign bit)
+    where the reference keeps NaN, as `ue8m0_round_up` documents; an inf row keeps inf codes clipped, as both."""
+    x = jnp.ones((2, 128), jnp.float32).at[0, 3].set(jnp.nan)
+    _, scale = kernels.hadamard_quant(x, impl=impl)
+    _, ref_scale = kernels.hadamard_quant(x, impl="reference")
+    assert np.isnan(np.asarray(scale)[0]) and np.isnan(np.asarray(ref_scale)[0])
+    assert np.asarray(scale)[1] == np.asarray(ref_scale)[1] == 2.0 ** -5

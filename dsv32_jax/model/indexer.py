@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv32_jax.model.attention import map_query_chunks, visible
@@ -98,14 +99,52 @@ def select_topk(scores: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_topk_args(op: str, q, k, w, q_index, q_segment, kv_segment, topk, *, fp8: bool, q_chunk, k_scale):
+    """The argument contract of `indexer_topk` (and of the kernel composition `dsv32_jax.kernels.indexer_topk`):
+    a ValueError naming the argument. Without it a kv_segment shorter than k clipped every causal range (a wrong
+    selection, no error), [B, 1] query ids broadcast, and e4m3 codes with k_scale but fp8=False were scored as
+    unrotated float keys."""
+    if q.ndim != 4:
+        raise ValueError(f"{op}: q must be [B, T, H_I, D], got shape {tuple(q.shape)}")
+    b, t, h, d = q.shape
+    if k.ndim != 3 or k.shape[0] != b or k.shape[2] != d:
+        raise ValueError(f"{op}: k must be [B, S, D] = [{b}, S, {d}] for q {tuple(q.shape)}, got shape "
+                         f"{tuple(k.shape)}")
+    s = k.shape[1]
+    for name, a, want in (("w", w, (b, t, h)), ("q_index", q_index, (b, t)), ("q_segment", q_segment, (b, t)),
+                          ("kv_segment", kv_segment, (b, s)), ("k_scale", k_scale, (b, s))):
+        if a is not None and tuple(jnp.shape(a)) != want:
+            raise ValueError(f"{op}: {name} must have shape {want} for q {tuple(q.shape)} and k {tuple(k.shape)}, "
+                             f"got {tuple(jnp.shape(a))}")
+    codes = jnp.dtype(k.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if k_scale is not None and not (fp8 and codes):
+        raise ValueError(f"{op}: k_scale goes with fp8=True and k given as e4m3 codes (`quantize_keys`); got fp8={fp8}"
+                         f", k {k.dtype}")
+    if codes and k_scale is None:
+        raise ValueError(f"{op}: k is e4m3 codes ({k.dtype}): pass their k_scale [B, S] and fp8=True")
+    if not _is_int(topk) or topk < 1:
+        raise ValueError(f"{op}: topk must be an integer >= 1, got {topk!r}")
+    if q_chunk is not None and (not _is_int(q_chunk) or q_chunk < 1):
+        raise ValueError(f"{op}: q_chunk must be None or an integer >= 1, got {q_chunk!r}")
+
+
 def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: bool = False,
                  q_chunk: int | None = 128, k_scale=None) -> jnp.ndarray:
     """Scores eq. (1) and selects k = min(topk, S) keys per query, chunked over queries so that at most
     chunk x S scores are live. Causal/segment mask before selection, -1 for selected-but-invisible slots.
 
-    With fp8, k may be given already quantized (codes from `quantize_keys`, e.g. a decode cache) with k_scale."""
+    With fp8, k may be given already quantized (codes from `quantize_keys`, e.g. a decode cache) with k_scale.
+    No keys (S = 0) or no queries (T = 0) give an empty [B, T, min(topk, S)]."""
+    check_topk_args("indexer_topk", q, k, w, q_index, q_segment, kv_segment, topk, fp8=fp8, q_chunk=q_chunk,
+                    k_scale=k_scale)
     num_keys = k.shape[1]
     k_eff = min(topk, num_keys)
+    if k_eff == 0 or q.shape[1] == 0:
+        return jnp.full((q.shape[0], q.shape[1], k_eff), -1, jnp.int32)
     if fp8:
         q, w = quantize_queries(q, w)
         if k_scale is None:
