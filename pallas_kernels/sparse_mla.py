@@ -66,6 +66,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -779,28 +780,58 @@ def _prepare(q, kv, topk_idx, cfg: _Cfg):
     qf = _split_pad(q.astype(kv.dtype), cfg).reshape(b * t, h, -1)
     qf = jnp.pad(qf, ((0, 0), (0, hp - h), (0, 0)))
     kvf = _split_pad(kv, cfg).reshape(b * s, -1)
-    idx = topk_idx.astype(jnp.int32)
-    idx = jnp.where((idx >= 0) & (idx < s), idx + (jnp.arange(b, dtype=jnp.int32) * s)[:, None, None], -1)
+    ok = (topk_idx >= 0) & (topk_idx < s)  # in the caller's dtype: an int64 2^32 + 1 is no key 1
+    idx = jnp.where(ok, topk_idx.astype(jnp.int32) + (jnp.arange(b, dtype=jnp.int32) * s)[:, None, None], -1)
     idxf = jnp.pad(idx.reshape(b * t, k), ((0, 0), (0, kp - k)), constant_values=-1)
     return qf, kvf, idxf
 
 
-def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
-            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton", mgpu_form="split"):
-    h, dqk = q.shape[2], q.shape[3]
-    if kv.shape[-1] != dqk or not 0 < d_v <= dqk:
+KV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check_args(q, kv, topk_idx, scale, d_v):
+    """What every impl needs, checked before dispatch (a ValueError naming the argument): ranks (a 4-D kv ran on
+    its first [.., 0, :] plane), integer indices (a float -0.5 was truncated to the valid slot 0), an integer d_v,
+    a finite scale, floating q and kv (an e4m3 kv rounded q and P to e4m3: 5e-2 off; dequantize a FP8 cache
+    first, as the model's decode does)."""
+    if (q.ndim, kv.ndim, topk_idx.ndim) != (4, 3, 3):
+        raise ValueError(f"sparse_mla: needs q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K]; got q "
+                         f"{tuple(q.shape)}, kv {tuple(kv.shape)}, topk_idx {tuple(topk_idx.shape)}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise ValueError(f"sparse_mla: topk_idx must be an integer array (got {topk_idx.dtype})")
+    if not isinstance(d_v, (int, np.integer)) or isinstance(d_v, bool):
+        raise ValueError(f"sparse_mla: d_v must be an integer (got {d_v!r})")
+    if kv.shape[-1] != q.shape[-1] or not 0 < d_v <= q.shape[-1]:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
                          f"(got d_v={d_v})")
     if topk_idx.shape[:2] != q.shape[:2] or kv.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_mla: batch/token dims of q {q.shape}, kv {kv.shape}, topk_idx {topk_idx.shape} "
                          "disagree")
-    d_tail = dqk - d_v
+    if not isinstance(scale, jax.core.Tracer) and not math.isfinite(float(scale)):
+        raise ValueError(f"sparse_mla: scale must be finite (got {scale!r})")
+    for name, a in (("q", q), ("kv", kv)):
+        if not any(jnp.dtype(a.dtype) == jnp.dtype(d) for d in KV_DTYPES):
+            raise ValueError(f"sparse_mla: {name} must be float32, bfloat16 or float16 (got {a.dtype}; a FP8 cache "
+                             "is dequantized first)")
+
+
+def _check_backward_options(bwd, stored_tiles) -> StoredTiles:
+    """The backward's options (GPU-only, ignored elsewhere, but checked on every impl); returns the tiles."""
     stored = StoredTiles() if stored_tiles is None else stored_tiles
     if not isinstance(stored, StoredTiles):
         raise ValueError(f"sparse_mla: stored_tiles must be a sparse_mla.StoredTiles or None (got {stored!r})")
     stored.check()
     if bwd not in MLA_BWDS:
         raise ValueError(f"sparse_mla: bwd={bwd!r} must be one of {MLA_BWDS}")
+    return stored
+
+
+def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
+            bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton", mgpu_form="split"):
+    _check_args(q, kv, topk_idx, scale, d_v)
+    h, dqk = q.shape[2], q.shape[3]
+    d_tail = dqk - d_v
+    stored = _check_backward_options(bwd, stored_tiles)
     fwd = "triton"
     if impl in MGPU_BACKENDS:  # the Mosaic GPU forward; the Triton kernels (or their interpret runs) for the rest
         impl, fwd = MGPU_BACKENDS[impl], "mosaic_gpu"
@@ -877,8 +908,10 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
                     f"cache (got Dqk {q.shape[-1]}, d_v {d_v}, kv {kv.dtype})")
         return None
 
+    _check_args(q, kv, topk_idx, scale, d_v)
     if fwd not in MLA_FWDS:
         raise ValueError(f"sparse_mla: fwd={fwd!r} must be one of {MLA_FWDS}")
+    _check_backward_options(bwd, stored_tiles)  # whatever impl runs: a typo fails on a CPU too
     if pds not in MLA_PDS:
         raise ValueError(f"sparse_mla: pds={pds!r} must be one of {MLA_PDS}")
     if dqkv not in MLA_DQKV:
@@ -889,7 +922,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         impl = {triton: mgpu for mgpu, triton in MGPU_BACKENDS.items()}[impl]  # forward
         if (why := unsupported(impl)) is not None:
             raise ValueError(f"sparse_mla: fwd={fwd!r} cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: {why}")
-    if pds == "mosaic_gpu" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
+    if pds == "mosaic_gpu" and bwd != "recompute" and impl not in ("pallas_tpu", "interpret_tpu", "reference"):
         if (why := unsupported("mosaic_gpu", "P / dS kernel")) is not None:
             raise ValueError(f"sparse_mla: pds='mosaic_gpu' cannot run on q {q.shape}, kv {kv.shape} {kv.dtype}: "
                              f"{why}")
@@ -902,8 +935,11 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
         if why is not None:
             raise ValueError(f"sparse_mla: dqkv='mosaic_gpu' cannot run on q {q.shape} {q.dtype}, kv {kv.shape} "
                              f"{kv.dtype}: {why}")
-    if impl == "reference":
-        return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)
+    if impl == "reference" or 0 in (*q.shape, kv.shape[1], topk_idx.shape[-1]):  # no work for a kernel: the
+        return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)  # reference's zeros
+    if isinstance(scale, jax.core.Tracer):
+        raise ValueError(f"sparse_mla: impl={impl!r} compiles scale into its kernels: it must be a Python float, "
+                         "not a traced value (impl='reference' takes one)")
     cfg = _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps,
                   num_stages, bwd_partial_bytes, bwd, pds, stored_tiles, dqkv,
                   "pingpong" if fwd == "mosaic_gpu_pingpong" else "split")

@@ -469,3 +469,105 @@ def test_hadamard_quant_keeps_a_nan_rows_scale_nan(impl):
     _, ref_scale = kernels.hadamard_quant(x, impl="reference")
     assert np.isnan(np.asarray(scale)[0]) and np.isnan(np.asarray(ref_scale)[0])
     assert np.asarray(scale)[1] == np.asarray(ref_scale)[1] == 2.0 ** -5
+
+
+# ---------------------------------------------------------------------------------------------- sparse_mla args
+def _mla_args(rng, b=1, t=2, s=6, h=2, d=40, k=4):
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, s, (b, t, k)), jnp.int32)
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "interpret_tpu"])
+def test_sparse_mla_names_a_bad_argument_on_every_impl(impl, rng):
+    """A 4-D kv ran on its first plane (interpret), a float topk_idx was truncated (-0.5 -> the valid slot 0), an
+    e4m3 kv rounded q and P to e4m3 (5e-2 off), d_v 32.0 / scale NaN were a TypeError / all-NaN output, and a bwd
+    or stored_tiles typo passed on the reference (a CPU) to fail only on a GPU. Each is a ValueError naming the
+    argument, whichever impl runs. Mutants: the topk_idx dtype check dropped; the early backward-option check
+    dropped (the reference accepts bwd='bogus')."""
+    from dsv32_jax.kernels.sparse_mla import StoredTiles
+
+    q, kv, idx = _mla_args(rng)
+    for args, kw, msg in (
+            ((q, kv[:, :, None], idx, 0.1, 32), {}, r"needs q \[B, T, H, Dqk\], kv \[B, S, Dqk\], topk_idx \[B, T, K\]"),
+            ((q[0], kv, idx, 0.1, 32), {}, r"needs q \[B, T, H, Dqk\]"),
+            ((q, kv, idx.astype(jnp.float32) - 0.5, 0.1, 32), {}, r"topk_idx must be an integer array \(got float32\)"),
+            ((q, kv, idx, 0.1, 32.0), {}, r"d_v must be an integer \(got 32.0\)"),
+            ((q, kv, idx, float("nan"), 32), {}, r"scale must be finite \(got nan\)"),
+            ((q, kv[..., :32], idx, 0.1, 32), {}, r"q \(1, 2, 2, 40\) / kv \(1, 6, 32\) need the same last dim Dqk"),
+            ((q, kv, idx[:, :1], 0.1, 32), {}, r"batch/token dims of q \(1, 2, 2, 40\)"),
+            ((q, kv.astype(jnp.float8_e4m3fn), idx, 0.1, 32), {}, r"kv must be float32, bfloat16 or float16 \(got "
+                                                                  r"float8_e4m3fn"),
+            ((q, kv, idx, 0.1, 32), {"bwd": "bogus"}, r"bwd='bogus' must be one of"),
+            ((q, kv, idx, 0.1, 32), {"stored_tiles": "bogus"}, r"stored_tiles must be a sparse_mla.StoredTiles"),
+            ((q, kv, idx, 0.1, 32), {"stored_tiles": StoredTiles(pds_slots=3)}, r"StoredTiles.pds_slots=3")):
+        with pytest.raises(ValueError, match=r"^sparse_mla: " + msg):
+            kernels.sparse_mla(*args, impl=impl, **kw)
+    if impl != "reference":  # the kernels compile scale in: a traced one was a ConcretizationTypeError
+        with pytest.raises(ValueError, match=r"^sparse_mla: impl='interpret(_tpu)?' compiles scale into its kernels"):
+            jax.jit(lambda sc: kernels.sparse_mla(q, kv, idx, sc, 32, impl=impl))(0.1)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "interpret_tpu"])
+def test_sparse_mla_int64_indices_past_int32_are_empty_slots(impl, rng):
+    """Under jax_enable_x64 an int64 index 2^32 + 1 was cast to int32 before the range check: the valid key 1. The
+    range is checked in the caller's dtype now. Expected: the reference (which reads such slots as empty), and the
+    same result as -1 in those slots. Mutant: the cast before the check again."""
+    q, kv, _ = _mla_args(rng, t=1)
+    with jax.enable_x64(True):
+        idx = jnp.asarray([[[2**32 + 1, 2**32 + 2, -(2**32) + 3, 5]]], jnp.int64)
+        out, lse = kernels.sparse_mla(q, kv, idx, 0.1, 32, impl=impl)
+        want_out, want_lse = kernels.sparse_mla(q, kv, jnp.asarray([[[-1, -1, -1, 5]]], jnp.int32), 0.1, 32,
+                                                impl="reference")
+    assert rel_err(lse, want_lse) <= 1e-6 and rel_err(out, want_out) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "interpret_tpu"])
+def test_sparse_mla_with_no_keys_slots_tokens_or_heads(impl, rng):
+    """K = 0 or S = 0 were a reduction of an empty array (the reference) and Pallas slice errors or a block_i=0
+    the caller never passed (the kernels); T, B or H = 0 a ZeroDivisionError in the kernels. The contract (a row
+    with no valid slot: out 0, lse -inf; the probabilities [B, T, K]) holds for each, with zero gradients."""
+    q, kv, idx = _mla_args(rng)
+    for qq, kk, ii in ((q, kv, idx[..., :0]), (q, kv[:, :0], idx), (q[:, :0], kv, idx[:, :0]),
+                       (q[..., :0, :], kv, idx), (q[:0], kv[:0], idx[:0])):
+        out, lse, probs = kernels.sparse_mla(qq, kk, ii, 0.1, 32, impl=impl, return_probs=True)
+        assert out.shape == (*qq.shape[:3], 32) and lse.shape == qq.shape[:3] and probs.shape == ii.shape
+        assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+        assert np.all(np.asarray(probs) == 0)
+        dq, dkv = jax.grad(lambda a, c: jnp.sum(kernels.sparse_mla(a, c, ii, 0.1, 32, impl=impl)[0]), (0, 1))(qq, kk)
+        assert dq.shape == qq.shape and dkv.shape == kk.shape
+        assert not np.any(np.asarray(dq)) and not np.any(np.asarray(dkv))
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret", "interpret_tpu"])
+def test_sparse_mla_nan_in_a_row_no_valid_slot_selects(impl, rng):
+    """kv row 0 (the reference's stand-in for an empty slot) holding NaN made the reference's out, dq and dkv NaN
+    (0 * NaN in P V and dS K) while the kernels stayed finite. Expected: the result with row 0 zeroed, since no
+    valid slot reads it. Mutant: the reference's `where(valid, rows, 0)` dropped."""
+    q, kv, _ = _mla_args(rng, t=3, s=9)
+    idx = jnp.asarray(rng.integers(1, 9, (1, 3, 4)), jnp.int32).at[0, 0, :2].set(-1).at[0, 2, 3].set(11)
+    nan_kv = kv.at[0, 0].set(jnp.nan)
+
+    def run(c):
+        def f(a, c):
+            out, lse = kernels.sparse_mla(a, c, idx, 0.1, 32, impl=impl)
+            return jnp.sum(out) + jnp.sum(lse), out
+        (_, out), grads = jax.value_and_grad(f, (0, 1), has_aux=True)(q, c)
+        return out, *grads
+
+    got, want = run(nan_kv), run(kv.at[0, 0].set(0.0))
+    for g, w in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(g)[..., 1:, :] if g.shape == kv.shape else np.asarray(g)))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_mla_recompute_backward_ignores_the_mosaic_pds_option(rng):
+    """pds is the stored / atomic backward's P / dS kernel and is documented as ignored by bwd='recompute', but
+    pds='mosaic_gpu' with the recompute backward raised on any input the Mosaic kernel cannot serve (here Dqk 40).
+    Expected: the recompute backward's own result."""
+    q, kv, idx = _mla_args(rng)
+    f = lambda **kw: jax.grad(lambda a: jnp.sum(kernels.sparse_mla(a, kv, idx, 0.1, 32, impl=IMPL, bwd="recompute",
+                                                                   **kw)[0]))(q)
+    np.testing.assert_array_equal(np.asarray(f(pds="mosaic_gpu")), np.asarray(f()))

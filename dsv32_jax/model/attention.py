@@ -87,12 +87,17 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, q_chunk: int | None =
     q [B, T, H, Dqk] (Dqk = kv_lora_rank + rope dim), kv [B, S, Dqk] shared latent rows (value = first d_v dims),
     topk_idx [B, T, K] int (-1 or >= S: empty slot). Returns out [B, T, H, d_v] (q.dtype), lse [B, T, H] f32,
     and with return_probs also the attention probabilities summed over heads [B, T, K] f32 (eq. 4 target).
+    No keys (S = 0) or no slots (K = 0): every row is empty (out 0, lse -inf).
     """
     num_keys = kv.shape[1]
+    if num_keys == 0 or topk_idx.shape[-1] == 0:
+        out = jnp.zeros((*q.shape[:-1], d_v), q.dtype), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
+        return (*out, jnp.zeros(topk_idx.shape, jnp.float32)) if return_probs else out
 
     def chunk_fn(q_c, idx_c):
         valid = (idx_c >= 0) & (idx_c < num_keys)
         rows = gather_rows(kv, jnp.where(valid, idx_c, 0))  # [B, C, K, Dqk]
+        rows = jnp.where(valid[..., None], rows, 0)  # an empty slot's stand-in row 0 adds no NaN (0 * NaN)
         logits = jnp.einsum("bchd,bckd->bchk", q_c, rows, preferred_element_type=jnp.float32) * scale
         probs, lse = masked_softmax(logits, valid[:, :, None, :])
         out = jnp.einsum("bchk,bckd->bchd", probs.astype(kv.dtype), rows[..., :d_v],
