@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from dsv32_jax.model.indexer import index_scores_fp8
+from dsv32_jax.model.indexer import check_query_keys, index_scores_fp8
 from dsv32_jax.kernels import indexer_logits_mgpu as mgpu_kernel
 from dsv32_jax.kernels._dispatch import target_device, next_pow2, resolve_impl, round_up, tpu_interpret_params
 
@@ -51,12 +51,7 @@ def _ranges(starts, ends, b, t, s):
 def check_shapes(q_fp8, k_fp8, k_scale, weights) -> None:
     """The arguments' shapes against q_fp8's [B, T, H, D]: the kernels read by them, and a mismatch came back as
     NaN (interpret mode's padding) or, on a chip, whatever memory held."""
-    if q_fp8.ndim != 4:
-        raise ValueError(f"indexer_logits: q_fp8 must be [B, T, H, D], got shape {q_fp8.shape}")
-    b, t, h, d = q_fp8.shape
-    if k_fp8.ndim != 3 or k_fp8.shape[0] != b or k_fp8.shape[2] != d:
-        raise ValueError(f"indexer_logits: k_fp8 must be [B, S, D] = [{b}, S, {d}] (q_fp8 {q_fp8.shape}), got shape "
-                         f"{k_fp8.shape}")
+    b, t, h, _, _ = check_query_keys("indexer_logits", "q_fp8", "k_fp8", q_fp8, k_fp8)
     if k_scale.shape != k_fp8.shape[:2]:
         raise ValueError(f"indexer_logits: k_scale must be [B, S] = {k_fp8.shape[:2]}, got shape {k_scale.shape}")
     if weights.shape != (b, t, h):

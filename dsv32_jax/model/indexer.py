@@ -103,18 +103,23 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def check_query_keys(op: str, q_name: str, k_name: str, q, k, q_layout: str = "[B, T, H, D]"):
+    """q [B, T, H, D] and k [B, S, D] of the same B and D, else a ValueError naming them; returns (B, T, H, D, S)."""
+    if q.ndim != 4:
+        raise ValueError(f"{op}: {q_name} must be {q_layout}, got shape {tuple(q.shape)}")
+    b, t, h, d = q.shape
+    if k.ndim != 3 or k.shape[0] != b or k.shape[2] != d:
+        raise ValueError(f"{op}: {k_name} must be [B, S, D] = [{b}, S, {d}] for {q_name} {tuple(q.shape)}, got "
+                         f"shape {tuple(k.shape)}")
+    return b, t, h, d, k.shape[1]
+
+
 def check_topk_args(op: str, q, k, w, q_index, q_segment, kv_segment, topk, *, fp8: bool, q_chunk, k_scale):
     """The argument contract of `indexer_topk` (and of the kernel composition `dsv32_jax.kernels.indexer_topk`):
     a ValueError naming the argument. Without it a kv_segment shorter than k clipped every causal range (a wrong
     selection, no error), [B, 1] query ids broadcast, and e4m3 codes with k_scale but fp8=False were scored as
     unrotated float keys."""
-    if q.ndim != 4:
-        raise ValueError(f"{op}: q must be [B, T, H_I, D], got shape {tuple(q.shape)}")
-    b, t, h, d = q.shape
-    if k.ndim != 3 or k.shape[0] != b or k.shape[2] != d:
-        raise ValueError(f"{op}: k must be [B, S, D] = [{b}, S, {d}] for q {tuple(q.shape)}, got shape "
-                         f"{tuple(k.shape)}")
-    s = k.shape[1]
+    b, t, h, d, s = check_query_keys(op, "q", "k", q, k, "[B, T, H_I, D]")
     for name, a, want in (("w", w, (b, t, h)), ("q_index", q_index, (b, t)), ("q_segment", q_segment, (b, t)),
                           ("kv_segment", kv_segment, (b, s)), ("k_scale", k_scale, (b, s))):
         if a is not None and tuple(jnp.shape(a)) != want:
