@@ -93,3 +93,48 @@ def test_sequence_parallel_matches_single_device(seed):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     lines = res.stdout.strip().splitlines()
     assert [ln.split()[0] for ln in lines] == ["dense", "warmup", "sparse-scan", "odd"], res.stdout
+
+
+BF16_SCRIPT = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.mla import MLA
+from dsv32_jax.model.options import RunOptions
+from dsv32_jax.model.transformer import Transformer
+
+cfg = load_preset("tiny").replace(num_hidden_layers=1, num_nextn_predict_layers=0, index_topk=4)
+b, t = 2, 16
+x = jnp.asarray(np.random.default_rng(int(sys.argv[1])).standard_normal((b, t, cfg.hidden_size)), jnp.bfloat16)
+for attention in ("dense", "sparse"):
+    opts = RunOptions(attention=attention, attn_chunk=8, index_chunk=8)
+    pos = Transformer(cfg, rngs=nnx.Rngs(0), options=opts).positions(jnp.zeros((b, t), jnp.int32))
+    graphdef, state = nnx.split(MLA(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32))
+
+    def loss(state, x):
+        out, _ = nnx.merge(graphdef, state)(x, pos, opts)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.grad(loss, argnums=1))(state, x)
+    with shd.use_mesh(shd.make_mesh("seq:2")):
+        got = jax.jit(jax.grad(loss, argnums=1))(state, x)
+    err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max() / jnp.abs(want.astype(jnp.float32)).max())
+    print(attention, err, flush=True)
+    assert err <= 1e-2, (attention, err)
+"""
+
+
+@pytest.mark.heavy  # two subprocess compiles of a one-layer MLA and its gradient (~25 s on 2 cores)
+def test_bfloat16_gradient_over_seq_does_not_abort_xla_cpu(seed):
+    """The bf16 all-gather of the key side has a reduce-scatter for its transpose; XLA:CPU aborted the whole process
+    on it inside seq_parallel's partly manual shard_map ("Invalid binary instruction opcode copy", SIGABRT: any
+    bf16 training step of attention 'dense' or 'sparse' on a CPU mesh with seq > 1). On a CPU the gather runs in
+    float32 now. Expected: the input gradient of a one-layer bf16 MLA on seq:2 equals the single-device one
+    (measured: exactly; bound 1e-2, bf16 rounding). Mutant: the float32 widening dropped (the subprocess aborts)."""
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", BF16_SCRIPT, str(seed % 1000)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert [ln.split()[0] for ln in res.stdout.strip().splitlines()] == ["dense", "sparse"], res.stdout

@@ -323,10 +323,19 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
     if rows % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     spec = P(batch or None, SEQ_AXIS)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+
+    def gather(a):
+        # XLA:CPU (jax 0.12.1) aborts the process ("Invalid binary instruction opcode copy") on a reduce-scatter or
+        # psum of a type narrower than 32 bits inside a shard_map that leaves axes automatic: the bf16 gather's
+        # transpose in the backward was one. On a CPU the gather runs in float32 (exact both ways); on GPU and TPU
+        # in the arrays' own type (half the bytes).
+        wide = cpu and jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize < 4
+        out = jax.lax.all_gather(a.astype(jnp.float32) if wide else a, SEQ_AXIS, axis=1, tiled=True)
+        return out.astype(a.dtype) if wide else out
 
     def local(q_side, kv_side):
-        kv_side = jax.tree.map(lambda a: jax.lax.all_gather(a, SEQ_AXIS, axis=1, tiled=True), kv_side)
-        return attend(*q_side, *kv_side)
+        return attend(*q_side, *jax.tree.map(gather, kv_side))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec, axis_names={SEQ_AXIS, *batch},
                          check_vma=False)(q_side, kv_side)
