@@ -323,7 +323,8 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
     if rows % math.prod(mesh.shape[a] for a in batch):
         batch = ()
     spec = P(batch or None, SEQ_AXIS)
-    cpu = mesh.devices.flat[0].platform == "cpu"
+    # (an AbstractMesh has no devices: bench/abstract_step.py lowers it for a GPU or TPU)
+    cpu = isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu"
 
     def gather(a):
         # XLA:CPU (jax 0.12.1) aborts the process ("Invalid binary instruction opcode copy") on a reduce-scatter or
