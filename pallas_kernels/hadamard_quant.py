@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dsv32_jax.model.fp8 import FP8_DTYPE, FP8_MAX, act_quant, fp8_scale, hadamard_matrix, hadamard_rotate
+from dsv32_jax.model.config import is_int
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
 DIM = 128
@@ -88,7 +89,7 @@ def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str
     """
     if scale_fmt not in ("ue8m0", None):
         raise ValueError(f"hadamard_quant: scale_fmt must be 'ue8m0' or None, got {scale_fmt!r}")
-    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+    if not is_int(block_rows) or block_rows < 1:
         raise ValueError(f"hadamard_quant: block_rows must be an integer >= 1, got {block_rows!r}")
     impl = resolve_impl(impl, ("pallas_gpu", "pallas_tpu", "interpret", "interpret_tpu"), op="hadamard_quant",
                         shapes={"x": x}, unsupported=None if x.shape[-1] == DIM else f"the kernel rotates rows of "

@@ -76,13 +76,11 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
     # impl=None: only the quantization falls back (hadamard_quant resolves on its own), the rest stays on kernels
     resolved = resolve_impl(impl, BACKENDS, op="indexer_topk", shapes={"q": q, "k": k, "w": w},
                             unsupported=reason if impl is not None else None)
-    if resolved == "reference":
+    if resolved == "reference" or min(topk, k.shape[1]) == 0 or q.shape[1] == 0:  # (no keys or no queries: its
         return ref_indexer.indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk, fp8=fp8, q_chunk=q_chunk,
-                                        k_scale=k_scale)
+                                        k_scale=k_scale)  # empty selection, no kernel)
     sub_impl = impl  # the caller's request goes to each kernel: explicit stays explicit, None resolves per op
     k_eff = min(topk, k.shape[1])
-    if k_eff == 0 or q.shape[1] == 0:  # no keys or no queries: nothing to score (as the reference)
-        return jnp.full((q.shape[0], q.shape[1], k_eff), -1, jnp.int32)
     q, k, w = jax.lax.stop_gradient((q, k, w))
     starts, ends = _key_ranges(q_index, q_segment, kv_segment)
     if fp8:

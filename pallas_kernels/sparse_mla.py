@@ -66,7 +66,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -74,6 +73,7 @@ from dsv32_jax.model import attention
 from dsv32_jax.model.options import MLA_BWDS, MLA_DQKV, MLA_FWDS, MLA_PDS
 from dsv32_jax.kernels import (sparse_mla_dqkv_mgpu, sparse_mla_mgpu, sparse_mla_pds_mgpu, sparse_mla_tpu,
                                triton_atomics)
+from dsv32_jax.model.config import is_int
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
@@ -659,6 +659,7 @@ def default_config(q, kv, topk_idx, scale: float, d_v: int, impl: str, *, bwd: s
     """The kernels' config of `sparse_mla(q, kv, topk_idx, scale, d_v, impl=impl, bwd=, pds=, stored_tiles=)` at
     sparse_mla's default tiles (taken from its signature); q / kv / topk_idx may be ShapeDtypeStructs. For
     `backward_stages` and tools/gpu_compile's tile sweep, which call the backward's kernels one by one."""
+    _check_args(q, kv, topk_idx, scale, d_v)
     tiles = {name: p.default for name, p in inspect.signature(sparse_mla).parameters.items()}
     return _config(q, kv, topk_idx, scale, d_v, impl, *(tiles[k] for k in (
         "block_h", "block_i", "bwd_block_h", "bwd_block_i", "num_warps", "num_stages", "bwd_partial_bytes")), bwd, pds,
@@ -799,7 +800,7 @@ def _check_args(q, kv, topk_idx, scale, d_v):
                          f"{tuple(q.shape)}, kv {tuple(kv.shape)}, topk_idx {tuple(topk_idx.shape)}")
     if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
         raise ValueError(f"sparse_mla: topk_idx must be an integer array (got {topk_idx.dtype})")
-    if not isinstance(d_v, (int, np.integer)) or isinstance(d_v, bool):
+    if not is_int(d_v):
         raise ValueError(f"sparse_mla: d_v must be an integer (got {d_v!r})")
     if kv.shape[-1] != q.shape[-1] or not 0 < d_v <= q.shape[-1]:
         raise ValueError(f"sparse_mla: q {q.shape} / kv {kv.shape} need the same last dim Dqk and 0 < d_v <= Dqk "
@@ -828,7 +829,7 @@ def _check_backward_options(bwd, stored_tiles) -> StoredTiles:
 
 def _config(q, kv, topk_idx, scale, d_v, impl, block_h, block_i, bwd_block_h, bwd_block_i, num_warps, num_stages,
             bwd_partial_bytes, bwd="stored", pds="triton", stored_tiles=None, dqkv="triton", mgpu_form="split"):
-    _check_args(q, kv, topk_idx, scale, d_v)
+    """The kernels' config; the caller has run `_check_args` (sparse_mla before dispatch, default_config)."""
     h, dqk = q.shape[2], q.shape[3]
     d_tail = dqk - d_v
     stored = _check_backward_options(bwd, stored_tiles)

@@ -55,12 +55,12 @@ import functools
 import math
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from dsv32_jax.model.config import is_int
 from dsv32_jax.model.indexer import select_topk
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
 
@@ -431,7 +431,7 @@ def topk(scores: jnp.ndarray, k: int, *, lengths=None, impl: str | None = None, 
     pallas_gpu, interpret (GPU kernel), pallas_tpu, interpret_tpu (TPU threshold kernel + XLA emission); CPU runs
     the reference (`jax.lax.top_k`, a full sort).
     """
-    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:  # (-1 gave [..., 0] on the TPU path)
+    if not is_int(k) or k < 1:  # (-1 gave [..., 0] on the TPU path)
         raise ValueError(f"topk: k must be an integer >= 1, got {k!r}")
     if lengths is not None:  # one length per row (a scalar or any shape that broadcasts to the rows' shape)
         lengths = jnp.asarray(lengths, jnp.int32)

@@ -557,10 +557,8 @@ def test_sparse_mla_nan_in_a_row_no_valid_slot_selects(impl, rng):
         return out, *grads
 
     got, want = run(nan_kv), run(kv.at[0, 0].set(0.0))
-    for g, w in zip(got, want):
-        assert np.all(np.isfinite(np.asarray(g)[..., 1:, :] if g.shape == kv.shape else np.asarray(g)))
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)
+    for name, g, w in zip(("out", "dq", "dkv"), got, want):  # (want is finite: a NaN in got fails here)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_sparse_mla_recompute_backward_ignores_the_mosaic_pds_option(rng):

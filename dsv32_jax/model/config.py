@@ -5,10 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any
 
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")  # package data
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool (an int subclass): what an integer field or argument takes."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class ConfigError(ValueError):

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv32_jax.model.attention import map_query_chunks, visible
-from dsv32_jax.model.config import ModelConfig
+from dsv32_jax.model.config import ModelConfig, is_int
 from dsv32_jax.model.fp8 import act_quant, hadamard_rotate
 from dsv32_jax.model.layers import Dense, LayerNorm
 from dsv32_jax.model.rope import apply_rope_half, apply_rope_interleaved
@@ -99,10 +98,6 @@ def select_topk(scores: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check_query_keys(op: str, q_name: str, k_name: str, q, k, q_layout: str = "[B, T, H, D]"):
     """q [B, T, H, D] and k [B, S, D] of the same B and D, else a ValueError naming them; returns (B, T, H, D, S)."""
     if q.ndim != 4:
@@ -131,9 +126,9 @@ def check_topk_args(op: str, q, k, w, q_index, q_segment, kv_segment, topk, *, f
                          f", k {k.dtype}")
     if codes and k_scale is None:
         raise ValueError(f"{op}: k is e4m3 codes ({k.dtype}): pass their k_scale [B, S] and fp8=True")
-    if not _is_int(topk) or topk < 1:
+    if not is_int(topk) or topk < 1:
         raise ValueError(f"{op}: topk must be an integer >= 1, got {topk!r}")
-    if q_chunk is not None and (not _is_int(q_chunk) or q_chunk < 1):
+    if q_chunk is not None and (not is_int(q_chunk) or q_chunk < 1):
         raise ValueError(f"{op}: q_chunk must be None or an integer >= 1, got {q_chunk!r}")
 
 
