@@ -94,7 +94,8 @@ for spec in ["expert:2,fsdp:2,tensor:2", "expert:4,data:2", "expert:8", "seq:2,f
     gerr = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in
                [(g.experts.w_gate[...], g_ref.experts.w_gate[...]), (g.experts.w_down[...], g_ref.experts.w_down[...]),
                 (g.router[...], g_ref.router[...])])
-    assert "reduce_scatter" in hlo or "reduce-scatter" in hlo, "expert outputs must be reduce-scattered"
+    if "expert" in spec:  # (without expert parallelism there is no expert group to scatter over)
+        assert "reduce_scatter" in hlo or "reduce-scatter" in hlo, "expert outputs must be reduce-scattered"
     if "seq" in spec:  # experts stored split over seq (ZeRO): gathered over seq inside the layer
         stored = shd.state_specs(nnx.state(moe), shd.parse_mesh_spec(spec))["experts"]["w_gate"]
         assert stored[0] in ("seq", ("expert", "seq")), stored
@@ -125,6 +126,130 @@ def test_expert_parallel_moe_matches_single_device():
     res = subprocess.run([sys.executable, "-c", EP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(res.stdout.strip().splitlines()) == 7
+
+
+def test_dividing_run_keeps_the_longest_leading_run_that_divides():
+    """The mesh axes that split a dimension (activations, attention's rows, the MoE's tokens): the longest leading
+    run of the candidates, size-1 axes skipped, whose product divides it. Mutant: all-or-nothing (B = 2 on
+    data:2,fsdp:2 replicated over both)."""
+    sizes = shd.parse_mesh_spec("data:2,fsdp:2,tensor:2,expert:1,seq:3")
+    assert shd.dividing_run(shd.BATCH_AXES, 4, sizes) == ("data", "fsdp")
+    assert shd.dividing_run(shd.BATCH_AXES, 2, sizes) == ("data",)
+    assert shd.dividing_run(shd.BATCH_AXES, 6, sizes) == ("data",)
+    assert shd.dividing_run(shd.BATCH_AXES, 1, sizes) == ()
+    assert shd.dividing_run(("fsdp", "seq"), 3, sizes) == ()  # the first does not divide: nothing after it either
+    assert shd.dividing_run(("seq", "fsdp"), 3, sizes) == ("seq",)
+    assert shd.dividing_run(("expert",), 5, sizes) == ()  # size 1: no split
+    assert shd.array_spec(("batch", "seq"), (2, 6), sizes) == P("data", "seq")
+
+
+def test_a_jitted_function_is_traced_again_under_another_mesh_or_rules():
+    """`use_mesh` is read while tracing, so the mesh and rules key jax's caches: a function jitted and traced
+    outside a mesh, then called inside one with the same inputs, ran the cached unsharded program (no shard_map
+    around the kernels), and one traced inside kept its mesh after the context closed. Expected: a trace per
+    context, cached again on re-entry. Mutant: the user context not entered (one trace, every output 1)."""
+    import jax
+
+    traces = []
+
+    def f(x):
+        mesh, rules = shd.current_mesh(), shd.current_rules()
+        traces.append(mesh is not None)
+        return x * (1 if mesh is None else 2 if rules is shd.DEFAULT_RULES else 3)
+
+    g, x = jax.jit(f), jnp.ones(3)
+    mesh = shd.make_mesh("")
+    other = dict(shd.DEFAULT_RULES, batch=None)
+    seen = [float(g(x)[0])]
+    with shd.use_mesh(mesh):
+        seen += [float(g(x)[0]), float(g(x)[0])]
+    with shd.use_mesh(mesh, rules=other):
+        seen.append(float(g(x)[0]))
+    seen.append(float(g(x)[0]))
+    with shd.use_mesh(mesh):
+        seen.append(float(g(x)[0]))
+    assert seen == [1, 2, 2, 3, 1, 2]
+    assert traces == [False, True, True]
+
+
+ROWS_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.model.config import load_preset
+from dsv32_jax.model.moe import MoE
+from dsv32_jax.model.options import RunOptions
+from dsv32_jax.model.transformer import Transformer
+
+def row_specs(jaxpr):
+    found = []
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "shard_map":
+                found.append(e.params["in_specs"][0][0])
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+    walk(jaxpr.jaxpr)
+    return found
+
+def rel(a, b):
+    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+cfg = load_preset("tiny").replace(num_hidden_layers=1, num_nextn_predict_layers=0, index_topk=6)
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+# two rows on data:2,fsdp:2: attention's shard_map splits them over data (fsdp holds copies); it replicated both
+for attention, spec in (("kernel", "data:2,fsdp:2,tensor:2"), ("sparse", "data:2,fsdp:2,seq:2")):
+    model = Transformer(cfg, rngs=nnx.Rngs(0), options=RunOptions(attention=attention, attn_chunk=8, index_chunk=8))
+    fn = lambda x: model(x, mtp=False)
+    want = jax.jit(fn)(tokens)
+    with shd.use_mesh(shd.make_mesh(spec)):
+        got = jax.jit(fn)(tokens)
+        specs = row_specs(jax.make_jaxpr(fn)(tokens))
+    print(attention, specs, rel(got, want), flush=True)
+    assert specs and all(s == "data" for s in specs), (attention, specs)
+    assert rel(got, want) <= 1e-5, attention
+# the MoE's dispatch on 6 tokens (both were the GSPMD fallback): on expert:2,seq:4 split over expert (its group's
+# tokens gathered, outputs reduce-scattered); on data:2,expert:4 over data only, the expert group's devices holding
+# the same tokens: no gather, outputs all-reduced
+moe = MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+x = jax.random.normal(jax.random.key(1), (1, 6, cfg.hidden_size))
+loss = lambda m: jnp.sum(m(x)[0] ** 2)
+ref, g_ref = moe(x)[0], nnx.grad(loss)(moe)
+for spec, collective in (("expert:2,seq:4", "reduce_scatter"), ("data:2,expert:4", "all_reduce")):
+    with shd.use_mesh(shd.make_mesh(spec)):
+        forward = jax.jit(lambda m, x: m(x)[0])
+        hlo = forward.lower(moe, x).as_text()
+        y = forward(moe, x)
+        g = jax.jit(nnx.grad(loss))(moe)
+    gerr = max(rel(a, b) for a, b in [(g.experts.w_gate[...], g_ref.experts.w_gate[...]),
+                                       (g.experts.w_down[...], g_ref.experts.w_down[...]), (g.router[...], g_ref.router[...])])
+    found = [c for c in ("reduce_scatter", "all_reduce") if c in hlo]
+    print(spec, found, rel(y, ref), gerr, flush=True)
+    assert found == [collective], (spec, found)
+    assert rel(y, ref) < 1e-5 and gerr < 1e-5, spec
+"""
+
+
+def test_rows_the_batch_axes_do_not_all_divide_are_split_over_those_that_do():
+    """Attention (`kernel_parallel` with the kernels, `seq_parallel` with the reference) and the MoE's dispatch
+    split rows / tokens over the longest leading run of the batch axes that divides them, as the activations are
+    (`sharding.array_spec`): B = 2 on data:2,fsdp:2 ran attention on every device (correct, 4x the work per
+    device). 8 CPU devices in a subprocess, kernels in interpret mode: the logits equal one device's (fp32, <= 1e-5
+    relative), each attention shard_map takes its rows over "data"; the MoE on 6 tokens is expert parallel on
+    expert:2,seq:4 (a reduce-scatter) and on data:2,expert:4 (tokens not split over expert: an all-reduce, no
+    gather), outputs and gradients <= 1e-5. Mutants: all-or-nothing batch axes (the specs are None; the MoE falls
+    back: no collective); the gather and reduce-scatter kept for tokens that "expert" does not split (correct, 4x
+    the expert work: a reduce-scatter where the all-reduce should be)."""
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
+               DSV32_KERNEL_IMPL="interpret")
+    res = subprocess.run([sys.executable, "-c", ROWS_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert [ln.split()[0] for ln in res.stdout.strip().splitlines()] == \
+        ["kernel", "sparse", "expert:2,seq:4", "data:2,expert:4"], res.stdout
 
 
 def test_process_row_block_names_the_rows_each_process_loads():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ from dsv32_jax.model.indexer_loss import dense_indexer_kl, sparse_indexer_kl
 from dsv32_jax.model.layers import Dense, RMSNorm
 from dsv32_jax.model.options import RunOptions
 from dsv32_jax.model.rope import apply_rope_interleaved
-from dsv32_jax.model.sharding import BATCH_AXES, SEQ_AXIS, TENSOR_AXIS, current_mesh
+from dsv32_jax.model.sharding import BATCH_AXES, SEQ_AXIS, TENSOR_AXIS, current_mesh, dividing_run
 
 
 @jax.tree_util.register_dataclass
@@ -315,13 +314,11 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
     """Sequence (context) parallelism over the mesh axis "seq": each device keeps its slice of the queries (dim 1
     of every q_side array) and all-gathers the keys' side (the 576-d latent rows, the indexer keys and their
     segment ids: O(L) bytes, the only communication; its transpose in the backward is a reduce-scatter), then runs
-    `attend` on local queries against all keys. The batch axes are manual too (rows are independent), so the
-    all-gather stays within each device's own sequences (left automatic, GSPMD gathered every sequence of the
-    batch); the heads' axis stays automatic."""
-    rows = q_side[0].shape[0]
-    batch = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
-    if rows % math.prod(mesh.shape[a] for a in batch):
-        batch = ()
+    `attend` on local queries against all keys. The batch axes that split the rows (their longest leading run whose
+    product divides them, as `sharding.array_spec` splits the activations) are manual too (rows are independent),
+    so the all-gather stays within each device's own sequences (left automatic, GSPMD gathered every sequence of
+    the batch); the heads' axis stays automatic."""
+    batch = dividing_run(BATCH_AXES, q_side[0].shape[0], mesh.shape)
     spec = P(batch or None, SEQ_AXIS)
     # (an AbstractMesh has no devices: bench/abstract_step.py lowers it for a GPU or TPU)
     cpu = isinstance(mesh, jax.sharding.Mesh) and mesh.devices.flat[0].platform == "cpu"
@@ -345,18 +342,17 @@ def seq_parallel(attend, mesh, q_side: tuple, kv_side: tuple):
 def kernel_parallel(attend, mesh, q_side: tuple, kv_side: tuple, *, split_tokens: bool):
     """`attend` (mqa_attend with attention="kernel") in one shard_map whose manual axes are the whole mesh: Pallas
     kernels cannot be partitioned by GSPMD (Mosaic refuses, a Triton call would be replicated), so every kernel
-    call sees only this device's block. Per device: its rows (the batch axes, when they divide the rows), its
-    tokens over "seq" (split_tokens, training and prefill: the key side is all-gathered, as in `seq_parallel`; a
-    decode step's keys are the cache), and its heads over "tensor" (when the attention and indexer head counts
-    divide). What crosses heads is explicit (`HeadShards`): the indexer's selection and both KLs run on every head
+    call sees only this device's block. Per device: its rows (over the longest leading run of the batch axes whose
+    product divides them, as `sharding.array_spec` splits the activations: B = 2 on data:2,fsdp:2 splits over
+    data, fsdp holds copies), its tokens over "seq" (split_tokens, training and prefill: the key side is
+    all-gathered, as in `seq_parallel`; a decode step's keys are the cache), and its heads over "tensor" (when the
+    attention and indexer head counts divide). What crosses heads is explicit (`HeadShards`): the indexer's selection and both KLs run on every head
     for 1 / tensor of the tokens (all-to-all in, all-gather of the [t, k] selection out), the head-summed
     probabilities of eq. 4 are reduce-scattered. A mesh axis that splits nothing holds identical copies."""
     q_lat, q_i = q_side[0], q_side[1]
     rows, t, n_heads = q_lat.shape[:3]
     s = kv_side[0].shape[1]
-    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    if rows % math.prod(mesh.shape[a] for a in batch):
-        batch = ()
+    batch = dividing_run(BATCH_AXES, rows, mesh.shape)
     n_seq = mesh.shape.get(SEQ_AXIS, 1)
     seq = SEQ_AXIS if split_tokens and n_seq > 1 and t % n_seq == 0 and s % n_seq == 0 else None
     tp = mesh.shape.get(TENSOR_AXIS, 1)

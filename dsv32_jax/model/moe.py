@@ -8,7 +8,6 @@ the gate weights are then recomputed from the live scores for the given ids, so 
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +50,9 @@ def route(logits: jnp.ndarray, bias: jnp.ndarray, cfg: ModelConfig, replay_ids: 
 
 
 def _token_axes(mesh, n_tokens: int) -> tuple[str, ...]:
-    """The mesh axes that split the flattened tokens [B x T] (batch axes, then seq); () when they do not divide."""
-    axes = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
-    return axes if n_tokens % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+    """The mesh axes that split the flattened tokens [B x T]: the longest leading run of the batch axes, then seq,
+    whose product divides them (as the activations are split); () when the first does not divide."""
+    return sharding.dividing_run(sharding.BATCH_AXES + (sharding.SEQ_AXIS,), n_tokens, mesh.shape)
 
 
 def _route_tokens(logits, bias, cfg: ModelConfig, replay_ids=None):
@@ -186,9 +185,11 @@ def _expert_parallel(mesh, x, ids, weights, w):
     split as the activations are (batch axes, then seq: N = B x T flattened), experts split over `expert` (their
     hidden units over `tensor`, their model dim over `fsdp`, gathered per layer as FSDP does). Each device
     all-gathers the tokens of its expert group (none to gather without expert parallelism), runs only its local
-    experts on them (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner."""
-    batch = tuple(a for a in sharding.BATCH_AXES + (sharding.SEQ_AXIS,) if mesh.shape[a] > 1)
+    experts on them (dropless), and a reduce-scatter returns every token's summed expert outputs to its owner. The
+    tokens split over the longest leading run of (batch axes, seq) that divides them (`_token_axes`); when that run
+    stops before "expert", the group's devices hold the same tokens and sum their experts' outputs (all-reduce)."""
     n_ep = mesh.shape["expert"]
+    batch = _token_axes(mesh, x.shape[0])
     # a weight dimension that its axis does not divide stays whole on every device, as the rule table stores it
     # (`sharding.array_spec`): split anyway, shard_map refused the mesh (hidden 64 on fsdp:6)
     fsdp = "fsdp" if mesh.shape["fsdp"] > 1 and w[0].shape[1] % mesh.shape["fsdp"] == 0 else None
@@ -202,9 +203,12 @@ def _expert_parallel(mesh, x, ids, weights, w):
     e_spec = e_axes[0] if len(e_axes) == 1 else (e_axes or None)
     tok = P(batch or None, None)
     w_specs = (P(e_spec, fsdp, tensor), P(e_spec, fsdp, tensor), P(e_spec, tensor, fsdp))
-    n_tokens = x.shape[0]
-    if n_tokens % math.prod(mesh.shape[a] for a in batch) or w[0].shape[0] % n_ep:
-        return _grouped_swiglu(x, ids, weights, w, first_expert=0)  # uneven split: let GSPMD place it
+    if not batch or w[0].shape[0] % n_ep:  # no token split, or experts that "expert" does not divide: GSPMD's
+        return _grouped_swiglu(x, ids, weights, w, first_expert=0)
+    # tokens split over "expert" too: each device gathers its expert group's tokens and gets its own back summed
+    # (reduce-scatter); tokens that "expert" does not split (a leading run of the batch axes stops before it) are
+    # the same on the group's devices: each runs its experts on them and the outputs are summed (all-reduce)
+    gather = n_ep > 1 and "expert" in batch
 
     def body(x, ids, weights, w_gate, w_up, w_down):
         # the weights' all-gather waits for this layer's tokens: depending on parameters only, XLA's scheduler
@@ -216,12 +220,15 @@ def _expert_parallel(mesh, x, ids, weights, w):
             w_gate = jax.lax.all_gather(w_gate, fsdp, axis=1, tiled=True)
             w_up = jax.lax.all_gather(w_up, fsdp, axis=1, tiled=True)
             w_down = jax.lax.all_gather(w_down, fsdp, axis=2, tiled=True)
-        x, ids, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, ids, weights))
+        if gather:
+            x, ids, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, ids, weights))
         first = jax.lax.axis_index("expert") * w_gate.shape[0]
         y = _grouped_swiglu(x, ids, weights, (w_gate, w_up, w_down), first)
         if tensor:
             y = jax.lax.psum(y, tensor)
-        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        if gather:
+            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, "expert") if n_ep > 1 else y
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok) + w_specs, out_specs=tok, check_vma=False)
     return fn(x, ids, weights, *w)

@@ -45,6 +45,11 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 _CONTEXT: dict = {"mesh": None, "rules": DEFAULT_RULES}
+# The mesh and rules are read while tracing, so they are part of every jit's cache key (`jax.make_user_context`;
+# jax >= 0.11): without it, a function jitted and traced outside `use_mesh` and called again inside it (or under
+# other rules) with inputs of the same shardings ran the cached unsharded program (the kernels outside any
+# shard_map), and one traced inside kept its mesh outside.
+_TRACE_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int], flag: str = "--mesh") -> dict[str, int]:
@@ -128,6 +133,15 @@ def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT
     return P(*out)
 
 
+def dividing_run(axes: Iterable[str], n: int, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The longest leading run of `axes` (those of size 1 left out) whose product divides `n`: the mesh axes that
+    split a dimension of n (() when the first one does not divide it). The rest hold identical copies."""
+    run = tuple(a for a in axes if mesh_shape.get(a, 1) > 1)
+    while run and n % math.prod(mesh_shape[a] for a in run):
+        run = run[:-1]
+    return run
+
+
 def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFAULT_RULES) -> P:
     """PartitionSpec of an array with logical `axes`: each name maps through `rules` to mesh axes; a mesh axis is
     used at most once per array, size-1 mesh axes are dropped, and a dimension is split over the longest leading
@@ -138,9 +152,7 @@ def array_spec(axes, shape, mesh_shape: Mapping[str, int], rules: Mapping = DEFA
     for name, dim in zip(axes, shape):
         target = rules.get(name) if name is not None else None
         cand = (target,) if isinstance(target, str) else tuple(target or ())
-        cand = tuple(a for a in cand if a not in used and mesh_shape.get(a, 1) > 1)
-        while cand and dim % math.prod(mesh_shape[a] for a in cand):
-            cand = cand[:-1]
+        cand = dividing_run((a for a in cand if a not in used), dim, mesh_shape)
         used.update(cand)
         out.append((cand[0] if len(cand) == 1 else cand) if cand else None)
     return P(*out)
@@ -198,11 +210,15 @@ def per_device_bytes(state: nnx.State, mesh_shape: Mapping[str, int], rules: Map
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None, rules: Mapping = DEFAULT_RULES):
-    """Activates `constrain` for code traced inside (a no-op outside any mesh)."""
+    """Activates `constrain` (and the model's shard_maps) for code traced inside (a no-op outside any mesh); a jitted
+    function called inside is traced for this mesh and these rules, not taken from its cache of another."""
     old = dict(_CONTEXT)
     _CONTEXT.update(mesh=mesh, rules=rules)
+    key = None if mesh is None else (mesh, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                        for k, v in rules.items())))
     try:
-        yield mesh
+        with contextlib.nullcontext() if _TRACE_KEY is None else _TRACE_KEY(key):
+            yield mesh
     finally:
         _CONTEXT.update(old)
 
