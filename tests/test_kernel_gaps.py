@@ -569,3 +569,24 @@ def test_sparse_mla_recompute_backward_ignores_the_mosaic_pds_option(rng):
     f = lambda **kw: jax.grad(lambda a: jnp.sum(kernels.sparse_mla(a, kv, idx, 0.1, 32, impl=IMPL, bwd="recompute",
                                                                    **kw)[0]))(q)
     np.testing.assert_array_equal(np.asarray(f(pds="mosaic_gpu")), np.asarray(f()))
+
+
+def test_set_default_impl_retraces_functions_jitted_before_it(monkeypatch):
+    """`set_default_impl` is read while tracing, so it keys jax's tracing caches: a function jitted and traced
+    with the platform's default (the reference on a CPU) kept it after set_default_impl("interpret"), and one
+    traced under a preference kept it after the reset. Expected: the Pallas call appears in the jitted function's
+    trace exactly while the preference is set. Mutant: the user context not set (no Pallas call after the switch)."""
+    from dsv32_jax.kernels.inspect import pallas_calls
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    g = jax.jit(lambda x: kernels.topk(x, 4))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 40)), jnp.float32)
+    counts = [len(pallas_calls(jax.make_jaxpr(g)(x)))]
+    kernels.set_default_impl(IMPL)
+    try:
+        counts.append(len(pallas_calls(jax.make_jaxpr(g)(x))))
+        got = np.sort(np.asarray(g(x)), axis=-1)
+    finally:
+        kernels.set_default_impl(None)
+    counts.append(len(pallas_calls(jax.make_jaxpr(g)(x))))
+    assert counts[0] == 0 and counts[1] >= 1 and counts[2] == 0, counts
+    np.testing.assert_array_equal(got, numpy_topk(x, 4))
