@@ -95,3 +95,44 @@ def test_mtp_module_matches_a_numpy_reference_at_two_depths(rng):
         nll = -np.take_along_axis(logp, t[..., None], -1)[..., 0]
         per_depth.append((nll * m).sum() / m.sum())
     assert float(mtp_loss(got, batch)) == pytest.approx(np.mean(per_depth), rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", ["dense", "sparse"])
+def test_mtp_weight_zero_leaves_the_mtp_layer_out_of_every_loss(rng, stage):
+    """With loss.mtp_weight 0 (the default; every preset has an MTP layer) the MTP parameters are frozen, so the
+    MTP layer must not change the objective: loss, metrics and gradients equal those of the same main-model
+    weights without an MTP layer (fp32; measured equal to ~1e-7, bound 1e-5 relative). It ran: its indexer's KL
+    joined the sparse stage's average (0.902 against 0.890, each main indexer's gradient scaled by 3/4 in a 3-layer
+    model) and its router's balance loss reached the embedding through the MTP block's input (1.7e-3 off).
+    Mutant: lm_objective without the mtp flag (the MTP layer runs)."""
+    import jax
+
+    from dsv32_jax.train import steps
+
+    tokens, seg, batch = packed_batch(rng, b=2, t=24)
+    starts = [[int(np.argmax(row == row[i])) for i in range(len(row))] for row in seg]  # each document's start
+    batch["positions"] = jnp.asarray(np.arange(seg.shape[1])[None] - np.asarray(starts), jnp.int32)
+    opts = RunOptions(dsa=stage == "sparse", attention="sparse" if stage == "sparse" else "dense", attn_chunk=8,
+                      index_chunk=8)
+    weights = steps.LossWeights(mtp_weight=0.0, balance_weight=0.1, indexer_weight=1.0)
+
+    def objective(layers):
+        cfg = load_preset("tiny").replace(num_hidden_layers=3, num_nextn_predict_layers=layers, index_topk=4,
+                                          initializer_range=0.3)
+        model = Transformer(cfg, rngs=nnx.Rngs(0), options=opts)
+        graphdef, params, rest = nnx.split(model, nnx.Not(lambda path, _: "mtp" in map(str, path)), ...)
+
+        def f(p):
+            return steps.lm_objective(nnx.merge(graphdef, p, rest), batch, stage=stage, weights=weights,
+                                      model_cfg=cfg)
+        (loss, (metrics, _, _)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+        return loss, metrics, nnx.to_pure_dict(grads)
+
+    (l1, m1, g1), (l0, m0, g0) = objective(1), objective(0)
+    assert set(m1) == set(m0) and "balance_loss" in m0
+    for k in m0:
+        assert abs(float(m1[k]) - float(m0[k])) <= 1e-5 * max(abs(float(m0[k])), 1e-6), (k, m1[k], m0[k])
+    flat1, flat0 = nnx.traversals.flatten_mapping(g1), nnx.traversals.flatten_mapping(g0)
+    assert set(flat1) == set(flat0)
+    for k, v in flat0.items():
+        assert rel_err(flat1[k], v) <= 1e-5 or float(jnp.abs(v).max()) == float(jnp.abs(flat1[k]).max()) == 0, k

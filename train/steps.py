@@ -68,15 +68,21 @@ class LossWeights:
 
 
 def lm_objective(model, batch, totals=None, *, stage: str, weights: LossWeights, model_cfg):
-    """The stage's loss: warm-up = indexer KL (eq. 3); dense / sparse = LM loss (+ the indexer KL of eq. 4 in the
-    sparse stage) + optional MTP and balance losses. Every average divides by `totals` (losses.batch_totals of the
-    step's whole batch; None: this batch's), so a microbatch's loss and metrics are its share of the whole batch's.
-    Returns (loss, (metrics, routing aux, token mask))."""
+    """The stage's loss: warm-up = indexer KL (eq. 3; every indexer, the MTP layers' included); dense / sparse = LM
+    loss (+ the indexer KL of eq. 4 in the sparse stage) + optional MTP and balance losses (the MTP layers run only
+    with weights.mtp_weight > 0: with 0 the model's losses are those of the same weights without them). Every
+    average divides by `totals` (losses.batch_totals of the step's whole batch; None: this batch's), so a
+    microbatch's loss and metrics are its share of the whole batch's. Returns (loss, (metrics, routing aux, token
+    mask))."""
     if totals is None:
         totals = losses.batch_totals(batch, model_cfg.num_nextn_predict_layers)
     chunk = weights.token_chunk
+    # The MTP layers run where a loss reads them: the MTP loss (mtp_weight > 0) and the warm-up, which trains every
+    # indexer, the MTP layer's too. With mtp_weight 0 they are left out (their parameters are frozen then): run
+    # anyway, their indexer's KL joined the average (each main indexer's gradient scaled by L / (L + 1)) and their
+    # router's balance loss reached the main model through the MTP block's input.
     out, aux = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                     return_aux=True, head=not chunk)
+                     return_aux=True, head=not chunk, mtp=stage == "warmup" or bool(weights.mtp_weight))
     token_mask = (batch["segment_ids"] > 0).astype(jnp.float32)
     if chunk:  # the heads applied chunk by chunk: no [B, T, V] logits at long context
         kernel = model.lm_head.kernel[...]

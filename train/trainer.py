@@ -401,7 +401,8 @@ class Trainer:
         return metrics
 
     def evaluator(self):
-        """The held-out Evaluator of this run (built once): dense attention for the dense stage, DSA otherwise."""
+        """The held-out Evaluator of this run (built once): dense attention for the dense stage, DSA otherwise, with
+        the run's selection (indexer_fp8: the FP8 scores it trains with, not the exact ones)."""
         if getattr(self, "_evaluator", None) is None:
             from dsv32_jax.train import eval as eval_lib
 
@@ -412,7 +413,8 @@ class Trainer:
             self._evaluator = eval_lib.Evaluator.create(
                 batches, graphdef=model_graphdef,
                 options=eval_lib.ATTENTIONS["dense" if self.stage == "dense" else "dsa"].replace(
-                    attn_chunk=self.options.attn_chunk, index_chunk=self.options.index_chunk),
+                    attn_chunk=self.options.attn_chunk, index_chunk=self.options.index_chunk,
+                    indexer_fp8=self.options.indexer_fp8 and self.stage != "dense"),
                 model_shardings=self.ts.shardings[0], batch_sharding=self.batch_sharding, rows=cfg.batch_size)
         return self._evaluator
 
