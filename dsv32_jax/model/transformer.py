@@ -122,7 +122,10 @@ class Transformer(nnx.Module):
         # the table's model dim is stored split over fsdp, which also splits the tokens' rows: gathered first (in
         # the compute dtype), else GSPMD replicates the whole [B, T, D] lookup to reshard it
         table = constrain(self.embed[...].astype(self.dtype), ("vocab", None))
-        return jnp.take(table, tokens, axis=0)
+        # the rows come out with the model dim whole: XLA's SPMD partitioner (jax 0.12.1) miscompiled this gather of a
+        # vocab-split table into rows split over two other axes (P(None, "seq", "fsdp"): one row on a
+        # fsdp:2,tensor:2,seq:2 mesh, as in generation), embeddings off by 0.4 (a pure-JAX repro: tests/test_sharding)
+        return constrain(jnp.take(table, tokens, axis=0), ("batch", "seq", None))
 
     def logits(self, h):
         return jnp.dot(h.astype(jnp.float32), self.lm_head.kernel[...].astype(jnp.float32))
