@@ -210,6 +210,7 @@ def _training_config(stage, **fields):
     ("grpo", "grpo.tasks", ",", r"config\.grpo\.tasks must be one or more comma-separated tasks"),
     ("grpo", "grpo.top_p", 0.0, r"config\.grpo\.top_p must be a finite number > 0"),
     ("grpo", "grpo.temperature", float("inf"), r"config\.grpo\.temperature must be a finite number > 0"),
+    ("grpo", "grpo.temperature", 1e-37, r"config\.grpo\.temperature must be >= 1e-06, got 1e-37"),
     ("agent", "agent.max_turns", 0, r"config\.agent\.max_turns must be an integer >= 1"),
     ("agent", "agent.top_p", 1.5, r"config\.agent\.top_p must be in \(0, 1\]"),
     ("grpo", "grpo.prompts_per_step", 0, r"config\.grpo\.prompts_per_step must be an integer >= 1"),

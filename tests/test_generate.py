@@ -203,12 +203,12 @@ def test_out_that_is_a_directory_is_refused_before_generating(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value", [("temperature", float("nan")), ("temperature", float("inf")),
-                                         ("temperature", -0.5), ("top_p", float("nan"))])
+                                         ("temperature", -0.5), ("temperature", 1e-37), ("top_p", float("nan"))])
 def test_non_finite_temperature_and_top_p_are_refused_by_flag_name(flag, value):
     """--temperature=nan got past `temperature < 0` and failed after the checkpoint had loaded, naming the internal
     SamplingConfig.temperature; --temperature=inf sampled uniformly without a word (audit F9)."""
     ckpt = os.path.join(FIXTURES, "hf_long")
-    want = (rf"--temperature={value}: must be a finite number >= 0; 0 = greedy" if flag == "temperature" else
+    want = (rf"--temperature={value}: must be 0 \(greedy\) or a finite number >= 1e-06" if flag == "temperature" else
             rf"--top_p={value}: must be in \(0, 1\]")
     with pytest.raises(GenerateError, match=want):
         run(ckpt, [("--prompt", {"prompt": "hi"})], tokenizer="byte", max_new_tokens=2, write=lambda s: None,

@@ -313,12 +313,14 @@ def test_check_prompt_boundaries():
 
 
 def test_streamed_ids_must_be_inside_the_vocabulary(model):
-    """generate_stream refuses an id of the vocabulary's size (32 here: ids are 0..31) before running the model.
-    Mutant guarded: `0 <= i <= vocab`."""
-    from dsv32_jax.posttrain.generate import generate_ids
+    """generate_stream and generate_no_cache refuse an id of the vocabulary's size (32 here: ids are 0..31) before
+    running the model (generate_no_cache returned token 0 each step: the id embeds as NaN under jit). Mutant
+    guarded: `0 <= i <= vocab`."""
+    from dsv32_jax.posttrain.generate import generate_ids, generate_no_cache
 
-    with pytest.raises(ValueError, match=r"prompt: token id 32 outside the model's vocabulary \[0, 32\)"):
-        generate_ids(model, [5, 32], SamplingConfig(max_new_tokens=2))
+    for fn in (generate_ids, generate_no_cache):
+        with pytest.raises(ValueError, match=r"prompt: token id 32 outside the model's vocabulary \[0, 32\)"):
+            fn(model, [5, 32], SamplingConfig(max_new_tokens=2))
 
 
 def test_streaming_and_no_cache_generation_equal_the_reference_loop_and_stop_after_eos(model):

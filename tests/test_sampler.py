@@ -151,12 +151,14 @@ def test_greedy_at_temperature_zero_is_the_argmax_with_finite_logprobs(rng, top_
     (dict(top_k=-1), r"top_k=-1 must be in"),
     (dict(max_candidates=0, top_p=0.5), r"max_candidates must be >= 1, got 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
-    (dict(temperature=float("nan")), r"temperature must be > 0"),
-    (dict(temperature=float("inf")), r"temperature must be > 0 and finite .*got inf"),
+    (dict(temperature=float("nan")), r"temperature must be finite and >= 1e-06"),
+    (dict(temperature=float("inf")), r"temperature must be finite and >= 1e-06 .*got inf"),
+    (dict(temperature=1e-37), r"temperature must be finite and >= 1e-06 \(use greedy=True .*got 1e-37"),
 ])
 def test_sampling_config_refuses_what_it_would_run_differently(fields, match):
     """top_k above the candidate set silently ran as top-k max_candidates; max_candidates = 0 silently turned top-p
-    off; max_new_tokens = 0 failed inside jit with a shape error; an infinite temperature sampled uniformly."""
+    off; max_new_tokens = 0 failed inside jit with a shape error; an infinite temperature sampled uniformly; a
+    temperature of 1e-37 overflowed logits / T (NaN log-probs, a wrong token; 1e-38 flushed to 0)."""
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**fields)
 
@@ -189,6 +191,35 @@ def test_nucleus_set_matches_numpy(rng, temperature, top_p):
         got = np.zeros(40, bool)
         got[ids[row][keep[row]]] = True
         np.testing.assert_array_equal(got, ref, err_msg=f"row {row}")
+
+
+def test_nucleus_is_of_the_models_distribution_when_candidates_bound_the_vocabulary(rng):
+    """Vocabulary 256, 64 candidates, top_p 0.9 (logits ~ N(0, 4)): where the model's nucleus fits in the
+    candidates it is the kept set exactly, else every candidate is kept (the bound caps it). The nucleus was cut on
+    the softmax over the candidates alone: 31 of a 52-token nucleus kept on average, the exact set on 1% of rows.
+    After a top-k cut the nucleus is of the top-k renormalized (HF's order). Mutant: softmax over the candidates."""
+    logits = rng.standard_normal((96, 256)) * 2.0
+    cfg = SamplingConfig(top_p=0.9, max_candidates=64)
+    vals, ids, keep = (np.asarray(a) for a in processed_logits(jnp.asarray(logits, jnp.float32), cfg))
+    fits = 0
+    for row in range(len(logits)):
+        ref, _ = numpy_nucleus(logits[row], 1.0, 0.9)
+        got = np.zeros(256, bool)
+        got[ids[row][keep[row]]] = True
+        if ref.sum() <= 64:
+            fits += 1
+            np.testing.assert_array_equal(got, ref, err_msg=f"row {row}")
+        else:
+            assert keep[row].all(), row
+    assert fits >= 10  # both branches are exercised (31-48 of 96 rows fit over 5 seeds)
+    assert fits < len(logits)
+    # top_k 8 then top_p 0.5: the nucleus of the 8 most likely, renormalized
+    cfg = SamplingConfig(top_k=8, top_p=0.5, max_candidates=64)
+    vals, ids, keep = (np.asarray(a) for a in processed_logits(jnp.asarray(logits, jnp.float32), cfg))
+    for row in range(len(logits)):
+        top = np.argsort(-logits[row], kind="stable")[:8]
+        ref, _ = numpy_nucleus(logits[row][top], 1.0, 0.5)
+        np.testing.assert_array_equal(np.sort(ids[row][keep[row]]), np.sort(top[ref]), err_msg=f"row {row}")
 
 
 @pytest.mark.parametrize("top_p", [0.8, 1.0], ids=["nucleus", "full"])

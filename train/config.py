@@ -312,6 +312,8 @@ def check_config(config) -> None:
 
     import jax.numpy as jnp
 
+    from dsv32_jax.posttrain.sampler import MIN_TEMPERATURE
+
     def get(field):
         node = config
         for part in field.split("."):
@@ -393,6 +395,8 @@ def check_config(config) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"config.{section}.kl_weights.{key} must be a finite number >= 0, got {value!r}")
         number(f"{section}.temperature", above=True)
+        if get(f"{section}.temperature") < MIN_TEMPERATURE:  # logits / T overflow float32 below it (NaN log-probs)
+            fail(f"{section}.temperature", f">= {MIN_TEMPERATURE}")
         number(f"{section}.top_p", above=True)
         if get(f"{section}.top_p") > 1:
             fail(f"{section}.top_p", "in (0, 1]")

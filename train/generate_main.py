@@ -225,7 +225,7 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
 
     import dsv32_jax
     from dsv32_jax.posttrain.generate import check_prompt, generate_stream
-    from dsv32_jax.posttrain.sampler import SamplingConfig
+    from dsv32_jax.posttrain.sampler import MIN_TEMPERATURE, SamplingConfig
 
     if write is None:
         def write(s):
@@ -234,8 +234,8 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
     if not os.path.exists(ckpt):
         raise GenerateError(f"--ckpt={ckpt}: does not exist")
     # nan passes a `< 0` test and inf samples uniformly: both refused here, by the flag's name
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise GenerateError(f"--temperature={temperature}: must be a finite number >= 0; 0 = greedy")
+    if not (math.isfinite(temperature) and (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        raise GenerateError(f"--temperature={temperature}: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise GenerateError(f"--top_p={top_p}: must be in (0, 1]")
     if max_new_tokens < 1:

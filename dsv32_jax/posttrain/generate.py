@@ -62,20 +62,27 @@ def _step(graphdef, state, cache, token, slot, position, cfg: SamplingConfig, rn
     return tok, cache
 
 
-def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> Iterator[int]:
-    """Yields up to cfg.max_new_tokens sampled ids after the prompt `ids` (stops after cfg.eos_id, which is
-    yielded; eos_id < 0: never stops early), each as soon as it is sampled. The prompt is left-padded to a
-    multiple of PROMPT_BUCKET (padding is segment 0: invisible to attention and the indexer) and the cache holds
-    prompt + max_new_tokens slots. rng: a jax key (default key(0)); step i samples with fold_in(rng, i)."""
+def _prompt_ids(model, ids: Sequence[int], cfg: SamplingConfig) -> list[int]:
+    """The prompt as ints, checked against the model's vocabulary (with cfg's vocab_size and pad_id): under jit an
+    id outside it embeds as NaN (jnp.take's fill), and argmax of NaN logits is token 0."""
     ids = [int(i) for i in ids]
-    n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
-    if n_new == 0:
-        return
     vocab = model.config.vocab_size
     cfg.check_vocab(vocab)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ValueError(f"prompt: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+    return ids
+
+
+def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> Iterator[int]:
+    """Yields up to cfg.max_new_tokens sampled ids after the prompt `ids` (stops after cfg.eos_id, which is
+    yielded; eos_id < 0: never stops early), each as soon as it is sampled. The prompt is left-padded to a
+    multiple of PROMPT_BUCKET (padding is segment 0: invisible to attention and the indexer) and the cache holds
+    prompt + max_new_tokens slots. rng: a jax key (default key(0)); step i samples with fold_in(rng, i)."""
+    ids = _prompt_ids(model, ids, cfg)
+    n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
+    if n_new == 0:
+        return
     rng = jax.random.key(0) if rng is None else rng
     width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
     total = width + n_new
@@ -111,7 +118,7 @@ def generate_no_cache(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) 
     """The same sampling without a decode cache: every token re-runs the model over the whole sequence (held in
     one buffer of prompt + max_new_tokens ids, so one compilation; causal attention makes the unfilled tail
     invisible to the positions read). The speed baseline of bench/generate.py, and a check of the cache."""
-    ids = [int(i) for i in ids]
+    ids = _prompt_ids(model, ids, cfg)
     n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
     rng = jax.random.key(0) if rng is None else rng
     graphdef, state = nnx.split(model)

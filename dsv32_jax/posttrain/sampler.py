@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+MIN_TEMPERATURE = 1e-6  # below it, sample greedily (greedy=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = 16
@@ -59,9 +62,11 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.pad_id={self.pad_id} must be a token id of the model, in [0, {vocab})")
 
     def __post_init__(self):
-        if not 0 < self.temperature < float("inf") and not self.greedy:  # (nan refused too; inf sampled uniformly)
-            raise ValueError(f"SamplingConfig.temperature must be > 0 and finite (use greedy=True for argmax "
-                             f"decoding), got {self.temperature}")
+        # (nan refused too; inf sampled uniformly; below MIN_TEMPERATURE logits / T overflow float32 or T flushes to
+        # 0: NaN log-probs and a wrong token, where greedy decoding is what was meant)
+        if not MIN_TEMPERATURE <= self.temperature < float("inf") and not self.greedy:
+            raise ValueError(f"SamplingConfig.temperature must be finite and >= {MIN_TEMPERATURE} (use greedy=True "
+                             f"for argmax decoding), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
@@ -111,7 +116,10 @@ def processed_logits(logits: jnp.ndarray, cfg: SamplingConfig):
     vals, ids = jax.lax.top_k(scaled, k)
     keep = jnp.ones(vals.shape, bool)
     if cfg.top_p < 1.0:
-        probs = jax.nn.softmax(vals, axis=-1)
+        # the nucleus of the model's distribution (over the allowed ids), or, after a top-k cut, of the top-k
+        # renormalized (HF's order): the candidate bound only caps it (softmax over the candidates kept 31 of a
+        # 52-token nucleus at vocab 256, 64 candidates, top_p 0.9)
+        probs = jnp.exp(vals - jax.nn.logsumexp(vals if cfg.top_k else scaled, axis=-1, keepdims=True))
         keep = (jnp.cumsum(probs, axis=-1) - probs) < cfg.top_p  # the most likely candidate is always kept
     return vals, ids, keep
 
