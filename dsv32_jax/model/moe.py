@@ -8,7 +8,6 @@ the gate weights are then recomputed from the live scores for the given ids, so 
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
