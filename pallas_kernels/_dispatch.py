@@ -13,10 +13,10 @@ impl values:
 impl=None resolves, in order, to `set_default_impl(...)`, the env var DSV32_KERNEL_IMPL, then the platform of the
 device the trace targets (`target_device`: the active `dsv32_jax.model.sharding.use_mesh` mesh's devices, else
 `jax.default_device`, else the default backend's; so a step compiled for a deviceless TPU or H100 topology on a CPU
-host gets that chip's kernels): gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference" (set_default_impl and
-the mesh key jax's tracing caches: a jitted function is traced again after either changes; the env var is read at
-trace time only, set it before the first). Those are process-wide preferences: an op
-without a kernel for the preferred backend, or inputs (shapes, dtypes) that backend cannot serve, runs its
+host gets that chip's kernels): gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything else -> "reference"
+(set_default_impl and the mesh key jax's tracing caches: a jitted function is traced again after either changes;
+the env var is read at trace time only, set it before the first). Those are process-wide preferences: an op without
+a kernel for the preferred backend, or inputs (shapes, dtypes) that backend cannot serve, runs its
 reference instead. An impl passed explicitly as `impl=` is a demand: an op without that kernel, or inputs it cannot
 serve, raise a ValueError naming the op, the input shapes and the reason (never a silent reference run); each
 op's docstring lists its backends and constraints.
@@ -33,7 +33,7 @@ ENV_VAR = "DSV32_KERNEL_IMPL"
 _default_impl: str | None = None
 # set_default_impl's preference keys jax's tracing caches (it is read while tracing): without it, a function jitted
 # and traced before a set_default_impl call kept the implementation of its first trace.
-_IMPL_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+_IMPL_KEY = jax.make_user_context(None)
 
 
 def _check(impl: str, where: str) -> str:
@@ -47,8 +47,7 @@ def set_default_impl(impl: str | None) -> None:
     traced again for it."""
     global _default_impl
     _default_impl = None if impl is None else _check(impl, "set_default_impl")
-    if _IMPL_KEY is not None:
-        _IMPL_KEY.set_global(_default_impl)
+    _IMPL_KEY.set_global(_default_impl)
 
 
 _PLATFORM_IMPL = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}

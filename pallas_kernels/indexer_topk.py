@@ -76,9 +76,10 @@ def indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk: int, *, fp8: boo
     # impl=None: only the quantization falls back (hadamard_quant resolves on its own), the rest stays on kernels
     resolved = resolve_impl(impl, BACKENDS, op="indexer_topk", shapes={"q": q, "k": k, "w": w},
                             unsupported=reason if impl is not None else None)
-    if resolved == "reference" or min(topk, k.shape[1]) == 0 or q.shape[1] == 0:  # (no keys or no queries: its
+    # no keys or no queries: the reference's empty selection, no kernel to run
+    if resolved == "reference" or min(topk, k.shape[1]) == 0 or q.shape[1] == 0:
         return ref_indexer.indexer_topk(q, k, w, q_index, q_segment, kv_segment, topk, fp8=fp8, q_chunk=q_chunk,
-                                        k_scale=k_scale)  # empty selection, no kernel)
+                                        k_scale=k_scale)
     sub_impl = impl  # the caller's request goes to each kernel: explicit stays explicit, None resolves per op
     k_eff = min(topk, k.shape[1])
     q, k, w = jax.lax.stop_gradient((q, k, w))

@@ -225,7 +225,8 @@ for spec, collective in (("expert:2,seq:4", "reduce_scatter"), ("data:2,expert:4
         y = forward(moe, x)
         g = jax.jit(nnx.grad(loss))(moe)
     gerr = max(rel(a, b) for a, b in [(g.experts.w_gate[...], g_ref.experts.w_gate[...]),
-                                       (g.experts.w_down[...], g_ref.experts.w_down[...]), (g.router[...], g_ref.router[...])])
+                                       (g.experts.w_down[...], g_ref.experts.w_down[...]),
+                                       (g.router[...], g_ref.router[...])])
     found = [c for c in ("reduce_scatter", "all_reduce") if c in hlo]
     print(spec, found, rel(y, ref), gerr, flush=True)
     assert found == [collective], (spec, found)

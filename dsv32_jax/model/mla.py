@@ -346,9 +346,9 @@ def kernel_parallel(attend, mesh, q_side: tuple, kv_side: tuple, *, split_tokens
     product divides them, as `sharding.array_spec` splits the activations: B = 2 on data:2,fsdp:2 splits over
     data, fsdp holds copies), its tokens over "seq" (split_tokens, training and prefill: the key side is
     all-gathered, as in `seq_parallel`; a decode step's keys are the cache), and its heads over "tensor" (when the
-    attention and indexer head counts divide). What crosses heads is explicit (`HeadShards`): the indexer's selection and both KLs run on every head
-    for 1 / tensor of the tokens (all-to-all in, all-gather of the [t, k] selection out), the head-summed
-    probabilities of eq. 4 are reduce-scattered. A mesh axis that splits nothing holds identical copies."""
+    attention and indexer head counts divide). What crosses heads is explicit (`HeadShards`): the indexer's
+    selection and both KLs run on every head for 1 / tensor of the tokens (all-to-all in, all-gather of the [t, k]
+    selection out), the head-summed probabilities of eq. 4 are reduce-scattered. A mesh axis that splits nothing holds identical copies."""
     q_lat, q_i = q_side[0], q_side[1]
     rows, t, n_heads = q_lat.shape[:3]
     s = kv_side[0].shape[1]

@@ -45,11 +45,11 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 _CONTEXT: dict = {"mesh": None, "rules": DEFAULT_RULES}
-# The mesh and rules are read while tracing, so they are part of every jit's cache key (`jax.make_user_context`;
-# jax >= 0.11): without it, a function jitted and traced outside `use_mesh` and called again inside it (or under
+# The mesh and rules are read while tracing, so they are part of every jit's cache key (`jax.make_user_context`):
+# without it, a function jitted and traced outside `use_mesh` and called again inside it (or under
 # other rules) with inputs of the same shardings ran the cached unsharded program (the kernels outside any
 # shard_map), and one traced inside kept its mesh outside.
-_TRACE_KEY = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+_TRACE_KEY = jax.make_user_context(None)
 
 
 def parse_mesh_spec(spec: str | Mapping[str, int], flag: str = "--mesh") -> dict[str, int]:
@@ -217,7 +217,7 @@ def use_mesh(mesh: Mesh | None, rules: Mapping = DEFAULT_RULES):
     key = None if mesh is None else (mesh, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                         for k, v in rules.items())))
     try:
-        with contextlib.nullcontext() if _TRACE_KEY is None else _TRACE_KEY(key):
+        with _TRACE_KEY(key):
             yield mesh
     finally:
         _CONTEXT.update(old)
