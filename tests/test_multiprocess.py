@@ -1,5 +1,5 @@
 """Sharded and multi-process training on CPU devices: the dense and sparse stages (with MTP, balance loss and the
-bias update) give the same losses and gradient norms on 1 device, on 8 devices of one process
+bias update) give the same losses, gradient norms and held-out losses on 1 device, on 8 devices of one process
 (fsdp:2,tensor:2,expert:2) and on 2 processes x 4 devices with jax.distributed on localhost (gloo collectives; the
 batch's rows split over the processes: data.shards = 2, each process reading its own document shard); and a
 checkpoint written by the 2 processes (parameters, optimizer state, both shards' data positions) is resumed by 1
@@ -38,7 +38,8 @@ for stage in stages:
   for mesh in meshes:
     config = load_config(f"{stage}_tiny", steps=steps, log_every=1000, mesh=mesh, init_from="", **{
         "data.seq_len": 32, "data.batch_size": 8, "data.shards": 2, "checkpoint.every": 2,
-        "checkpoint.use_async": False, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3,
+        "checkpoint.use_async": False, "optimizer.warmup_steps": 1, "optimizer.lr": 1e-3, "eval.every": 2,
+        "eval.batches": 1,
         "loss.mtp_weight": 0.1, "loss.balance_weight": 1e-2, "loss.bias_update_speed": 1e-3,
         "microbatches": 1 if mesh == "fsdp:1" else 2})
     # 2 layers (a dense one and an MoE one) + the MTP layer: every kind of block, less to compile
@@ -48,7 +49,8 @@ for stage in stages:
     it = data_lib.make_iterator(data_lib.DataConfig(**config.data.to_dict()), vocab_size=trainer.cfg.vocab_size,
                                 process_index=i, process_count=n)
     try:
-        out[f"{stage} {mesh}"] = [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.fit(it)]
+        out[f"{stage} {mesh}"] = [(h["step"], h["loss"], h["grad_norm"], h.get("eval_loss", float("nan")))
+                                  for h in trainer.fit(it)]
     finally:
         it.close()
 print("RESULT " + json.dumps({"process": jax.process_index(), "devices": jax.device_count(),
@@ -83,6 +85,7 @@ def test_one_device_eight_devices_and_two_processes_agree_and_resume_across(tmp_
             print(stage, f"2 x 4 (process {r['process']}):", got.tolist())
             np.testing.assert_array_equal(got[:, 0], want[:STEPS - 1, 0])
             np.testing.assert_allclose(got[:, 1:], want[:STEPS - 1, 1:], rtol=1e-5)
+            assert np.isfinite(got[-1, 3])  # the held-out loss at the last step: the same rows on 2 processes
         # the 2-process checkpoint (step 2) holds both processes' data positions and resumes on 1 process
         ckpt = os.path.join(root, "two", stage, MESH, "checkpoints", str(STEPS - 1))
         with open(os.path.join(ckpt, "data", "metadata")) as f:
@@ -113,3 +116,132 @@ def test_a_tensor_axis_across_processes_shares_the_batch_rows(tmp_path):
         print(f"process {r['process']}:", got.tolist(), "1 device:", want.tolist())
         np.testing.assert_array_equal(got[:, 0], [1, 2])
         np.testing.assert_allclose(got[:, 1:], want[:, 1:], rtol=1e-5)
+
+
+POSTTRAIN_SCRIPT = r"""
+import json, os, sys
+pid, nproc, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={8 // nproc}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+if nproc > 1:
+    jax.distributed.initialize(f"localhost:{port}", nproc, pid)
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+sys.path.insert(0, os.getcwd())
+from tests.test_train import load_config
+from dsv32_jax import Transformer, load_preset
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.posttrain.sampler import MultiTurnSampler, SamplingConfig
+from dsv32_jax.train.agent_grpo import AgentLearner
+from dsv32_jax.train.grpo import GRPOLearner
+
+MESH = "fsdp:8"
+def numbers(history):
+    return [{k: float(v) for k, v in h.items() if isinstance(v, (int, float)) and not k.endswith("_s")}
+            for h in history]
+
+out = {}
+# three turns of 8 rows over one decode cache, the rows split over the devices of both processes; a row restarts
+cfg = load_preset("tiny").replace(initializer_range=0.1, index_topk=8, num_hidden_layers=2)
+mesh = shd.make_mesh(MESH)
+with shd.use_mesh(mesh):
+    model = Transformer(cfg, rngs=nnx.Rngs(7), dtype=jnp.float32)
+    scfg = SamplingConfig(max_new_tokens=5, temperature=1.0, top_k=12, max_candidates=16, eos_id=1, pad_id=0)
+    sampler = MultiTurnSampler(model, batch=8, capacity=128, cfg=scfg)
+    rng = np.random.default_rng(3)
+    last = [[] for _ in range(8)]
+    for t in range(3):
+        live = [t == 0 or i % (t + 1) == 0 for i in range(8)]
+        if t == 2:
+            sampler.restart(4)
+        pieces = [(last[i][-2:] + [int(x) for x in rng.integers(2, cfg.vocab_size, 2 + (i + t) % 5)]) if live[i]
+                  else [] for i in range(8)]
+        last = sampler.step(pieces, live, jax.random.key(t))
+    rec = sampler.layout()
+out["turns"] = {"tokens": rec["tokens"].tolist(), "logprobs": rec["logprobs"].tolist(),
+                "generated": rec["generated"].tolist(), "type": type(rec["tokens"]).__name__}
+
+c = load_config("grpo_tiny", steps=2, log_every=1000, mesh=MESH, **{
+    "grpo.tasks": "map", "grpo.prompts_per_step": 4, "grpo.eval_every": 0, "checkpoint.every": 1000,
+    "checkpoint.use_async": False})
+c.model_overrides = dict(c.model_overrides, num_hidden_layers=2)
+out["grpo"] = numbers(GRPOLearner(c, os.path.join(root, "grpo")).fit())
+
+c = load_config("agent_tiny", steps=1, log_every=1000, mesh=MESH, **{
+    "checkpoint.use_async": False, "agent.cold_start_steps": 2, "agent.tasks_per_step": 2,
+    "agent.eval_episodes": 4})
+c.model_overrides = dict(c.model_overrides, num_hidden_layers=2)
+out["agent"] = numbers(AgentLearner(c, os.path.join(root, "agent")).fit())
+print("RESULT " + json.dumps({"process": jax.process_index(), "out": out}), flush=True)
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.xdist_group("multiprocess")
+def test_grpo_agent_and_multi_turn_sampling_on_two_processes_equal_one(tmp_path):
+    """GRPO (2 steps), the agent stage (a cold start, then 1 step of multi-turn rollouts and GRPO over them) and
+    three turns of MultiTurnSampler with a restart, their batches' rows split over the devices of 2 processes x 4:
+    the same metrics, trajectories and log-probs as 1 process x 8 devices. Each rollout used to read its sampled
+    tokens with np.asarray, which raises for an array whose rows live on another process's devices: no post-training
+    ran on more than one host."""
+    one = _run_posttrain(1, os.path.join(str(tmp_path), "one"))
+    two = _run_posttrain(2, os.path.join(str(tmp_path), "two"))
+    want = one[0]["out"]
+    assert want["turns"]["type"] == "ndarray" and sum(map(sum, want["turns"]["generated"])) > 8
+    for r in two:
+        got = r["out"]
+        print(f"process {r['process']}: grpo", got["grpo"], "agent", got["agent"])
+        np.testing.assert_array_equal(got["turns"]["tokens"], want["turns"]["tokens"])
+        np.testing.assert_array_equal(got["turns"]["generated"], want["turns"]["generated"])
+        np.testing.assert_allclose(got["turns"]["logprobs"], want["turns"]["logprobs"], rtol=1e-5, atol=1e-6)
+        for stage in ("grpo", "agent"):
+            assert [sorted(h) for h in got[stage]] == [sorted(h) for h in want[stage]]
+            for g, w in zip(got[stage], want[stage]):
+                np.testing.assert_allclose([g[k] for k in sorted(w)], [w[k] for k in sorted(w)], rtol=1e-4,
+                                           atol=1e-6, err_msg=stage)
+    assert len(want["grpo"]) == 2 and len(want["agent"]) == 1
+
+
+def _run_posttrain(nproc: int, root: str) -> list[dict]:
+    return run_processes(POSTTRAIN_SCRIPT, nproc, root, timeout=900)
+
+
+CHECK_SCRIPT = r"""
+import json, os, sys
+pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.distributed.initialize(f"localhost:{port}", nproc, pid)
+import numpy as np
+sys.path.insert(0, os.getcwd())
+from dsv32_jax.model import sharding as shd
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+full = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+mesh = shd.make_mesh("fsdp:4")
+rows = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P(shd.BATCH_AXES)), lambda i: full[i])
+got = shd.host_value({"rows": rows, "local": np.ones(2), "scalar": 3})
+shd.check_same_on_processes("the same", [[1, 2], [3]], np.arange(4), "text")
+try:
+    shd.check_same_on_processes("the rewards", [1.0, 2.0 + jax.process_index()])
+    error = None
+except ValueError as e:
+    error = str(e)
+print("RESULT " + json.dumps({"rows": got["rows"].tolist(), "local": got["local"].tolist(),
+                              "scalar": int(got["scalar"]), "spread": not rows.is_fully_addressable, "error": error}),
+      flush=True)
+"""
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_host_values_are_whole_and_differing_host_values_are_named(tmp_path):
+    """On 2 processes: host_value of an array whose rows live on both processes' devices is the whole array on each;
+    check_same_on_processes passes equal values and names the values and the process when they differ."""
+    for r in run_processes(CHECK_SCRIPT, 2, timeout=300):
+        assert r["spread"]
+        np.testing.assert_array_equal(r["rows"], np.arange(24).reshape(8, 3))
+        assert r["local"] == [1.0, 1.0] and r["scalar"] == 3
+        assert r["error"] and r["error"].startswith("the rewards: process 1 computed other values than process 0")

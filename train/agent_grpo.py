@@ -571,6 +571,7 @@ class AgentLearner:
         rewards = np.array([t.reward for t in trajs], np.float32)
         terms = self.reward_terms(trajs, rows)
         total = rewards + sum(terms.values(), np.zeros_like(rewards))
+        shd.check_same_on_processes("the agent's rewards (verifiers, reward terms)", total)
         adv = group_advantages(total, group_ids)
         width = -(-rec["tokens"].shape[1] // 64) * 64  # bucket the layout width: fewer recompiles
         padw = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731

@@ -68,13 +68,20 @@ def eval_data_config(data_cfg: dict, eval_cfg, seq_len: int | None = None, long:
 
 
 def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int, shard=None) -> list[dict]:
-    """The first `num_batches` batches of this process's part of the held-out stream (fixed: every evaluation
-    sees the same tokens). shard: (i, n), the block of rows this process's devices own (trainer.data_shard;
-    None: the process index of the process count)."""
+    """This process's rows of the first `num_batches` batches of the held-out stream (fixed: every evaluation sees
+    the same tokens). shard: (i, n), the block of rows this process's devices own (trainer.data_shard; None: the
+    process index of the process count). Every process reads the one held-out stream and keeps row block i of n of
+    each batch, so the held-out set is the same on any number of processes (a stream sharded per process packed
+    other rows on 2 processes than on 1: another eval_loss for the same parameters)."""
     i, n = shard or (jax.process_index(), jax.process_count())
-    it = data_lib.make_iterator(cfg, vocab_size=vocab_size, process_index=i, process_count=n)
+    if cfg.batch_size % n:
+        raise ValueError(f"the held-out batch of {cfg.batch_size} rows cannot be split into {n} row blocks "
+                         "(config.eval.batch_size)")
+    rows = cfg.batch_size // n
+    it = data_lib.make_iterator(dataclasses.replace(cfg, shards=0), vocab_size=vocab_size)
     try:
-        return [{k: np.asarray(b[k]) for k in EVAL_KEYS} for b in (next(it) for _ in range(num_batches))]
+        return [{k: np.asarray(b[k])[i * rows:(i + 1) * rows] for k in EVAL_KEYS}
+                for b in (next(it) for _ in range(num_batches))]
     finally:
         close = getattr(it, "close", None)
         if close is not None:

@@ -160,9 +160,10 @@ class GRPOLearner:
         key = jax.random.fold_in(jax.random.key(self.config.seed), step)
         with shd.use_mesh(self.mesh):
             r = generate(self._model(), prompts, lengths, key, self.sampling)
-        gen = np.asarray(r.tokens)
+        gen = shd.host_value(r.tokens)  # (every row, on every process: each scores the whole batch)
         samples = [rl_tasks.to_sample(kind, pr, ans, lang, gen[i]) for i, (pr, ans, lang, kind) in enumerate(rows)]
         rewards = np.array([self.rewards[s.kind](s) for s in samples], np.float32)
+        shd.check_same_on_processes("the GRPO rewards", rewards)
         adv = group_advantages(rewards, group_ids)
         seg, pos = sequence_layout(lengths, self.prompt_width, r)
         batch = {"prompts": jnp.asarray(prompts), "tokens": jnp.concatenate([jnp.asarray(prompts), r.tokens], 1),
@@ -195,7 +196,7 @@ class GRPOLearner:
             rows, prompts, lengths = self._prompt_batch(items)
             with shd.use_mesh(self.mesh):
                 r = generate(self._model(), prompts, lengths, jax.random.key(0), self.greedy)
-            gen = np.asarray(r.tokens)
+            gen = shd.host_value(r.tokens)
             samples = [rl_tasks.to_sample(kind, pr, ans, lang, gen[i]) for i, (pr, ans, lang, kind) in enumerate(rows)]
             out[f"eval_accuracy/{kind}"] = float(np.mean([rl_tasks.is_correct(s) for s in samples]))
             out[f"eval_length/{kind}"] = float(np.mean([len(s.response) for s in samples]))

@@ -118,6 +118,49 @@ def process_row_block(sharding, shape, process_index: int | None = None) -> tupl
     return distinct.index(blocks[me]), n
 
 
+def host_value(tree):
+    """`tree` with every array as numpy holding its global value, on every process. An array whose shards live on
+    other processes' devices too (the rows of a batch-sharded rollout on several hosts) is all-gathered: `np.asarray`
+    of it raises there. Post-training runs its host logic (rewards, environments, verifiers) on every process over
+    the whole batch, so every process needs every row."""
+    leaves, treedef = jax.tree.flatten(tree)
+    spread = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    if spread:
+        from jax.experimental import multihost_utils
+
+        got = multihost_utils.process_allgather([leaves[i] for i in spread], tiled=True)
+        for i, v in zip(spread, got):
+            leaves[i] = v
+    return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+
+
+def check_same_on_processes(what: str, *values) -> None:
+    """Raises a ValueError naming `what` and the processes when the host values `values` (numpy arrays, lists,
+    strings, numbers) differ between processes; nothing on one process. Each process runs the post-training host
+    logic itself, and its jitted steps take these values as replicated inputs: values that differ (an environment
+    with an unseeded random draw, a clock, the order of a set of strings, which differs between Python processes)
+    would give each host's devices another batch, silently. One small all-gather of a digest."""
+    if jax.process_count() == 1:
+        return
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    h = hashlib.blake2b(digest_size=8)
+    for v in values:
+        a = np.ascontiguousarray(np.asarray(v)) if not isinstance(v, (list, tuple, str)) else None
+        h.update(repr(v).encode() if a is None or a.dtype == object else a.dtype.str.encode() + a.tobytes())
+        h.update(b"\x00")
+    mine = np.frombuffer(h.digest(), np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count())
+    odd = [p for p in range(len(every)) if every[p] != every[0]]
+    if odd:
+        raise ValueError(f"{what}: process {odd[0]} computed other values than process 0. Every process runs the "
+                         "environments, verifiers and rewards over the whole batch: they must be deterministic "
+                         "functions of the episode (a seeded random generator; no clock, no set-of-strings order, "
+                         "which differs between Python processes)")
+
+
 def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES,
                     mesh_shape: Mapping[str, int] | None = None) -> P:
     """Logical axis names -> PartitionSpec; a mesh axis is used at most once, size-1 mesh axes are dropped."""

@@ -15,7 +15,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from dsv32_jax.model import sharding as shd
 
 
 MIN_TEMPERATURE = 1e-6  # below it, sample greedily (greedy=True)
@@ -265,10 +268,12 @@ class MultiTurnSampler:
     Rows advance in lockstep over shared cache slots: a row's piece is left-padded to the batch's longest
     (padding is segment 0, invisible to attention and to the indexer), RoPE positions continue per row, rows that
     have finished their episode get only padding. `restart(row)` starts a row's context over (a context strategy
-    rewrote its history): its later slots get a new segment id, so its earlier slots become invisible to it. `record` holds, per slot [B, slots]: token, segment (1 real /
+    rewrote its history): its later slots get a new segment id, so its earlier slots become invisible to it.
+    `record` holds, per slot [B, slots], in host memory (numpy, whole on every process): token, segment (1 real /
     0 padding), position, generated (1 on sampled tokens), the sampler's log-prob and kept set, and routing / indexer
     selections per layer: the teacher-forcing layout of the whole trajectory (train/steps.py's trajectory step
-    replays it)."""
+    replays it). On several processes every process runs every row's environment: `step` checks that they all
+    pass the same pieces."""
 
     def __init__(self, model, batch: int, capacity: int, cfg: SamplingConfig, bucket: int = PIECE_BUCKET):
         ctx = int(model.config.max_position_embeddings)
@@ -282,13 +287,13 @@ class MultiTurnSampler:
         self.next_pos = [0] * batch
         self.row_seg = [1] * batch
         k = cfg.kept_width(model.config.vocab_size)
-        self.record = {"tokens": jnp.zeros((batch, capacity), jnp.int32) + cfg.pad_id,
-                       "segments": jnp.zeros((batch, capacity), jnp.int32),
-                       "positions": jnp.zeros((batch, capacity), jnp.int32),
-                       "generated": jnp.zeros((batch, capacity), jnp.float32),
-                       "logprobs": jnp.zeros((batch, capacity), jnp.float32),
-                       "kept_ids": jnp.zeros((batch, capacity, k), jnp.int32),
-                       "kept_mask": jnp.zeros((batch, capacity, k), bool), "routing": {}, "topk": {}}
+        self.record = {"tokens": np.full((batch, capacity), cfg.pad_id, np.int32),
+                       "segments": np.zeros((batch, capacity), np.int32),
+                       "positions": np.zeros((batch, capacity), np.int32),
+                       "generated": np.zeros((batch, capacity), np.float32),
+                       "logprobs": np.zeros((batch, capacity), np.float32),
+                       "kept_ids": np.zeros((batch, capacity, k), np.int32),
+                       "kept_mask": np.zeros((batch, capacity, k), bool), "routing": {}, "topk": {}}
 
     def restart(self, row: int) -> None:
         """Row `row` continues in a fresh context (segment id + 1, positions from 0)."""
@@ -308,8 +313,6 @@ class MultiTurnSampler:
         Returns each live row's sampled ids (up to and including EOS, or cut at cfg.max_new_tokens). limits [B]
         (None: cfg.max_new_tokens each): how many of a row's sampled ids its caller keeps; the record marks only
         those as generated (the rest stay in the cache as context nobody trains on)."""
-        import numpy as np
-
         live = np.asarray(live, bool)
         if len(pieces) != self.b or live.shape != (self.b,):
             raise ValueError(f"MultiTurnSampler.step: {len(pieces)} pieces / live {live.shape} for batch {self.b}")
@@ -332,49 +335,51 @@ class MultiTurnSampler:
                 toks[i, width - n:] = piece
                 seg[i, width - n:] = self.row_seg[i]
                 self.next_pos[i] = start + n
+        # every process runs the rows' environments itself and the step takes these as replicated inputs
+        shd.check_same_on_processes("MultiTurnSampler.step: the pieces / live rows / limits", pieces, live,
+                                    [] if limits is None else list(limits))
         self.cache, steps, r, piece_routing, piece_topk = _continue(
             self.graphdef, self.state, self.cache, jnp.int32(self.index), jnp.asarray(toks), jnp.asarray(pos),
             jnp.asarray(seg), rng, self.cfg, jnp.asarray(live), jnp.asarray(self.row_seg, jnp.int32))
         steps = int(steps)
-        gen_pos = np.asarray(pos[:, -1])[:, None] + 1 + np.arange(steps)[None, :]
-        mask = np.asarray(r.mask[:, :steps])
+        # the step's outputs on the host, whole on every process (a batch-sharded rollout spans several hosts)
+        r, piece_routing, piece_topk = shd.host_value(
+            (jax.tree.map(lambda x: x[:, :steps], r), piece_routing, piece_topk))
+        gen_pos = pos[:, -1][:, None] + 1 + np.arange(steps)[None, :]
+        mask = r.mask
         generated = mask.astype(np.float32)
         if limits is not None:  # (a row's mask is a prefix: its sampled ids up to EOS)
             generated *= np.cumsum(mask, axis=1) <= np.asarray(limits, np.int64)[:, None]
         self._write(self.index, toks, seg, pos, np.zeros_like(seg, np.float32), None, piece_routing, piece_topk)
-        self._write(self.index + width, np.asarray(r.tokens[:, :steps]),
-                    mask.astype(np.int32) * np.asarray(self.row_seg, np.int32)[:, None], gen_pos,
-                    generated, r, {k: v[:, :steps] for k, v in r.routing.items()},
-                    {k: v[:, :steps] for k, v in r.topk.items()}, steps)
+        self._write(self.index + width, r.tokens, mask.astype(np.int32) * np.asarray(self.row_seg, np.int32)[:, None],
+                    gen_pos, generated, r, r.routing, r.topk)
         out = []
         for i in range(self.b):
-            ids = [int(x) for x, m in zip(np.asarray(r.tokens[i, :steps]), mask[i]) if m]
+            ids = [int(x) for x, m in zip(r.tokens[i], mask[i]) if m]
             self.next_pos[i] += len(ids)
             out.append(ids if live[i] else [])
         self.index += width + steps
         return out
 
-    def _write(self, at, toks, seg, pos, generated, r, routing, topk, steps=None):
+    def _write(self, at, toks, seg, pos, generated, r, routing, topk):
         rec = self.record
 
-        def put(x, v):
-            return jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(v).astype(x.dtype), at, axis=1)
+        def put(name, v, store=rec):
+            store[name][:, at:at + v.shape[1]] = v
 
-        rec["tokens"], rec["segments"] = put(rec["tokens"], toks), put(rec["segments"], seg)
-        rec["positions"], rec["generated"] = put(rec["positions"], pos), put(rec["generated"], generated)
+        put("tokens", toks), put("segments", seg), put("positions", pos), put("generated", generated)
         if r is not None:
-            rec["logprobs"] = put(rec["logprobs"], r.logprobs[:, :steps])
-            rec["kept_ids"] = put(rec["kept_ids"], r.kept_ids[:, :steps])
-            rec["kept_mask"] = put(rec["kept_mask"], r.kept_mask[:, :steps])
+            put("logprobs", r.logprobs), put("kept_ids", r.kept_ids), put("kept_mask", r.kept_mask)
         for name, new in (("routing", routing), ("topk", topk)):
             for k, v in new.items():
                 if k not in rec[name]:
                     fill = -1 if name == "topk" else 0
-                    rec[name][k] = jnp.full((self.b, self.capacity, v.shape[-1]), fill, jnp.int32)
-                rec[name][k] = put(rec[name][k], v)
+                    rec[name][k] = np.full((self.b, self.capacity, v.shape[-1]), fill, np.int32)
+                put(k, v, rec[name])
 
     def layout(self) -> dict:
-        """The record trimmed to the slots used: the teacher-forcing batch of the whole trajectory."""
+        """The record trimmed to the slots used (numpy, the same on every process): the teacher-forcing batch of
+        the whole trajectory."""
         n = self.index
         rec = {k: v[:, :n] for k, v in self.record.items() if k not in ("routing", "topk")}
         rec["routing"] = {k: v[:, :n] for k, v in self.record["routing"].items()}
