@@ -24,6 +24,7 @@ op's docstring lists its backends and constraints.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -158,11 +159,29 @@ def xla_cpu_pool_size() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def manual_devices() -> int:
+    """How many devices run the computation being traced side by side: the product of the manual (shard_map) axes
+    of the current abstract mesh; 1 outside any shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in mesh.manual_axes) if mesh is not None and not mesh.empty else 1
+
+
 def mosaic_gpu_interpret_params(kernel: str, warpgroups: int, detect_races: bool = False):
     """`plgpu.InterpretGPUParams` for `kernel` (of `warpgroups` = its num_threads), refusing (instead of hanging)
     when XLA:CPU's thread pool is too small for the interpreter's warpgroup threads. The pool is created with the CPU
-    client, so NPROC must be set before jax first runs anything."""
+    client, so NPROC must be set before jax first runs anything. Refused as well inside a shard_map over several
+    devices: the interpreter (jax 0.12.1) keeps one memory for all devices and checks it, and resets every device's
+    per-cluster state, at the end of each device's kernel, so kernels running on several devices at once fail
+    ("Barrier remains allocated", an accumulator that aliases another) or hang; measured 2026-12-07 on 2-8 CPU
+    devices for every Mosaic GPU kernel here that allocates a barrier. A GPU runs them on any mesh."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    devices = manual_devices()
+    if devices > 1:
+        raise RuntimeError(
+            f"{kernel}: Mosaic GPU interpret mode cannot run inside a shard_map over {devices} devices (jax's "
+            "interpreter shares one simulated memory and per-cluster state between the devices' kernels, which "
+            "then fail or hang): use impl='interpret' (the Triton kernels' interpret mode) or the reference on a "
+            "mesh, or run this kernel on one device")
     need, pool = mgpu_interpret_min_pool(warpgroups), xla_cpu_pool_size()
     if pool < need:
         raise RuntimeError(

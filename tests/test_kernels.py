@@ -1621,6 +1621,33 @@ def test_mosaic_gpu_interpret_mode_refuses_a_thread_pool_that_can_hang(monkeypat
     assert d.xla_cpu_pool_size() == len(os.sched_getaffinity(0))
 
 
+def test_mosaic_gpu_interpret_mode_refuses_a_shard_map_over_several_devices(rng):
+    """jax's Mosaic GPU interpreter shares one simulated memory and per-cluster state between devices: inside a
+    shard_map over 2-8 CPU devices every kernel with a barrier failed ("Barrier remains allocated") or, with that
+    check patched out, hung (measured 2026-12-07, jax 0.12.1). Such a call is refused at trace time, naming the kernel
+    and the way out; on one device (a shard_map of 1, or none) the kernel traces. Abstract meshes: no devices needed.
+    Mutation: the device count check removed -> the 2-device trace succeeds."""
+    from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+    b, t, s, h, d = 2, 8, 64, 8, 32
+    qf, kf, ks, wf = ref_indexer.quantize_indexer(jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32),
+                                                  jnp.asarray(rng.standard_normal((b, s, d)), jnp.float32),
+                                                  jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32))
+    ends = jnp.full((b, t), s, jnp.int32)
+
+    def traced(n):
+        mesh = AbstractMesh((n,), ("x",), axis_types=(AxisType.Auto,))
+        fn = jax.shard_map(lambda *a: kernels.indexer_logits(*a[:4], starts=a[4], ends=a[5], block_q=4, block_k=64,
+                                                             impl="interpret_mosaic_gpu"),
+                           mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+        return jax.eval_shape(fn, qf, kf, ks, wf, ends * 0, ends)
+
+    assert traced(1).shape == (b, t, s)
+    with pytest.raises(RuntimeError, match=r"indexer_logits_mgpu: Mosaic GPU interpret mode cannot run inside a "
+                                           r"shard_map over 2 devices.*impl='interpret'"):
+        traced(2)
+
+
 def test_sparse_mla_dqkv_argument_checks(rng):
     from dsv32_jax.kernels import sparse_mla_dqkv_mgpu as dm
     q = jnp.zeros((2, 64, 576), jnp.bfloat16)
