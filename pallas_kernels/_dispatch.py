@@ -163,7 +163,7 @@ def manual_devices() -> int:
     """How many devices run the computation being traced side by side: the product of the manual (shard_map) axes
     of the current abstract mesh; 1 outside any shard_map."""
     mesh = jax.sharding.get_abstract_mesh()
-    return math.prod(mesh.shape[a] for a in mesh.manual_axes) if mesh is not None and not mesh.empty else 1
+    return math.prod(mesh.shape[a] for a in mesh.manual_axes)
 
 
 def mosaic_gpu_interpret_params(kernel: str, warpgroups: int, detect_races: bool = False):

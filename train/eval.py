@@ -78,7 +78,7 @@ def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int, sh
         raise ValueError(f"the held-out batch of {cfg.batch_size} rows cannot be split into {n} row blocks "
                          "(config.eval.batch_size)")
     rows = cfg.batch_size // n
-    it = data_lib.make_iterator(dataclasses.replace(cfg, shards=0), vocab_size=vocab_size)
+    it = data_lib.make_iterator(cfg, vocab_size=vocab_size)  # (the whole batch: the stream of process 0 of 1)
     try:
         return [{k: np.asarray(b[k])[i * rows:(i + 1) * rows] for k in EVAL_KEYS}
                 for b in (next(it) for _ in range(num_batches))]

@@ -131,7 +131,7 @@ def host_value(tree):
         got = multihost_utils.process_allgather([leaves[i] for i in spread], tiled=True)
         for i, v in zip(spread, got):
             leaves[i] = v
-    return jax.tree.unflatten(treedef, [np.asarray(x) for x in leaves])
+    return jax.tree.unflatten(treedef, [np.asarray(x) for x in jax.device_get(leaves)])  # (one batched transfer)
 
 
 def check_same_on_processes(what: str, *values) -> None:
@@ -147,9 +147,9 @@ def check_same_on_processes(what: str, *values) -> None:
     from jax.experimental import multihost_utils
 
     h = hashlib.blake2b(digest_size=8)
-    for v in values:
-        a = np.ascontiguousarray(np.asarray(v)) if not isinstance(v, (list, tuple, str)) else None
-        h.update(repr(v).encode() if a is None or a.dtype == object else a.dtype.str.encode() + a.tobytes())
+    for v in values:  # (an array's bytes: its repr elides the middle of a large one)
+        h.update(v.dtype.str.encode() + np.ascontiguousarray(v).tobytes() if isinstance(v, np.ndarray)
+                 else repr(v).encode())
         h.update(b"\x00")
     mine = np.frombuffer(h.digest(), np.int64)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count())
