@@ -248,3 +248,115 @@ def test_host_values_are_whole_and_differing_host_values_are_named(tmp_path):
         assert r["local"] == [1.0, 1.0] and r["scalar"] == 3
         for error in r["errors"]:  # a list (its repr) and an array (its bytes) that differ
             assert error and error.startswith("the rewards: process 1 computed other values than process 0"), error
+
+
+ROLLOUT_SCRIPT = r"""
+import json, os, sys, threading
+pid, nproc, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.distributed.initialize(f"localhost:{port}", nproc, pid)
+sys.path.insert(0, os.getcwd())
+from dsv32_jax.model import sharding as shd
+from dsv32_jax.posttrain import chat
+from dsv32_jax.posttrain.agent import rollout as rollout_lib
+from dsv32_jax.posttrain.agent.episode import OraclePolicy
+from dsv32_jax.posttrain.envs import LookupEnv, Tool
+from dsv32_jax.posttrain.sampler import SamplingConfig
+me = jax.process_index()
+
+class Outside(LookupEnv):  # a tool behind an outside service: each call logged, its answer names the process
+    def make_tools(self):
+        get = super().make_tools()[0]
+        def call(key):
+            with open(os.path.join(root, f"calls-{me}"), "a") as f:
+                f.write(key + "\n")
+            return f"{get.function(key)} (served to process {me})"
+        return [Tool(get.name, get.description, get.parameters, call)]
+
+    def score(self, instance, answer):  # details the verifier returns that do not pickle: data, kept as repr
+        reward, details = super().score(instance, answer)
+        return reward, dict(details, handle=threading.Lock())
+
+class Boom(LookupEnv):
+    def generate(self, seed):
+        raise KeyError("boom")
+
+codec = chat.TinyCodec.printable()
+cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
+
+def scripted(scripts):  # MultiTurnSampler's stand-in: each row's oracle completions, in turn
+    class Sampler:
+        def __init__(self, model, b, capacity, cfg):
+            self.turn = [0] * b
+        def step(self, pieces, live, rng, limits=None):
+            out = [list(scripts[i].completions[self.turn[i]]) if on else [] for i, on in enumerate(live)]
+            self.turn = [t + bool(on) for t, on in zip(self.turn, live)]
+            return out
+        def fits(self, pieces):
+            return True
+        def restart(self, row):
+            pass
+        def layout(self):
+            return {}
+    return Sampler
+
+out = {}
+envs = [Outside() for _ in range(5)]
+rollout_lib.MultiTurnSampler = scripted([OraclePolicy(Outside(), codec, s) for s in range(5)])
+trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, list(range(5)), max_turns=8)
+out["trajs"] = [{"success": t.success, "tool_calls": t.tool_calls, "history": [m.content for m in t.history],
+                 "handle": t.info.get("handle")} for t in trajs]
+envs[3] = Boom()
+try:
+    rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, list(range(5)), max_turns=8)
+except RuntimeError as e:
+    out["failure"] = [str(e), type(e.__cause__).__name__]
+out["map"] = shd.process_map("squares", lambda x: [x * x, jax.process_index()], range(5))
+def odd(x):
+    if x == 4:
+        raise ValueError("no 4")
+    return x
+try:
+    shd.process_map("odd", odd, range(5))
+except Exception as e:
+    out["map_failure"] = [type(e).__name__, str(e)]
+try:
+    shd.gather_objects("the lock", threading.Lock() if me == 1 else 1)
+except ValueError as e:
+    out["gather_failure"] = str(e)
+print("RESULT " + json.dumps({"process": me, "out": out}), flush=True)
+"""
+
+
+@pytest.mark.xdist_group("multiprocess")
+def test_each_process_runs_its_own_rows_episodes_and_every_process_gets_every_trajectory(tmp_path):
+    """BatchedRollout on 2 processes with a scripted sampler: process 0 runs the episodes of rows 0-1, process 1 those
+    of rows 2-4 (an environment behind an outside service is called once per tool call, not once per process, and
+    may answer differently on each process), and both return the same 5 trajectories; a verifier's detail that does
+    not pickle arrives as its repr. An episode that raises on process 1 stops both processes, naming row 3 and the
+    process. sharding.process_map: each process computes its block, every process gets every result, and a failure
+    raises on every process; gather_objects names the process whose value does not pickle. Mutants: every process
+    running every row (tool calls doubled), no gather of the trajectories (rows of the other process None)."""
+    root = str(tmp_path)
+    results = run_processes(ROLLOUT_SCRIPT, 2, root, timeout=300)
+    calls = [open(os.path.join(root, f"calls-{p}")).read().split() for p in range(2)]
+    trajs = results[0]["out"]["trajs"]
+    owner = [0, 0, 1, 1, 1]
+    for row, t in enumerate(trajs):
+        assert t["success"] and t["tool_calls"] >= 1, t
+        results_text = [h for h in t["history"] if "(served to process" in h]
+        assert len(results_text) == t["tool_calls"] and all(f"process {owner[row]})" in h for h in results_text), t
+        assert t["handle"].startswith("<unlocked _thread.lock"), t["handle"]
+    assert [len(c) for c in calls] == [sum(trajs[r]["tool_calls"] for r in range(5) if owner[r] == p)
+                                       for p in range(2)]
+    for r in results:
+        out = r["out"]
+        assert out["trajs"] == trajs
+        assert out["failure"][0] == "episode of row 3 (lookup, seed 3) failed on process 1: KeyError: 'boom'"
+        assert out["failure"][1] == ("KeyError" if r["process"] == 1 else "NoneType")
+        assert out["map"] == [[0, 0], [1, 0], [4, 1], [9, 1], [16, 1]]
+        assert out["map_failure"] == (["ValueError", "no 4"] if r["process"] == 1 else
+                                      ["RuntimeError", "odd: process 1 failed: ValueError: no 4"])
+        assert out["gather_failure"].startswith("the lock: process 1 could not send its value to the other "
+                                                "processes (pickle): TypeError"), out["gather_failure"]

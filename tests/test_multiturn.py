@@ -2,6 +2,8 @@
 sets, expert routing and indexer selections of every generated token equal a teacher-forced forward over the whole
 trajectory's layout, with rows that stop at different turns and pieces of different lengths."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,3 +293,27 @@ def test_the_sampler_refuses_a_capacity_past_the_models_context():
     with pytest.raises(ValueError, match=r"MultiTurnSampler: capacity=65 slots exceed the model's context of 64 "
                                          r"positions \(config max_position_embeddings\)"):
         MultiTurnSampler(model, batch=1, capacity=65, cfg=scfg)
+
+
+def test_a_trajectory_travels_between_processes_as_data_or_names_its_environment():
+    """rollout.portable (what each process sends the others after a rollout on several processes): an info value
+    the verifier returned that does not pickle becomes its repr, the rest stays as is; a task instance that does not
+    pickle is refused naming the environment. The 2-process rollout is tests/test_multiprocess.py."""
+    import pickle
+    import threading
+
+    from dsv32_jax.posttrain import chat
+    from dsv32_jax.posttrain.agent.episode import OraclePolicy, run_episode
+    from dsv32_jax.posttrain.agent.rollout import portable
+    from dsv32_jax.posttrain.envs import LookupEnv
+
+    codec = chat.TinyCodec.printable()
+    env = LookupEnv()
+    t = run_episode(env, 3, OraclePolicy(env, codec, 3), codec)
+    assert portable(t, env) is t
+    lock = threading.Lock()
+    odd = dataclasses.replace(t, info=dict(t.info, handle=lock))
+    sent = pickle.loads(pickle.dumps(portable(odd, env)))
+    assert sent.info == dict(t.info, handle=repr(lock)) and sent.history == t.history and sent.instance == t.instance
+    with pytest.raises(ValueError, match=r"^lookup: its task instance \(lock\) does not pickle"):
+        portable(dataclasses.replace(t, instance=lock), env)

@@ -398,24 +398,27 @@ class AgentLearner:
     # --------------------------------------------------------------- cold start
     def demonstrations(self, seeds) -> list[tuple[list[int], list[int]]]:
         """(ids, loss_mask) of oracle episodes, cycling over the environment mix; `config.agent.recovery_fraction`
-        of them first make a near-miss call and recover from its error (episode.recovery_demonstration)."""
-        out = []
-        for i, seed in enumerate(seeds):
-            name = self.envs[i % len(self.envs)]
-            env = self.make_env(name)
-            kw = dict(self._episode_kwargs(), max_new_tokens=self.a.capacity, max_turns=16)  # not sampled
-            rng = random.Random(seed)
-            if self.a.recovery_fraction and rng.random() < self.a.recovery_fraction:
-                t = recovery_demonstration(env, seed, self.codec, rng, **kw)  # None: no near miss for this task
-                if t is not None:
-                    out += [(g.ids, g.loss_mask) for g in t.segments]
-                    continue
-            t = run_episode(env, seed, OraclePolicy(env, self.codec, seed, self.a.thinking), self.codec, **kw)
-            if not t.success:
-                raise RuntimeError(f"oracle episode of {name} seed {seed} failed: {t.info}")
-            # every segment: one per turn under drop_thinking="every_turn" (each turn re-renders the history)
-            out += [(g.ids, g.loss_mask) for g in t.segments]
-        return out
+        of them first make a near-miss call and recover from its error (episode.recovery_demonstration). On several
+        processes each runs its block of the episodes (sharding.process_map): an environment is called once per
+        episode."""
+        per_seed = shd.process_map("the cold start's oracle episodes", lambda x: self._demonstration(*x),
+                                   enumerate(seeds))
+        return [example for examples in per_seed for example in examples]
+
+    def _demonstration(self, i: int, seed: int) -> list[tuple[list[int], list[int]]]:
+        name = self.envs[i % len(self.envs)]
+        env = self.make_env(name)
+        kw = dict(self._episode_kwargs(), max_new_tokens=self.a.capacity, max_turns=16)  # not sampled
+        rng = random.Random(seed)
+        if self.a.recovery_fraction and rng.random() < self.a.recovery_fraction:
+            t = recovery_demonstration(env, seed, self.codec, rng, **kw)  # None: no near miss for this task
+            if t is not None:
+                return [(g.ids, g.loss_mask) for g in t.segments]
+        t = run_episode(env, seed, OraclePolicy(env, self.codec, seed, self.a.thinking), self.codec, **kw)
+        if not t.success:
+            raise RuntimeError(f"oracle episode of {name} seed {seed} failed: {t.info}")
+        # every segment: one per turn under drop_thinking="every_turn" (each turn re-renders the history)
+        return [(g.ids, g.loss_mask) for g in t.segments]
 
     def recall_data(self, step: int, count: int) -> list[tuple[list[int], list[int]]]:
         """`count` copying conversations (dsv32_jax/posttrain/agent/recall.py) for SFT step `step` (seeded by it)."""

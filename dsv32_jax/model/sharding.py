@@ -134,12 +134,73 @@ def host_value(tree):
     return jax.tree.unflatten(treedef, [np.asarray(x) for x in jax.device_get(leaves)])  # (one batched transfer)
 
 
+def process_rows(n: int, process_index: int | None = None) -> range:
+    """The rows of `n` host-side work items (episodes, demonstrations) that process `process_index` (default: this
+    one) runs: a contiguous block, the blocks of the processes tiling range(n) in process order (some empty when
+    n < process count)."""
+    p, count = jax.process_index() if process_index is None else process_index, jax.process_count()
+    return range(n * p // count, n * (p + 1) // count)
+
+
+def gather_objects(what: str, obj) -> list:
+    """Every process's `obj` (any picklable Python value), in process order, on every process; [obj] on one process
+    (nothing pickled). Two small all-gathers (the sizes, then the bytes padded to a power of two: few compiled
+    gathers). Every process must call it at the same point. A value that does not pickle on one process raises a
+    ValueError naming `what` and the process on every process, instead of leaving the others waiting."""
+    if jax.process_count() == 1:
+        return [obj]
+    import pickle
+
+    from jax.experimental import multihost_utils
+
+    try:
+        data, failed = pickle.dumps((True, obj), protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as e:  # noqa: BLE001 (every process raises it below)
+        failed = f"{type(e).__name__}: {e}"
+        data = pickle.dumps((False, failed))
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([len(data)], np.int32))).reshape(-1)
+    width = 1 << max(10, int(sizes.max() - 1).bit_length())
+    buf = np.zeros(width, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), width)
+    out = [pickle.loads(every[p, :sizes[p]].tobytes()) for p in range(len(sizes))]
+    bad = next((p for p, (ok, _) in enumerate(out) if not ok), None)
+    if bad is not None:
+        raise ValueError(f"{what}: process {bad} could not send its value to the other processes (pickle): "
+                         f"{out[bad][1]}")
+    return [v for _, v in out]
+
+
+def process_map(what: str, fn, items) -> list:
+    """[fn(x) for x in items] on every process, each process computing only its block of `items` (process_rows)
+    and receiving the others' results (gather_objects): host work such as oracle episodes, whose environments are
+    then called once per item, not once per process. When fn raises on some process every process raises: the
+    first failing process re-raises its exception, the others a RuntimeError naming `what`, that process and the
+    exception."""
+    items = list(items)
+    if jax.process_count() == 1:
+        return [fn(x) for x in items]
+    own, error = [], None
+    try:
+        own = [fn(items[i]) for i in process_rows(len(items))]
+    except Exception as e:  # noqa: BLE001 (sent to the other processes, re-raised below)
+        error = e
+    every = gather_objects(what, (own, None if error is None else f"{type(error).__name__}: {error}"))
+    bad = next((p for p, (_, e) in enumerate(every) if e is not None), None)
+    if bad is not None:
+        if bad == jax.process_index():
+            raise error
+        raise RuntimeError(f"{what}: process {bad} failed: {every[bad][1]}")
+    return [x for got, _ in every for x in got]
+
+
 def check_same_on_processes(what: str, *values) -> None:
     """Raises a ValueError naming `what` and the processes when the host values `values` (numpy arrays, lists,
     strings, numbers) differ between processes; nothing on one process. Each process runs the post-training host
-    logic itself, and its jitted steps take these values as replicated inputs: values that differ (an environment
-    with an unseeded random draw, a clock, the order of a set of strings, which differs between Python processes)
-    would give each host's devices another batch, silently. One small all-gather of a digest."""
+    logic that is not split over the processes itself (GRPO's reward functions, the agent stage's reward terms, a
+    caller's own driver of MultiTurnSampler), and its jitted steps take these values as replicated inputs: values
+    that differ (an unseeded random draw, a clock, the order of a set of strings, which differs between Python
+    processes) would give each host's devices another batch, silently. One small all-gather of a digest."""
     if jax.process_count() == 1:
         return
     import hashlib
@@ -155,10 +216,10 @@ def check_same_on_processes(what: str, *values) -> None:
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count())
     odd = [p for p in range(len(every)) if every[p] != every[0]]
     if odd:
-        raise ValueError(f"{what}: process {odd[0]} computed other values than process 0. Every process runs the "
-                         "environments, verifiers and rewards over the whole batch: they must be deterministic "
-                         "functions of the episode (a seeded random generator; no clock, no set-of-strings order, "
-                         "which differs between Python processes)")
+        raise ValueError(f"{what}: process {odd[0]} computed other values than process 0. Every process computes "
+                         "them over the whole batch: they must be deterministic functions of their inputs (a seeded "
+                         "random generator; no clock, no set-of-strings order, which differs between Python "
+                         "processes)")
 
 
 def logical_to_spec(names: Iterable[str | None] | None, rules: Mapping = DEFAULT_RULES,

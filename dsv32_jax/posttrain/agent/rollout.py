@@ -18,6 +18,12 @@ A model vocabulary larger than the codec's (padded) is masked: the sampler never
 decode (`SamplingConfig.vocab_size`, set to the codec's here); a smaller one is refused. When an episode raises (an
 environment's bug; tool failures never raise), the rollout stops and raises a RuntimeError naming the FIRST row
 that failed, its environment and seed, chained to that row's exception.
+
+On several processes (`jax.distributed`) each process runs the episodes of its own block of rows
+(`sharding.process_rows`: environments, tools and verifiers are called once per episode, not once per process,
+and need not be deterministic); before each sampling step the processes exchange their rows' prompts, so every
+process drives the same jitted steps, and at the end the trajectories, so every process returns all of them. A
+failure on any process stops every process, naming the row and the process.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Sequence
 
 import jax
 
+from dsv32_jax.model import sharding as shd
 from dsv32_jax.posttrain import chat
 from dsv32_jax.posttrain.agent.episode import Trajectory, run_episode
 from dsv32_jax.posttrain.envs import Env
@@ -78,6 +85,7 @@ class BatchedRollout:
         sampler = MultiTurnSampler(self.model, b, self.capacity, self.cfg)
         self._cond = threading.Condition()
         self._pending, self._results, self._abort = {}, {}, False
+        mine = shd.process_rows(b)  # the rows whose episodes run on this process (all of them on one process)
         finished, errors, trajectories = set(), [], [None] * b  # errors: (row, exception) in the order they came
         cached: list[list[int]] = [[] for _ in range(b)]  # what each row's current cache segment holds
 
@@ -95,18 +103,23 @@ class BatchedRollout:
                     finished.add(row)
                     self._cond.notify_all()
 
-        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(b)]
+        threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in mine]
         for t in threads:
             t.start()
-        turn = 0
+        turn, failed = 0, None  # failed: (process, row, "Type: message") of the first failure, on every process
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: len(self._pending) + len(finished - set(self._pending)) >= b)
-                    if errors:
-                        break
+                    self._cond.wait_for(lambda: len(self._pending) + len(finished - set(self._pending)) >= len(mine))
                     pending = dict(self._pending)
                     self._pending.clear()
+                    error = (errors[0][0], f"{type(errors[0][1]).__name__}: {errors[0][1]}") if errors else None
+                # every process's waiting rows and first failure (on one process: its own, nothing sent)
+                every = shd.gather_objects("BatchedRollout: the rows' prompts", (pending, error))
+                failed = next(((p, *e) for p, (_, e) in enumerate(every) if e is not None), None)
+                if failed:
+                    break
+                pending = {row: req for got, _ in every for row, req in got.items()}
                 if not pending:
                     break
                 pieces, live = [[] for _ in range(b)], [False] * b
@@ -135,22 +148,53 @@ class BatchedRollout:
                 with self._cond:
                     for row, (prompt, limit) in pending.items():
                         cached[row] = prompt + outs[row]
-                        self._results[row] = outs[row][:limit]
+                        if row in mine:
+                            self._results[row] = outs[row][:limit]
                     self._cond.notify_all()
-        except BaseException:
+        finally:  # (the episodes still waiting end: a failure here or on another process, or an exception)
             with self._cond:
                 self._abort = True
                 self._cond.notify_all()
-            raise
-        finally:
-            with self._cond:
-                if errors:
-                    self._abort = True
-                    self._cond.notify_all()
             for t in threads:
                 t.join(timeout=60)
-        if errors:
-            row, err = errors[0]
+        if failed:
+            p, row, text = failed
+            own = next((e for r, e in errors if r == row), None) if p == jax.process_index() else None
+            where = f" on process {p}" if jax.process_count() > 1 else ""
             raise RuntimeError(f"episode of row {row} ({envs[row].name or type(envs[row]).__name__}, seed "
-                               f"{seeds[row]}) failed: {type(err).__name__}: {err}") from err
+                               f"{seeds[row]}) failed{where}: {text}") from own
+        if jax.process_count() > 1:  # every row's trajectory on every process (rewards and batch use them all)
+            try:
+                sent = ({row: portable(trajectories[row], envs[row]) for row in mine}, None)
+            except ValueError as e:  # (sent as the failure: the other processes raise it too, none waits)
+                sent = ({}, str(e))
+            every = shd.gather_objects("BatchedRollout: the trajectories", sent)
+            bad = next(((p, e) for p, (_, e) in enumerate(every) if e), None)
+            if bad:
+                raise ValueError(f"{bad[1]} (process {bad[0]})")
+            for got, _ in every:
+                for row, t in got.items():
+                    trajectories[row] = t
         return trajectories, jax.device_get(sampler.layout())
+
+
+def portable(t: Trajectory, env: Env) -> Trajectory:
+    """`t` as it can travel to the other processes (pickle): a value of its `info` (what the environment returned:
+    data) that does not pickle becomes its repr; an `instance` (the environment's own task object, which
+    language_consistency reads) that does not pickle is an error of the environment: a ValueError naming it."""
+    import pickle
+
+    def pickles(v) -> bool:
+        try:
+            pickle.dumps(v)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    if not pickles(t.instance):
+        raise ValueError(f"{env.name or type(env).__name__}: its task instance ({type(t.instance).__name__}) does "
+                         "not pickle: on several processes each process runs its own rows' episodes and sends their "
+                         "trajectories, instance included, to the others")
+    if pickles(t.info):
+        return t
+    return dataclasses.replace(t, info={k: v if pickles(v) else repr(v) for k, v in t.info.items()})
