@@ -263,6 +263,7 @@ from dsv32_jax.posttrain.agent import rollout as rollout_lib
 from dsv32_jax.posttrain.agent.episode import OraclePolicy
 from dsv32_jax.posttrain.envs import LookupEnv, Tool
 from dsv32_jax.posttrain.sampler import SamplingConfig
+from tests.test_multiturn import _scripted_sampler
 me = jax.process_index()
 
 class Outside(LookupEnv):  # a tool behind an outside service: each call logged, its answer names the process
@@ -285,25 +286,10 @@ class Boom(LookupEnv):
 codec = chat.TinyCodec.printable()
 cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
 
-def scripted(scripts):  # MultiTurnSampler's stand-in: each row's oracle completions, in turn
-    class Sampler:
-        def __init__(self, model, b, capacity, cfg):
-            self.turn = [0] * b
-        def step(self, pieces, live, rng, limits=None):
-            out = [list(scripts[i].completions[self.turn[i]]) if on else [] for i, on in enumerate(live)]
-            self.turn = [t + bool(on) for t, on in zip(self.turn, live)]
-            return out
-        def fits(self, pieces):
-            return True
-        def restart(self, row):
-            pass
-        def layout(self):
-            return {}
-    return Sampler
 
 out = {}
 envs = [Outside() for _ in range(5)]
-rollout_lib.MultiTurnSampler = scripted([OraclePolicy(Outside(), codec, s) for s in range(5)])
+rollout_lib.MultiTurnSampler = _scripted_sampler([OraclePolicy(Outside(), codec, s) for s in range(5)])
 trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, list(range(5)), max_turns=8)
 out["trajs"] = [{"success": t.success, "tool_calls": t.tool_calls, "history": [m.content for m in t.history],
                  "handle": t.info.get("handle")} for t in trajs]
