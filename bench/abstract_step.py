@@ -221,8 +221,8 @@ def main(argv=None) -> int:
     from dsv32_jax.kernels.inspect import compiled_kernels
     text = compiled.as_text()
     if a.save_hlo:
-        with open(a.save_hlo, "w") as f:
-            f.write(text)
+        from dsv32_jax.checkpoint.io_utils import write_text_atomic
+        write_text_atomic(a.save_hlo, text)
     kernels = compiled_kernels(text)
     print(f"Pallas kernels in the compiled step ({a.platform}, {mesh.devices.flat[0].device_kind}): "
           f"{sum(kernels.values())} {dict(kernels)}", flush=True)

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import numpy as np  # noqa: E402
 
 from dsv32_jax.model.config import load_preset  # noqa: E402
+from dsv32_jax.checkpoint.io_utils import write_text_atomic  # noqa: E402
 
 PRESETS = {
     # hidden 2048, 8 layers (1 dense + 7 MoE) + MTP, 64 experts of width 1024: ~4.0 GB as FP8, ~8 GB as bf16
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
                                          k_norm_dtype="F32", progress=True)
         print(f"generated {src}: {info['tensors']} tensors, {info['bytes'] / 1e9:.2f} GB, {info['shards']} shards "
               f"in {time.perf_counter() - t:.0f} s")
-        json.dump(want, open(stamp, "w"))
+        write_text_atomic(stamp, json.dumps(want))
     src_bytes = dir_bytes(src)
     disk = disk_group_bytes(src, cfg.num_hidden_layers)
     print(f"config {a.preset}: {src_bytes / 1e9:.2f} GB on disk in {len(os.listdir(src)) - 2} shards; largest layer "
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         not a.export or results["export_fp8"]["peak_rss_mib"] <= results["export_fp8"]["bound_mib"])
     print("peak RSS within 2 x largest layer + fixed overhead:", "yes" if ok else "NO")
     if a.json:
-        json.dump(results, open(a.json, "w"), indent=2)
+        write_text_atomic(a.json, json.dumps(results, indent=2))
     return 0 if ok else 1
 
 

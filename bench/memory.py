@@ -39,6 +39,7 @@ from dsv32_jax.model.config import load_preset  # noqa: E402
 from dsv32_jax.model.transformer import Transformer, _block_call  # noqa: E402
 from dsv32_jax.model.options import RunOptions  # noqa: E402
 from dsv32_jax.train.optimizer import trainable_filter  # noqa: E402
+from dsv32_jax.checkpoint.io_utils import write_text_atomic  # noqa: E402
 
 STAGES = ("dense", "warmup", "sparse")
 
@@ -140,10 +141,8 @@ def main(argv=None):
     print("\n" + md)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out + ".json", "w") as f:
-            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(md + "\n")
+        write_text_atomic(a.out + ".json", json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        write_text_atomic(a.out + ".md", md + "\n")
 
 
 if __name__ == "__main__":

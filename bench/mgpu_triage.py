@@ -630,15 +630,21 @@ def applicable(target: str, case: str, interpret: bool) -> bool:
 
 def read_records(path: str) -> list[dict]:
     """The end records of a triage log, and a "hung" record for each start without its end (the device hung there,
-    or the run's time limit ended it)."""
+    or the run's time limit ended it). A last line cut off inside its write (no newline, not JSON: a kill) is
+    skipped; any other line that is not a record raises ValueError naming the file and the line."""
     ends, starts = {}, {}
     with open(path) as f:
-        for line in f:
-            line = line.strip()
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
             if not line:
                 continue
-            r = json.loads(line)
-            key = (r["target"], r["case"])
+            try:
+                r = json.loads(line)
+                key = (r["target"], r["case"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                if not raw.endswith("\n"):
+                    break
+                raise ValueError(f"{path}, line {number}: not a triage record ({type(e).__name__}: {e})") from None
             (starts if r.get("event") == "start" else ends)[key] = r
     out = []
     for key, r in starts.items():
@@ -687,7 +693,10 @@ def main(argv=None) -> list[dict]:
                                                              "(ok, wrong or error; a hung case runs again)")
     a = p.parse_args(argv)
     if a.report:
-        recs = read_records(a.report)
+        try:
+            recs = read_records(a.report)
+        except (OSError, ValueError) as e:
+            p.error(f"--report: {e}")
         print(summary(recs), end="")
         return recs
     targets, cases = a.targets.split(","), a.cases.split(",")
@@ -700,6 +709,9 @@ def main(argv=None) -> list[dict]:
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")  # the float32 references at full precision
     done = set()
+    if a.out:  # (a record cut off by a kill: the next ones are not appended to it)
+        from dsv32_jax.checkpoint.io_utils import drop_partial_last_line
+        drop_partial_last_line(a.out + ".jsonl")
     if a.skip_done and a.out and os.path.exists(a.out + ".jsonl"):
         done = {(r["target"], r["case"]) for r in read_records(a.out + ".jsonl") if r["status"] != "hung"}
     log = open(a.out + ".jsonl", "a") if a.out else None

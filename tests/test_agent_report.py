@@ -90,3 +90,33 @@ def test_metrics_option_tabulates_each_key_from_the_last_row_holding_it(tmp_path
     out, err = capsys.readouterr()
     assert e.value.code == 2
     assert err.count("no row holds nope, eval_nope") == 2 and not out
+
+
+def test_plot_refuses_an_output_it_cannot_write_before_rendering_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """dsv32-plot --out: a directory, or a path under a regular file, was a FileExistsError / IsADirectoryError
+    traceback (the directory case after rendering, leaving `<out>.tmp.png`); now one line naming --out, before any
+    work. A failure while writing (here the rename) leaves neither the image nor a temporary. Found by an audit."""
+    from dsv32_jax.train import plot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n"
+                                               for s in range(1, 4)))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    for out, message in ((tmp_path / "dir", r"^error: --out=.*dir is a directory"),
+                         (tmp_path / "file" / "c.png", r"^error: --out=.*c\.png: Not a directory")):
+        with pytest.raises(SystemExit, match=message):
+            plot.main([str(run), f"--out={out}"])
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file", "run"] and not os.listdir(tmp_path / "dir")
+
+    def no_rename(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(plot.os, "replace", no_rename)
+    with pytest.raises(SystemExit, match=r"^error: --out=.*c\.png: Permission denied$"):
+        plot.main([str(run), f"--out={tmp_path / 'c.png'}"])
+    assert sorted(os.listdir(tmp_path)) == ["dir", "file", "run"]
+    monkeypatch.undo()
+    plot.main([str(run), f"--out={tmp_path / 'c.png'}"])
+    assert sorted(os.listdir(tmp_path)) == ["c.png", "dir", "file", "run"]

@@ -298,6 +298,11 @@ try:
     rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, list(range(5)), max_turns=8)
 except RuntimeError as e:
     out["failure"] = [str(e), type(e.__cause__).__name__]
+envs[3] = Outside()
+try:  # the processes disagree on the rows
+    rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run(envs, [0, 1, 2, 3, 4 + me], max_turns=8)
+except ValueError as e:
+    out["rows_failure"] = str(e)
 out["map"] = shd.process_map("squares", lambda x: [x * x, jax.process_index()], range(5))
 def odd(x):
     if x == 4:
@@ -311,6 +316,13 @@ try:
     shd.gather_objects("the lock", threading.Lock() if me == 1 else 1)
 except ValueError as e:
     out["gather_failure"] = str(e)
+class Unpickles(Exception):
+    def __init__(self, code, detail):
+        super().__init__(f"{code}: {detail}")
+try:
+    shd.gather_objects("the error", Unpickles(7, "odd") if me == 1 else 1)
+except ValueError as e:
+    out["unpickle_failure"] = str(e)
 print("RESULT " + json.dumps({"process": me, "out": out}), flush=True)
 """
 
@@ -321,9 +333,10 @@ def test_each_process_runs_its_own_rows_episodes_and_every_process_gets_every_tr
     of rows 2-4 (an environment behind an outside service is called once per tool call, not once per process, and
     may answer differently on each process), and both return the same 5 trajectories; a verifier's detail that does
     not pickle arrives as its repr. An episode that raises on process 1 stops both processes, naming row 3 and the
-    process. sharding.process_map: each process computes its block, every process gets every result, and a failure
-    raises on every process; gather_objects names the process whose value does not pickle. Mutants: every process
-    running every row (tool calls doubled), no gather of the trajectories (rows of the other process None)."""
+    process, and so does a call whose rows differ between the processes. sharding.process_map: each process computes
+    its block, every process gets every result, and a failure raises on every process; gather_objects names the
+    process whose value does not pickle. Mutants: every process running every row (tool calls doubled), no gather of
+    the trajectories (rows of the other process None)."""
     root = str(tmp_path)
     results = run_processes(ROLLOUT_SCRIPT, 2, root, timeout=300)
     calls = [open(os.path.join(root, f"calls-{p}")).read().split() for p in range(2)]
@@ -341,8 +354,53 @@ def test_each_process_runs_its_own_rows_episodes_and_every_process_gets_every_tr
         assert out["trajs"] == trajs
         assert out["failure"][0] == "episode of row 3 (lookup, seed 3) failed on process 1: KeyError: 'boom'"
         assert out["failure"][1] == ("KeyError" if r["process"] == 1 else "NoneType")
+        assert out["rows_failure"].startswith("BatchedRollout.run: process 1 has other rows (environment, seed) "
+                                              "than process 0"), out["rows_failure"]
         assert out["map"] == [[0, 0], [1, 0], [4, 1], [9, 1], [16, 1]]
         assert out["map_failure"] == (["ValueError", "no 4"] if r["process"] == 1 else
                                       ["RuntimeError", "odd: process 1 failed: ValueError: no 4"])
         assert out["gather_failure"].startswith("the lock: process 1 could not send its value to the other "
                                                 "processes (pickle): TypeError"), out["gather_failure"]
+        assert out["unpickle_failure"].startswith("the error: process 1 could not send its value to the other "
+                                                  "processes (pickle): TypeError when unpickling"), out["unpickle_failure"]
+
+
+SLOW_SCRIPT = r"""
+import json, os, sys, time
+pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+jax.distributed.initialize(f"localhost:{port}", nproc, pid)
+sys.path.insert(0, os.getcwd())
+from dsv32_jax.posttrain import chat
+from dsv32_jax.posttrain.agent import rollout as rollout_lib
+from dsv32_jax.posttrain.agent.episode import OraclePolicy
+from dsv32_jax.posttrain.envs import LookupEnv
+from dsv32_jax.posttrain.sampler import SamplingConfig
+from tests.test_multiturn import _scripted_sampler
+
+class Slow(LookupEnv):  # a task generator behind a slow service, on process 1's row only
+    def generate(self, seed):
+        if seed == 3:
+            time.sleep(40)
+        return super().generate(seed)
+
+codec = chat.TinyCodec.printable()
+cfg = SamplingConfig(max_new_tokens=512, eos_id=codec.eos_id, pad_id=codec.pad_id)
+rollout_lib.MultiTurnSampler = _scripted_sampler([OraclePolicy(LookupEnv(), codec, s) for s in range(4)])
+t0 = time.perf_counter()
+trajs, _ = rollout_lib.BatchedRollout(None, codec, cfg, capacity=4096).run([Slow() for _ in range(4)], [0, 1, 2, 3])
+print("RESULT " + json.dumps({"success": [t.success for t in trajs], "s": time.perf_counter() - t0}), flush=True)
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.xdist_group("multiprocess")
+def test_a_process_whose_environment_is_slow_to_start_does_not_break_the_rollout():
+    """2 processes, the environment of process 1's row taking 40 s to set up its task: the rollout finishes on both.
+    jax's CPU collectives give up when a process joins its FIRST collective more than 30 s after the others ("Gloo
+    context initialization failed: DEADLINE_EXCEEDED"); the rollout's first collective is now made before any
+    episode starts (found by an audit: the first prompt exchange, after the slow reset, aborted both processes).
+    Mutant: without that first exchange both processes fail."""
+    for r in run_processes(SLOW_SCRIPT, 2, timeout=300):
+        assert r["success"] == [True] * 4 and r["s"] >= 40, r

@@ -297,8 +297,11 @@ def test_the_sampler_refuses_a_capacity_past_the_models_context():
 
 def test_a_trajectory_travels_between_processes_as_data_or_names_its_environment():
     """rollout.portable (what each process sends the others after a rollout on several processes): an info value
-    the verifier returned that does not pickle becomes its repr, the rest stays as is; a task instance that does not
-    pickle is refused naming the environment. The 2-process rollout is tests/test_multiprocess.py."""
+    the verifier returned that does not survive a pickle round trip (a lock; an exception whose __init__ unpickling
+    cannot call; one whose repr raises too) becomes its repr, the rest stays as is; a task instance that does not
+    is refused naming the environment. Found by an audit: a value that pickled but did not unpickle raised a bare
+    TypeError on every process, a repr that raised left the other processes waiting. The 2-process rollout is
+    tests/test_multiprocess.py."""
     import pickle
     import threading
 
@@ -311,9 +314,22 @@ def test_a_trajectory_travels_between_processes_as_data_or_names_its_environment
     env = LookupEnv()
     t = run_episode(env, 3, OraclePolicy(env, codec, 3), codec)
     assert portable(t, env) is t
-    lock = threading.Lock()
-    odd = dataclasses.replace(t, info=dict(t.info, handle=lock))
+    class Unpickles(Exception):  # pickles, but its __init__ cannot take what unpickling passes
+        def __init__(self, code, detail):
+            super().__init__(f"{code}: {detail}")
+
+    class NoRepr:
+        def __reduce__(self):
+            raise TypeError("no pickle")
+
+        def __repr__(self):
+            raise RuntimeError("no repr")
+
+    lock, error = threading.Lock(), Unpickles(7, "odd")
+    odd = dataclasses.replace(t, info=dict(t.info, handle=lock, error=error, other=NoRepr()))
     sent = pickle.loads(pickle.dumps(portable(odd, env)))
-    assert sent.info == dict(t.info, handle=repr(lock)) and sent.history == t.history and sent.instance == t.instance
-    with pytest.raises(ValueError, match=r"^lookup: its task instance \(lock\) does not pickle"):
+    assert sent.info == dict(t.info, handle=repr(lock), error=repr(error),
+                             other="<NoRepr: repr failed: RuntimeError>"), sent.info
+    assert sent.history == t.history and sent.instance == t.instance
+    with pytest.raises(ValueError, match=r"^lookup: its task instance \(lock\) does not survive a pickle"):
         portable(dataclasses.replace(t, instance=lock), env)

@@ -673,3 +673,52 @@ def test_metrics_writer_drops_a_partial_last_line_before_appending(tmp_path):
         writer.close()
     assert metrics_lib.read_jsonl(str(tmp_path / "metrics.jsonl")) == [
         {"step": 1, "loss": 2.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.5}]
+
+
+def test_metrics_readers_skip_a_cut_off_last_line_and_refuse_a_bad_one_inside(tmp_path, caplog):
+    """read_steps (dsv32-plot, agent_report, the GRPO history): a metrics.jsonl whose last line a kill cut off (no
+    newline, not JSON) reads as the rows before it, with a warning; the same line inside the file is refused naming
+    the file and the line. Found by an audit: dsv32-plot refused such a run and agent_report skipped it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    with caplog.at_level("WARNING"):
+        assert metrics_lib.read_steps(str(path)) == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+    assert f"{path}, line 3: cut off" in caplog.text
+    path.write_text('{"step": 1, "loss": 2.5}\n{"step": 3, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
+        metrics_lib.read_steps(str(path))
+
+
+@pytest.mark.parametrize("text,name,message", [
+    ("def get_config(:\n", "cfg.py", r"^error: --config=cfg\.py: line 1: SyntaxError: invalid syntax$"),
+    ("import no_such_module_here\ndef get_config():\n    pass\n", "cfg.py",
+     r"^error: --config=cfg\.py: ModuleNotFoundError: No module named 'no_such_module_here'$"),
+    ('{"steps": 1}\n', "cfg.json",
+     r"^error: --config=cfg\.json: not a Python config file defining get_config\(\) .*JSON and YAML"),
+    ("from dsv32_jax.train.config import default_config\ndef get_config():\n    c = default_config()\n"
+     "    c.optimizer.lr = 'fast'\n    return c\n", "cfg.py",
+     r"^error: --config=cfg\.py, line 4: TypeError: Could not override field 'lr'"),
+])
+def test_cli_config_file_that_does_not_load_is_one_line_naming_file_and_line(text, name, message, tmp_path):
+    """A config file with a syntax error or a failed import was a traceback (exit 1); a JSON file given as the
+    config read "module 'config_config' has no attribute 'get_config'"; a field set to the wrong type inside the
+    file printed ml_collections' whole traceback on one line. Found by an audit."""
+    import re
+
+    (tmp_path / name).write_text(text)
+    res = cli([f"--config={name}", "--workdir=w"], cwd=tmp_path, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and re.search(message, res.stderr, re.M), res.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_a_data_record_without_the_text_field_is_named_without_quotes(tmp_path, monkeypatch):
+    """setup() wraps the data reader's KeyError in a SetupError: its str quoted the message ('"f.jsonl, line 1:
+    ..."'), as Python prints a KeyError. Found by an audit."""
+    from dsv32_jax.train import run as run_lib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "body.jsonl").write_text('{"body": "one document"}\n')
+    config = load_config("quickstart", **{"data.source": "jsonl", "data.paths": ("body.jsonl",), "steps": 1})
+    with pytest.raises(run_lib.SetupError, match=r"^\S*body\.jsonl, line 1: text field 'text' missing"):
+        run_lib.setup(config, str(tmp_path / "w"))

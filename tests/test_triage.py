@@ -96,6 +96,15 @@ def test_records_name_a_case_that_hung_and_each_targets_first_failure(tmp_path):
     text = tr.summary(recs)
     assert "**fwd**: first failure at `one_block` (hung)" in text
     assert "**pds**: first failure at `layout` (wrong)" in text
+    # a kill inside the write of the last record: that line is skipped (its case reads as hung, its start being
+    # there), the --report names nothing wrong; the same line inside the log is refused naming file and line
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"event": "end", "target": "fwd", "ca')
+    assert [(r["case"], r["status"]) for r in tr.read_records(str(log))][-1] == ("one_block", "hung")
+    log.write_text('{"event": "end", "target": "fwd", "ca\n' + "".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(ValueError, match=r"t\.jsonl, line 1: not a triage record"):
+        tr.read_records(str(log))
+    with pytest.raises(SystemExit):
+        tr.main(["--report", str(log)])
 
 
 def test_triage_runs_the_kernels_and_localizes_an_injected_fault(monkeypatch, tmp_path):

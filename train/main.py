@@ -16,13 +16,54 @@ from ml_collections import config_flags
 from dsv32_jax.train.config import CONFIGS_DIR
 
 _DEFAULT_CONFIG = os.path.join(CONFIGS_DIR, "quickstart.py")
-_PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError)
+_PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError, ImportError)
 
 
 def _refuse(e: BaseException, argv) -> None:
     """A config file or override that ml_collections refuses, in one line (exit 2) instead of a traceback."""
-    print(f"error: {_unknown_field(e, argv) or _plain(e)}", file=sys.stderr, flush=True)
+    print(f"error: {_unknown_field(e, argv) or _config_file_error(e, argv) or _plain(e)}", file=sys.stderr,
+          flush=True)
     sys.exit(2)
+
+
+def _config_path(argv) -> str:
+    """The config file of the command line (--config=FILE[:args] or --config FILE), else the default one."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1].split(":")[0]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1].split(":")[0]
+    return _DEFAULT_CONFIG
+
+
+def _config_file_error(e: BaseException, argv) -> str | None:
+    """A config file that does not load, named with its line: a syntax error, a failed import, a file without
+    get_config() (a JSON or YAML file given as the config)."""
+    path = _config_path(argv)
+    if isinstance(e, SyntaxError):
+        return f"--config={path}: line {e.lineno}: SyntaxError: {e.msg}"
+    if isinstance(e, ImportError):
+        return f"--config={path}: {type(e).__name__}: {e}"
+    if isinstance(e, AttributeError) and "get_config" in str(e):
+        return (f"--config={path}: not a Python config file defining get_config() (configs/*.py are examples"
+                + ("; JSON and YAML files are not read as configs)" if not path.endswith(".py") else ")"))
+    return None
+
+
+def _config_traceback(text: str, argv) -> str | None:
+    """ml_collections' "Error whilst parsing config file: Traceback ..." (an exception raised inside the config
+    file's get_config(), e.g. a field set to a value of the wrong type) as the file, its line and the exception."""
+    import re
+
+    if "Error whilst parsing config file:" not in text:
+        return None
+    tb = text.split("Error whilst parsing config file:", 1)[1]
+    lines = [line.strip() for line in tb.strip().splitlines() if line.strip()]
+    path = _config_path(argv)
+    at = [m for m in re.finditer(r'File "([^"]+)", line (\d+)', tb)
+          if os.path.abspath(m.group(1)) == os.path.abspath(path)]
+    where = f", line {at[-1].group(2)}" if at else ""
+    return f"--config={path}{where}: {lines[-1] if lines else tb.strip()}"
 
 
 def _define_config_flag() -> None:
@@ -156,6 +197,10 @@ def _parse_flags(argv):
     try:
         return FLAGS(argv)
     except flags.Error as e:  # an unknown flag, a value of the wrong type (absl's own handler: "FATAL", exit 1)
+        config_error = _config_traceback(str(e), argv)
+        if config_error:  # (no flag help: the config file's own code raised)
+            print(f"error: {config_error}", file=sys.stderr, flush=True)
+            sys.exit(2)
         print(f"error: {' '.join(str(e).split())}\nPass --helpshort or --helpfull to see help on flags.",
               file=sys.stderr, flush=True)
         sys.exit(2)

@@ -11,7 +11,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from dsv32_jax.checkpoint.io_utils import write_text_atomic
+from dsv32_jax.checkpoint.io_utils import drop_partial_last_line, write_text_atomic
 
 LM_KEYS = ("loss", "lm_loss", "indexer_kl", "captured_mass", "grad_norm", "lr", "eval_loss", "tokens_per_s",
            "step_time_s", "mfu")
@@ -32,24 +32,6 @@ def _summary_writer(logdir: str):
     return SummaryWriter(logdir)
 
 
-def _drop_partial_last_line(path: str) -> None:
-    """A run killed inside a write leaves a last line without its newline; the resumed run's first row would be
-    appended to it (one line that is not JSON). Cut the file back to its last complete line."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size == 0:
-            return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        f.seek(max(0, size - (1 << 20)))
-        tail = f.read()
-        cut = tail.rfind(b"\n")
-        f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
-
-
 class MetricsWriter:
     """Appends one JSON object per step to <workdir>/metrics.jsonl and, if tensorboardX is importable, writes the
     same scalars as TensorBoard events under <workdir>/tb. enabled=False (non-zero processes) writes nothing."""
@@ -61,7 +43,7 @@ class MetricsWriter:
             return
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
-        _drop_partial_last_line(self.path)
+        drop_partial_last_line(self.path)
         self._jsonl = open(self.path, "a")
         if tensorboard:
             self._tb = _summary_writer(os.path.join(workdir, "tb"))
@@ -154,7 +136,8 @@ def read_jsonl(path: str) -> list[dict]:
 def read_steps(path: str) -> list[dict]:
     """The rows of a metrics.jsonl in step order, the last one of each step (a resumed run re-logs the steps after
     its checkpoint). A line that is not a JSON object with an integer "step" raises ValueError naming the file
-    and the line."""
+    and the line, except a last line cut off by a kill or a full disk (no newline, not JSON): skipped with a
+    warning, as a resumed run cuts it."""
     rows = {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -163,6 +146,9 @@ def read_steps(path: str) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # (only the last line can lack its newline)
+                    logging.warning("%s, line %d: cut off (no newline, not JSON): skipped", path, number)
+                    break
                 raise ValueError(f"{path}, line {number}: not JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError(f"{path}, line {number}: not a metrics row (a JSON object with an integer 'step')")

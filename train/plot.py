@@ -13,6 +13,7 @@ import argparse
 import glob
 import os
 
+from dsv32_jax.checkpoint.io_utils import check_output_parent
 from dsv32_jax.optional import require
 from dsv32_jax.train.metrics import read_steps
 
@@ -97,14 +98,16 @@ def plot(runs: dict[str, list[dict]], out: str, smooth: int = 5) -> list[str]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     root, ext = os.path.splitext(out)
     fmt = ext[1:].lower() or "png"  # the format --out names (a .pdf got PNG bytes: the temporary name said .png)
-    tmp = f"{root}.tmp{ext}"
+    tmp = f"{root}.tmp-{os.getpid()}{ext}"
     try:
         fig.savefig(tmp, dpi=110, format=fmt)
+        os.replace(tmp, out)
     except ValueError as e:  # a format matplotlib cannot write
-        plt.close(fig)
         raise ValueError(f"--out={out}: {e}") from None
-    os.replace(tmp, out)
-    plt.close(fig)
+    finally:  # (nothing but the finished file is left: a failed write or rename, an interrupt)
+        plt.close(fig)
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
+            os.remove(tmp)
     return panels
 
 
@@ -114,6 +117,12 @@ def main(argv=None):
     parser.add_argument("--out", default="curves.png")
     parser.add_argument("--smooth", type=int, default=5, help="moving-average window")
     args = parser.parse_args(argv)
+    try:  # (before the work: a directory or a regular file on the way was a traceback after the rendering)
+        if os.path.isdir(args.out):
+            raise SystemExit(f"error: --out={args.out} is a directory: name the image file")
+        check_output_parent(args.out)
+    except OSError as e:
+        raise SystemExit(f"error: --out={e}") from None
     try:
         runs = find_runs(args.runs)
     except (ValueError, OSError) as e:
@@ -124,6 +133,8 @@ def main(argv=None):
         panels = plot(runs, args.out, args.smooth)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    except OSError as e:  # (not writable, a full disk)
+        raise SystemExit(f"error: --out={args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out}: {', '.join(panels)} for {len(runs)} run(s)")
 
 

@@ -73,7 +73,8 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
                 print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
                 return history
     except SETUP_ERRORS as e:
-        raise SetupError(str(e) or type(e).__name__) from e
+        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # (a KeyError's str quotes its text)
+        raise SetupError(str(text) or type(e).__name__) from e
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise SetupError(f"--workdir {workdir} exists and is not a directory")
     os.makedirs(workdir, exist_ok=True)

@@ -89,6 +89,24 @@ def _same_or_nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
 
 
+def drop_partial_last_line(path: str) -> None:
+    """A run killed inside a write to a JSON-lines log leaves a last line without its newline; the next run's
+    first row would be appended to it (one line that is not JSON). Cut the file back to its last complete line."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+        cut = tail.rfind(b"\n")
+        f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Writes `text` to `path` through `<path>.tmp-<pid>` and a rename: a reader sees the old file or the new one,
     never a partial one (a full disk or a kill leaves the old file in place)."""

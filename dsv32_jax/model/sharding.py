@@ -163,7 +163,12 @@ def gather_objects(what: str, obj) -> list:
     buf = np.zeros(width, np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
     every = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), width)
-    out = [pickle.loads(every[p, :sizes[p]].tobytes()) for p in range(len(sizes))]
+    out = []
+    for p in range(len(sizes)):
+        try:
+            out.append(pickle.loads(every[p, :sizes[p]].tobytes()))
+        except Exception as e:  # noqa: BLE001 (a value that pickles but does not unpickle: the same on every process)
+            out.append((False, f"{type(e).__name__} when unpickling: {e}"))
     bad = next((p for p, (ok, _) in enumerate(out) if not ok), None)
     if bad is not None:
         raise ValueError(f"{what}: process {bad} could not send its value to the other processes (pickle): "

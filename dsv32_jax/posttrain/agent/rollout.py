@@ -103,6 +103,15 @@ class BatchedRollout:
                     finished.add(row)
                     self._cond.notify_all()
 
+        if jax.process_count() > 1:  # the same rows everywhere; and the processes' first collective of the run is
+            # made while their host work is even (jax's CPU collectives give up when a process joins its first one
+            # more than 30 s late, which one process's slow environment would otherwise cause at the first turn)
+            rows = [(type(e).__name__, e.name, int(s)) for e, s in zip(envs, seeds)]
+            every = shd.gather_objects("BatchedRollout.run: the rows", rows)
+            odd = next((p for p, got in enumerate(every) if got != every[0]), None)
+            if odd is not None:
+                raise ValueError(f"BatchedRollout.run: process {odd} has other rows (environment, seed) than process "
+                                 f"0: every process must call run with the same envs and seeds")
         threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in mine]
         for t in threads:
             t.start()
@@ -166,12 +175,12 @@ class BatchedRollout:
         if jax.process_count() > 1:  # every row's trajectory on every process (rewards and batch use them all)
             try:
                 sent = ({row: portable(trajectories[row], envs[row]) for row in mine}, None)
-            except ValueError as e:  # (sent as the failure: the other processes raise it too, none waits)
-                sent = ({}, str(e))
+            except Exception as e:  # noqa: BLE001 (sent as the failure: every process raises it, none waits)
+                sent = ({}, f"{type(e).__name__}: {e}")
             every = shd.gather_objects("BatchedRollout: the trajectories", sent)
             bad = next(((p, e) for p, (_, e) in enumerate(every) if e), None)
             if bad:
-                raise ValueError(f"{bad[1]} (process {bad[0]})")
+                raise ValueError(f"BatchedRollout: the trajectories of process {bad[0]}: {bad[1]}")
             for got, _ in every:
                 for row, t in got.items():
                     trajectories[row] = t
@@ -180,21 +189,27 @@ class BatchedRollout:
 
 def portable(t: Trajectory, env: Env) -> Trajectory:
     """`t` as it can travel to the other processes (pickle): a value of its `info` (what the environment returned:
-    data) that does not pickle becomes its repr; an `instance` (the environment's own task object, which
-    language_consistency reads) that does not pickle is an error of the environment: a ValueError naming it."""
+    data) that does not survive a pickle round trip becomes its repr; an `instance` (the environment's own task
+    object, which language_consistency reads) that does not is an error of the environment: a ValueError naming it."""
     import pickle
 
-    def pickles(v) -> bool:
+    def travels(v) -> bool:
         try:
-            pickle.dumps(v)
+            pickle.loads(pickle.dumps(v))
             return True
         except Exception:  # noqa: BLE001
             return False
 
-    if not pickles(t.instance):
+    def text(v) -> str:
+        try:
+            return repr(v)
+        except Exception as e:  # noqa: BLE001 (data: never a crash)
+            return f"<{type(v).__name__}: repr failed: {type(e).__name__}>"
+
+    if not travels(t.instance):
         raise ValueError(f"{env.name or type(env).__name__}: its task instance ({type(t.instance).__name__}) does "
-                         "not pickle: on several processes each process runs its own rows' episodes and sends their "
-                         "trajectories, instance included, to the others")
-    if pickles(t.info):
+                         "not survive a pickle round trip: on several processes each process runs its own rows' "
+                         "episodes and sends their trajectories, instance included, to the others")
+    if travels(t.info):
         return t
-    return dataclasses.replace(t, info={k: v if pickles(v) else repr(v) for k, v in t.info.items()})
+    return dataclasses.replace(t, info={k: v if travels(v) else text(v) for k, v in t.info.items()})
