@@ -361,8 +361,9 @@ def test_each_process_runs_its_own_rows_episodes_and_every_process_gets_every_tr
                                       ["RuntimeError", "odd: process 1 failed: ValueError: no 4"])
         assert out["gather_failure"].startswith("the lock: process 1 could not send its value to the other "
                                                 "processes (pickle): TypeError"), out["gather_failure"]
-        assert out["unpickle_failure"].startswith("the error: process 1 could not send its value to the other "
-                                                  "processes (pickle): TypeError when unpickling"), out["unpickle_failure"]
+        unpickle = out["unpickle_failure"]
+        assert unpickle.startswith("the error: process 1 could not send its value to the other processes (pickle): "
+                                   "TypeError when unpickling"), unpickle
 
 
 SLOW_SCRIPT = r"""

@@ -160,10 +160,12 @@ class GRPOLearner:
         key = jax.random.fold_in(jax.random.key(self.config.seed), step)
         with shd.use_mesh(self.mesh):
             r = generate(self._model(), prompts, lengths, key, self.sampling)
-        gen = shd.host_value(r.tokens)  # (every row, on every process: each scores the whole batch)
+        gen = shd.host_value(r.tokens)  # (every row, on every process: each decodes the whole batch)
         samples = [rl_tasks.to_sample(kind, pr, ans, lang, gen[i]) for i, (pr, ans, lang, kind) in enumerate(rows)]
-        rewards = np.array([self.rewards[s.kind](s) for s in samples], np.float32)
-        shd.check_same_on_processes("the GRPO rewards", rewards)
+        # each process scores its block of the samples (a generative reward model's judge is called once per
+        # sample, not once per process) and every process gets every reward
+        rewards = np.array(shd.process_map("the GRPO rewards", lambda s: self.rewards[s.kind](s), samples),
+                           np.float32)
         adv = group_advantages(rewards, group_ids)
         seg, pos = sequence_layout(lengths, self.prompt_width, r)
         batch = {"prompts": jnp.asarray(prompts), "tokens": jnp.concatenate([jnp.asarray(prompts), r.tokens], 1),

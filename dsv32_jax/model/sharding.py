@@ -202,10 +202,10 @@ def process_map(what: str, fn, items) -> list:
 def check_same_on_processes(what: str, *values) -> None:
     """Raises a ValueError naming `what` and the processes when the host values `values` (numpy arrays, lists,
     strings, numbers) differ between processes; nothing on one process. Each process runs the post-training host
-    logic that is not split over the processes itself (GRPO's reward functions, the agent stage's reward terms, a
-    caller's own driver of MultiTurnSampler), and its jitted steps take these values as replicated inputs: values
-    that differ (an unseeded random draw, a clock, the order of a set of strings, which differs between Python
-    processes) would give each host's devices another batch, silently. One small all-gather of a digest."""
+    logic that is not split over the processes itself (the agent stage's reward terms, a caller's own driver of
+    MultiTurnSampler), and its jitted steps take these values as replicated inputs: values that differ (an unseeded
+    random draw, a clock, the order of a set of strings, which differs between Python processes) would give each
+    host's devices another batch, silently. One small all-gather of a digest."""
     if jax.process_count() == 1:
         return
     import hashlib
