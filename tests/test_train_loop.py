@@ -231,10 +231,11 @@ def test_a_refused_record_mid_run_saves_the_last_step_and_names_the_batch(batche
 def test_trainer_step_names_a_refused_record():
     from types import SimpleNamespace
 
+    from dsv32_jax.train.data.sources import MissingFieldError
     from dsv32_jax.train.trainer import Trainer
 
-    def refusing():
-        raise KeyError("f.jsonl, line 8: text field 'text' missing")
+    def refusing():  # (what the readers raise for a record without the text field: a KeyError)
+        raise MissingFieldError("f.jsonl, line 8: text field 'text' missing")
         yield
 
     fake = SimpleNamespace(_data_iter=refusing(), config=load_config("dense_tiny"))

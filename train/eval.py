@@ -324,9 +324,8 @@ def main(argv=None) -> int:
     except (CheckpointError, ConfigError) as e:
         raise SystemExit(f"error: --workdirs: {e}") from None
     except (ValueError, KeyError, OSError) as e:  # the data: files, records' fields, tokenizer, vocabulary
-        why = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise SystemExit(f"error: held-out data (--source {a.source}, --paths {a.paths!r}, --tokenizer "
-                         f"{tokenizer}): {why}") from None
+                         f"{tokenizer}): {e}") from None
     text = markdown(table)
     print(text, flush=True)
     if a.out:

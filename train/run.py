@@ -54,9 +54,8 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
                 try:  # the held-out batches, read now: a record without the text field, too few documents or a
                     trainer.evaluator()  # tokenizer too large ended the run at its first evaluation, after steps
                 except (ValueError, KeyError, OSError) as e:
-                    why = e.args[0] if isinstance(e, KeyError) and e.args else e
-                    raise ValueError(f"config.eval (the held-out data): {why}" if "config.eval" not in str(why)
-                                     else str(why)) from e
+                    raise ValueError(f"config.eval (the held-out data): {e}" if "config.eval" not in str(e)
+                                     else str(e)) from e
             i, n = trainer.data_shard  # the block of the batch's rows this process's devices own
             if n > 1 and data_cfg.num_epochs is not None:
                 raise ValueError(f"data.num_epochs={data_cfg.num_epochs} with {n} processes reading their own rows: "
@@ -73,8 +72,7 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
                 print(f"done: {trainer.step} steps of stage {config.stage} in {workdir}", flush=True)
                 return history
     except SETUP_ERRORS as e:
-        text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)  # (a KeyError's str quotes its text)
-        raise SetupError(str(text) or type(e).__name__) from e
+        raise SetupError(str(e) or type(e).__name__) from e
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise SetupError(f"--workdir {workdir} exists and is not a directory")
     os.makedirs(workdir, exist_ok=True)

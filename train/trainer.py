@@ -386,7 +386,7 @@ class Trainer:
             raise DataExhausted(f"the training data ran out after data.num_epochs={self.config.data.num_epochs} "
                                 "epoch(s)") from None
         except (KeyError, ValueError, UnicodeError) as e:  # a record the pipeline refused (it names file and line)
-            raise DataError(f"training data: {e.args[0] if isinstance(e, KeyError) and e.args else e}") from e
+            raise DataError(f"training data: {e}") from e
         t0 = time.perf_counter()
         metrics = jax.device_get(self.train_step(batch))
         dt = time.perf_counter() - t0

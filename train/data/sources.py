@@ -184,6 +184,14 @@ class JsonlSource:
         return _text_of(record, self.field, lambda: self._where(index))
 
 
+class MissingFieldError(KeyError):
+    """A record or file without the configured text field. A KeyError (what a missing key is), whose message reads
+    as written: a KeyError's str quotes its text, and every caller printed it through `e.args[0]` to undo that."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads joins an escaped pair into one character)
 
 
@@ -192,7 +200,7 @@ def _text_of(record, field: str, where) -> str:
         raise ValueError(f"{where()}: expected a JSON object with the text field {field!r}, "
                          f"got {type(record).__name__}")
     if field not in record:
-        raise KeyError(f"{where()}: text field {field!r} missing (keys: {sorted(record)[:20]})")
+        raise MissingFieldError(f"{where()}: text field {field!r} missing (keys: {sorted(record)[:20]})")
     value = record[field]
     if value is None:
         return ""
@@ -260,7 +268,7 @@ class ParquetSource:
             pf = self._open(path)
             names = pf.schema_arrow.names
             if field not in names:
-                raise KeyError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
+                raise MissingFieldError(f"{path}: Parquet column {field!r} missing (columns: {names[:20]})")
             typ = pf.schema_arrow.field(field).type
             is_view = getattr(pa.types, "is_string_view", lambda t: False)
             values = typ.value_type if pa.types.is_dictionary(typ) else typ  # (a pandas category column)

@@ -172,18 +172,10 @@ class BatchedRollout:
             where = f" on process {p}" if jax.process_count() > 1 else ""
             raise RuntimeError(f"episode of row {row} ({envs[row].name or type(envs[row]).__name__}, seed "
                                f"{seeds[row]}) failed{where}: {text}") from own
-        if jax.process_count() > 1:  # every row's trajectory on every process (rewards and batch use them all)
-            try:
-                sent = ({row: portable(trajectories[row], envs[row]) for row in mine}, None)
-            except Exception as e:  # noqa: BLE001 (sent as the failure: every process raises it, none waits)
-                sent = ({}, f"{type(e).__name__}: {e}")
-            every = shd.gather_objects("BatchedRollout: the trajectories", sent)
-            bad = next(((p, e) for p, (_, e) in enumerate(every) if e), None)
-            if bad:
-                raise ValueError(f"BatchedRollout: the trajectories of process {bad[0]}: {bad[1]}")
-            for got, _ in every:
-                for row, t in got.items():
-                    trajectories[row] = t
+        if jax.process_count() > 1:  # every row's trajectory on every process (rewards and batch use them all);
+            # process_map's blocks are `mine`: each process sends the trajectories of its own rows
+            trajectories = shd.process_map("BatchedRollout: the trajectories",
+                                           lambda row: portable(trajectories[row], envs[row]), range(b))
         return trajectories, jax.device_get(sampler.layout())
 
 
