@@ -3,6 +3,7 @@ SIGTERM / SIGINT, metrics sinks without tensorboardX, the tqdm console line, and
 (no flags; a missing config.init_from)."""
 
 import io
+import json
 import logging
 import math
 import os
@@ -226,6 +227,54 @@ def test_a_refused_record_mid_run_saves_the_last_step_and_names_the_batch(batche
                                              rf"batch; {where}"):
         loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
     assert stage.saved == saved
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_run_refused_before_its_first_step_leaves_the_workdir_as_it_found_it(existing, tmp_path, monkeypatch):
+    """A run whose first batch held a refused record left an empty metrics.jsonl, an empty checkpoints/ and a
+    TensorBoard file without a scalar in the workdir (created by the run). What the run created and did not use
+    goes again: a fresh workdir is gone, an existing one keeps only what it held. A run that finished a step keeps
+    its metrics and checkpoints."""
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    workdir = tmp_path / "w"
+    if existing:
+        workdir.mkdir()
+        (workdir / "notes.txt").write_text("mine")
+    for batches in (0, 3):
+        stage = RefusingStage(batches=batches)
+        monkeypatch.setattr(checkpointing, "latest_step", lambda mngr: stage.saved[-1][0] if stage.saved else None)
+        with pytest.raises(loop.DataError):
+            loop.run_loop(stage, workdir=str(workdir), config=config, keys=("loss",), desc="fake")
+        if batches == 0:
+            assert (sorted(os.listdir(workdir)) == ["notes.txt"]) if existing else not workdir.exists()
+    left = sorted(os.listdir(workdir))
+    assert "metrics.jsonl" in left and checkpointing.CHECKPOINTS_DIR in left
+    assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_setup_removes_the_workdir_it_made_when_the_run_fails_before_writing(tmp_path, monkeypatch):
+    """setup() creates the workdir; a run that then fails having written nothing there (its first batch refused)
+    takes it away again. A workdir that holds something stays."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.train import run as run_lib
+
+    monkeypatch.setattr(run_lib.data_lib, "make_iterator", lambda *a, **k: SimpleNamespace(close=lambda: None))
+    for writes in (False, True):
+        workdir = tmp_path / f"w{writes:d}"
+
+        def fit(it, workdir=workdir, writes=writes):
+            if writes:
+                (workdir / "metrics.jsonl").write_text('{"step": 1}\n')
+            raise loop.DataError("training data: f.jsonl, line 8: refused")
+
+        monkeypatch.setattr(run_lib, "Trainer", lambda *a, fit=fit, **k: SimpleNamespace(
+            data_shard=(0, 1), cfg=SimpleNamespace(vocab_size=256), fit=fit))
+        run = run_lib.setup(load_config("dense_tiny", **{"eval.every": 0}), str(workdir))
+        assert workdir.is_dir()
+        with pytest.raises(loop.DataError, match="line 8: refused"):
+            run()
+        assert workdir.exists() == writes
 
 
 def test_trainer_step_names_a_refused_record():

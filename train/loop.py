@@ -15,6 +15,7 @@ finished step saved), and may provide prepare(stop): work before step 1 that che
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Callable, Protocol
 
 import jax
@@ -78,11 +79,45 @@ class StepProfiler:
             logging.info("profile of steps %s written to %s", ", ".join(map(str, self.traced)), self.dir)
 
 
+class NewOutputs:
+    """What run_loop is about to create in `workdir` (the workdir itself, metrics.jsonl, tb/, checkpoints/) that is
+    not there yet. remove() takes those away again once a run has failed before logging or saving any step (they
+    are then an empty metrics.jsonl, an event file without a scalar, a checkpoints directory without a step): a run
+    refused before its first step (a bad record in the first batch, a failed compile) leaves the workdir as it
+    found it, not as the shell of a run."""
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.new_workdir = not os.path.lexists(workdir)
+        self.new = [name for name in ("metrics.jsonl", "tb", checkpointing.CHECKPOINTS_DIR)
+                    if not os.path.lexists(os.path.join(workdir, name))]
+
+    def remove(self) -> None:
+        """Call only when no step was logged or saved here (metrics.jsonl and tb/ go whatever they hold)."""
+        for name in self.new:
+            path = os.path.join(self.workdir, name)
+            try:
+                if name == "tb":
+                    shutil.rmtree(path)
+                elif name == "metrics.jsonl":
+                    os.remove(path)
+                else:
+                    os.rmdir(path)  # (refuses a directory that holds anything)
+            except OSError:
+                pass
+        if self.new_workdir:
+            try:
+                os.rmdir(self.workdir)
+            except OSError:
+                pass
+
+
 def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
              show: Callable[[dict], bool] = lambda metrics: False) -> list[dict]:
     """Runs `stage` until config.steps (resuming from its latest checkpoint); returns one dict per step run here
     ({"step": n, metric: float}). show(metrics) -> True also prints that step's console line."""
     main = jax.process_index() == 0
+    fresh = NewOutputs(workdir) if main else None
     writer = MetricsWriter(workdir, enabled=main)
     profiler = StepProfiler(config.get("profile"), workdir)
     history = []
@@ -131,6 +166,11 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
             mngr.wait_until_finished()
             if stop.requested:
                 logging.info("stopped by a signal at step %d (checkpoint saved in %s)", step, mngr.directory)
+    except BaseException:
+        if fresh is not None and not history:
+            writer.close()
+            fresh.remove()
+        raise
     finally:  # (a failed restore or step closes the metrics files, and the trace, too)
         profiler.close()
         writer.close()

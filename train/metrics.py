@@ -88,6 +88,7 @@ class MetricsWriter:
             self._jsonl.close()
             if self._tb is not None:
                 self._tb.close()
+                self._tb = None
 
 
 def format_metrics(metrics: dict, keys) -> dict:

@@ -36,7 +36,8 @@ def check_data_inputs(config, data_cfg: data_lib.DataConfig) -> None:
 def setup(config, workdir: str) -> Callable[[], list[dict]]:
     """Builds the stage's learner and data (model, optimizer, mesh, data pipeline: every configuration check
     runs here) and returns the function that trains it. Raises SetupError for a refused configuration or input;
-    the workdir is created only once the setup has succeeded."""
+    the workdir is created only once the setup has succeeded, and removed again if the run fails having written
+    nothing there."""
     try:
         if config.stage == "agent":
             from dsv32_jax.train.agent_grpo import AgentLearner, finish_agent
@@ -75,8 +76,20 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
         raise SetupError(str(e) or type(e).__name__) from e
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise SetupError(f"--workdir {workdir} exists and is not a directory")
+    new_workdir = not os.path.lexists(workdir)
     os.makedirs(workdir, exist_ok=True)
-    return fit
+
+    def fit_or_tidy():
+        try:
+            return fit()
+        except BaseException:  # a run that wrote nothing (run_loop removes its unused files) leaves no workdir
+            if new_workdir and jax.process_index() == 0:
+                try:
+                    os.rmdir(workdir)  # (refuses a directory that holds anything)
+                except OSError:
+                    pass
+            raise
+    return fit_or_tidy
 
 
 def run(config, workdir: str):
