@@ -167,7 +167,11 @@ c = load_config("grpo_tiny", steps=2, log_every=1000, mesh=MESH, **{
     "grpo.tasks": "map", "grpo.prompts_per_step": 4, "grpo.eval_every": 0, "checkpoint.every": 1000,
     "checkpoint.use_async": False})
 c.model_overrides = dict(c.model_overrides, num_hidden_layers=2)
-out["grpo"] = numbers(GRPOLearner(c, os.path.join(root, "grpo")).fit())
+learner = GRPOLearner(c, os.path.join(root, "grpo"))
+judged = []  # the reward calls made on this process (a generative reward model's judge: one call per sample)
+learner.rewards = {k: (lambda s, f=f: judged.append(1) or f(s)) for k, f in learner.rewards.items()}
+out["grpo"] = numbers(learner.fit())
+out["reward_calls"] = len(judged)
 
 c = load_config("agent_tiny", steps=1, log_every=1000, mesh=MESH, **{
     "checkpoint.use_async": False, "agent.cold_start_steps": 2, "agent.tasks_per_step": 2,
@@ -185,11 +189,13 @@ def test_grpo_agent_and_multi_turn_sampling_on_two_processes_equal_one(tmp_path)
     three turns of MultiTurnSampler with a restart, their batches' rows split over the devices of 2 processes x 4:
     the same metrics, trajectories and log-probs as 1 process x 8 devices. Each rollout used to read its sampled
     tokens with np.asarray, which raises for an array whose rows live on another process's devices: no post-training
-    ran on more than one host."""
+    ran on more than one host. Each GRPO reward (a judge model's call) is computed once, by one of the processes."""
     one = _run_posttrain(1, os.path.join(str(tmp_path), "one"))
     two = _run_posttrain(2, os.path.join(str(tmp_path), "two"))
     want = one[0]["out"]
     assert want["turns"]["type"] == "ndarray" and sum(map(sum, want["turns"]["generated"])) > 8
+    # every sample's reward computed once, by one process, the samples split evenly over the processes
+    assert want["reward_calls"] > 0 and [r["out"]["reward_calls"] for r in two] == [want["reward_calls"] // 2] * 2
     for r in two:
         got = r["out"]
         print(f"process {r['process']}: grpo", got["grpo"], "agent", got["agent"])
