@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from dsv32_jax.model.fp8 import FP8_DTYPE, FP8_MAX, act_quant, fp8_scale, hadamard_matrix, hadamard_rotate
 from dsv32_jax.model.config import is_int
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._vmap import ROWS, fold_vmap
 
 DIM = 128
 
@@ -55,7 +56,13 @@ def _kernel(x_ref, h_ref, codes_ref, scale_ref, *, scale_fmt):
 @functools.partial(jax.jit, static_argnames=("scale_fmt", "block_rows", "backend"))
 def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
     lead = x.shape[:-1]
-    rows = x.reshape(-1, DIM)
+    # (under jax.vmap the mapped axis joins the rows: the Mosaic TPU compiler refuses the batched rank-1 scale block)
+    rotate = functools.partial(_rotate_rows, scale_fmt=scale_fmt, block_rows=block_rows, backend=backend)
+    codes, scale = fold_vmap(lambda fold: rotate, (ROWS,))(x.reshape(-1, DIM))
+    return codes.reshape(*lead, DIM), scale.reshape(lead)
+
+
+def _rotate_rows(rows, *, scale_fmt, block_rows, backend):
     n = rows.shape[0]
     br = min(block_rows, round_up(n, 16))
     if backend in ("pallas_tpu", "interpret_tpu"):  # Mosaic TPU: a rank-1 (scale) block must be a power of two >= 128
@@ -76,7 +83,7 @@ def _hadamard_quant_pallas(x, *, scale_fmt, block_rows, backend):
         interpret=tpu_interpret_params() if backend == "interpret_tpu" else backend == "interpret",
         **kwargs,
     )(rows, h)
-    return codes[:n].reshape(*lead, DIM), scale[:n].reshape(lead)
+    return codes[:n], scale[:n]
 
 
 def hadamard_quant(x: jnp.ndarray, *, scale_fmt: str | None = "ue8m0", impl: str | None = None,

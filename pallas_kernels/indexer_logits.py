@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv32_jax.model.indexer import check_query_keys, index_scores_fp8
 from dsv32_jax.kernels import indexer_logits_mgpu as mgpu_kernel
 from dsv32_jax.kernels._dispatch import target_device, next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._vmap import ROWS, fold_vmap
 
 
 def _ranges(starts, ends, b, t, s):
@@ -184,20 +185,24 @@ def _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dty
         return jnp.clip(j, first, last)
 
     rows = pl.BlockSpec((None, block_q, 1), lambda bi, i, j, *_: (bi, i, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2, grid=(b, nq, nk),
-        in_specs=[pl.BlockSpec((None, block_q, hp, dp), lambda bi, i, j, *_: (bi, i, 0, 0)),
-                  pl.BlockSpec((None, block_k, dp), lambda bi, i, j, *r: (bi, key_block(bi, i, j, *r), 0)),
-                  pl.BlockSpec((None, 1, block_k), lambda bi, i, j, *r: (bi, 0, key_block(bi, i, j, *r))),
-                  pl.BlockSpec((None, block_q, hp, 1), lambda bi, i, j, *_: (bi, i, 0, 0)), rows, rows],
-        out_specs=pl.BlockSpec((None, block_q, block_k), lambda bi, i, j, *_: (bi, i, j)))
-    out = pl.pallas_call(
-        functools.partial(_tpu_kernel, block_k=block_k),
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, tp, sp), out_dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
-        interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
-    )(lo, hi, q, k, ks, w, starts[..., None], ends[..., None])
+
+    def call(*args):  # (a function of the batch rows: under jax.vmap the mapped axis joins them, see _vmap)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(args[2].shape[0], nq, nk),
+            in_specs=[pl.BlockSpec((None, block_q, hp, dp), lambda bi, i, j, *_: (bi, i, 0, 0)),
+                      pl.BlockSpec((None, block_k, dp), lambda bi, i, j, *r: (bi, key_block(bi, i, j, *r), 0)),
+                      pl.BlockSpec((None, 1, block_k), lambda bi, i, j, *r: (bi, 0, key_block(bi, i, j, *r))),
+                      pl.BlockSpec((None, block_q, hp, 1), lambda bi, i, j, *_: (bi, i, 0, 0)), rows, rows],
+            out_specs=pl.BlockSpec((None, block_q, block_k), lambda bi, i, j, *_: (bi, i, j)))
+        return pl.pallas_call(
+            functools.partial(_tpu_kernel, block_k=block_k),
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct((args[2].shape[0], tp, sp), out_dtype),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+            interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
+        )(*args)
+
+    out = fold_vmap(lambda fold: call, (ROWS,) * 8)(lo, hi, q, k, ks, w, starts[..., None], ends[..., None])
     return out[:, :t, :s]
 
 

@@ -75,6 +75,7 @@ from dsv32_jax.kernels import (sparse_mla_dqkv_mgpu, sparse_mla_mgpu, sparse_mla
                                triton_atomics)
 from dsv32_jax.model.config import is_int
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up
+from dsv32_jax.kernels._vmap import INDEX, KEYS, ROWS, fold_vmap
 
 TPU_BACKENDS = ("pallas_tpu", "interpret_tpu")
 MGPU_BACKENDS = {"mosaic_gpu": "pallas_gpu", "interpret_mosaic_gpu": "interpret"}  # forward impl -> backward's
@@ -737,20 +738,33 @@ def backward_stages(q, kv, topk_idx, scale: float, d_v: int, do, *, impl: str = 
 
 
 # ------------------------------------------------------------------------------------------ custom VJP core
+def _folded(fn, cfg: _Cfg, *kinds):
+    """fn(*arrays, cfg=cfg) whose jax.vmap folds the mapped axis into the tokens and cache rows (`_vmap`: the
+    Mosaic TPU compiler refuses the grid axis pallas_call's batching would add to the cache's HBM block); the
+    folded call's cfg counts V x the cache rows."""
+    return fold_vmap(lambda f: functools.partial(
+        fn, cfg=cfg if f == 1 else dataclasses.replace(cfg, num_keys=cfg.num_keys * f)), kinds)
+
+
+def _forward_folded(qf, kvf, idxf, cfg: _Cfg):
+    return _folded(_forward, cfg, ROWS, KEYS, INDEX)(qf, kvf, idxf)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _core(qf, kvf, idxf, cfg: _Cfg):
-    return _forward(qf, kvf, idxf, cfg)
+    return _forward_folded(qf, kvf, idxf, cfg)
 
 
 def _core_fwd(qf, kvf, idxf, cfg: _Cfg):
-    out, lse = _forward(qf, kvf, idxf, cfg)
+    out, lse = _forward_folded(qf, kvf, idxf, cfg)
     return (out, lse), (qf, kvf, idxf, out, lse)
 
 
 def _core_bwd(cfg: _Cfg, res, cts):
     qf, kvf, idxf, out, lse = res
     do, dlse = cts
-    dq, dkv = _backward(qf, kvf, idxf, out, lse, do, jnp.where(jnp.isfinite(lse), dlse, 0.0), cfg)
+    dq, dkv = _folded(_backward, cfg, ROWS, KEYS, INDEX, ROWS, ROWS, ROWS, ROWS)(
+        qf, kvf, idxf, out, lse, do, jnp.where(jnp.isfinite(lse), dlse, 0.0))
     return dq, dkv, None
 
 
@@ -953,5 +967,6 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     if not return_probs:
         return out, lse_bth
     lse_real = jnp.where(jnp.arange(lse.shape[1]) < h, jax.lax.stop_gradient(lse), -jnp.inf)  # drop padded heads
-    probs = _head_summed_probs(*jax.lax.stop_gradient((qf, kvf)), idxf, lse_real, cfg)
+    probs = _folded(_head_summed_probs, cfg, ROWS, KEYS, INDEX, ROWS)(*jax.lax.stop_gradient((qf, kvf)), idxf,
+                                                                      lse_real)
     return out, lse_bth, probs[:, :k].reshape(b, t, k)

@@ -63,6 +63,7 @@ from jax.experimental.pallas import triton as pltriton
 from dsv32_jax.model.config import is_int
 from dsv32_jax.model.indexer import select_topk
 from dsv32_jax.kernels._dispatch import next_pow2, resolve_impl, round_up, tpu_interpret_params
+from dsv32_jax.kernels._vmap import ROWS, fold_vmap
 
 INT_MIN = -(2**31)
 INT_MAX = 2**31 - 1
@@ -314,6 +315,16 @@ def _topk_pallas(scores, lengths, *, k, buf, block, backend, num_warps, with_sta
     r = rows.shape[0]
     lengths = (jnp.full((r,), length, jnp.int32) if lengths is None
                else jnp.clip(lengths.reshape(r).astype(jnp.int32), 0, length))
+    # (a function of the rows: under jax.vmap the mapped axis joins them, see _vmap; pallas_call's own batching
+    # adds a grid axis, which costs the filtering pass 15 registers and the emission a spill on an H100)
+    out, stats = fold_vmap(lambda fold: functools.partial(_topk_rows, k=k, buf=buf, block=block, backend=backend,
+                                                          num_warps=num_warps), (ROWS, ROWS))(rows, lengths)
+    out = out.reshape(*lead, k)
+    return (out, stats.reshape(*lead, 8)) if with_stats else out
+
+
+def _topk_rows(rows, lengths, *, k, buf, block, backend, num_warps):
+    r, length = rows.shape
 
     def call(kernel, warps, **kw):
         extra = {}
@@ -341,8 +352,7 @@ def _topk_pallas(scores, lengths, *, k, buf, block, backend, num_warps, with_sta
         in_specs=[stat_spec, buf_spec, buf_spec], out_specs=pl.BlockSpec((None, k), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((r, k), jnp.int32),
     )(stats, bkey, bidx)
-    out = out.reshape(*lead, k)
-    return (out, stats.reshape(*lead, 8)) if with_stats else out
+    return out, stats
 
 
 # ------------------------------------------------------------------------------------------------ TPU
@@ -398,17 +408,21 @@ def _topk_tpu(scores, lengths, *, k, backend):
     n = jnp.pad(lengths, (0, rp - r))[:, None]
     chunk = 128 * math.gcd(lp // 128, TPU_CHUNK_VREGS)  # lanes per loop step, divides lp
     row_spec = pl.BlockSpec((TPU_ROWS, 1), lambda i: (i, 0))
-    thr, need = pl.pallas_call(
-        functools.partial(_tpu_threshold_kernel, k=k, chunk=chunk),
-        grid=(rp // TPU_ROWS,),
-        in_specs=[pl.BlockSpec((TPU_ROWS, lp), lambda i: (i, 0)), row_spec],
-        out_specs=[row_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct((rp, 1), jnp.int32)] * 2,
-        scratch_shapes=[pltpu.VMEM((TPU_ROWS, lp), jnp.int32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
-                                             vmem_limit_bytes=max(32 << 20, 3 * TPU_ROWS * lp * 4 + (8 << 20))),
-        interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
-    )(x, n)
+
+    def threshold(x, n):  # (a function of the rows: under jax.vmap the mapped axis joins them, see _vmap)
+        return pl.pallas_call(
+            functools.partial(_tpu_threshold_kernel, k=k, chunk=chunk),
+            grid=(x.shape[0] // TPU_ROWS,),
+            in_specs=[pl.BlockSpec((TPU_ROWS, lp), lambda i: (i, 0)), row_spec],
+            out_specs=[row_spec, row_spec],
+            out_shape=[jax.ShapeDtypeStruct((x.shape[0], 1), jnp.int32)] * 2,
+            scratch_shapes=[pltpu.VMEM((TPU_ROWS, lp), jnp.int32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                                 vmem_limit_bytes=max(32 << 20, 3 * TPU_ROWS * lp * 4 + (8 << 20))),
+            interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
+        )(x, n)
+
+    thr, need = fold_vmap(lambda fold: threshold, (ROWS, ROWS))(x, n)
     # emission in XLA: the keys above the threshold and the first `need` ties, in ascending column order
     col = jnp.arange(length, dtype=jnp.int32)[None, :]
     key = _candidate_keys(rows, col, lengths[:, None])

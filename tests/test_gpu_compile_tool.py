@@ -84,6 +84,28 @@ def test_parse_mosaic_dumps():
     assert gc.parse_mosaic_launch(launch) == ((8, 32, 1), (128, 1, 1))
 
 
+def test_mosaic_dumps_numbered_apart_are_paired_by_kernel_name(tmp_path):
+    """With several Mosaic GPU kernels in one program (the vmap case: the FP8 indexer and the sparse MLA forward),
+    jaxlib numbered a kernel's PTX / ptxas dumps apart from its resources dump (batched_body_0.resources.txt beside
+    batched_body_1.ptx): the kernel had no ptxas report and failed its case. One dump of each name pairs."""
+    ptxas_v = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n"
+               "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+               "ptxas info    : Used {} registers, used 1 barriers\n")
+    res = "Resources(smem_scratch_bytes={}, barrier_counts=Counter(), scoped_gmem_semaphores={{}})"
+    mdir = tmp_path / "mosaic"
+    mdir.mkdir()
+    for name, smem, regs in (("batched_body_0", 1024, 110), ("fwd_1", 2048, 213)):
+        (mdir / f"{name}.resources.txt").write_text(res.format(smem))
+    (mdir / "batched_body_1.ptxas").write_text(ptxas_v.format(110))
+    (mdir / "batched_body_1.ptx").write_text(PTX)
+    (mdir / "fwd_0.ptxas").write_text(ptxas_v.format(213))
+    (mdir / "fwd_0.ptx").write_text(".target sm_90a\n")
+    got = {k.name: (k.smem, k.registers, sorted(k.mma)) for k in gc.collect(str(tmp_path))}
+    assert got == {"mosaic:batched_body_0": (1024, 110, ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                                                         "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"]),
+                   "mosaic:fwd_1": (2048, 213, [])}
+
+
 def _kernel(**kw):
     base = dict(name="_fwd_kernel", backend="triton", grid=(1, 1, 1), threads=(128, 1, 1), smem=1024, registers=64,
                 spill_bytes=0, mma={"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32": 4})

@@ -950,6 +950,28 @@ def test_hadamard_quant_lowers_for_tpu(dtype):
     assert "tpu_custom_call" in text
 
 
+def test_vmapped_kernels_lower_for_tpu():
+    """Under jax.vmap every TPU kernel lowers for a v5p (the kernels fold the mapped axis into their rows,
+    pallas_kernels/_vmap.py). With pallas_call's own batching (a grid axis more) the Mosaic TPU lowering refused
+    sparse MLA ("supports in memory space ANY only blocks having the same block shape as the array shape": the
+    cache's HBM block) and hadamard_quant (its rank-1 scale block, "divisible by 8 and 128")."""
+    sds = jax.ShapeDtypeStruct
+    f32, bf16, i32, f8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.float8_e4m3fn
+    tpu = "pallas_tpu"
+    text = _lower_for_tpu(jax.vmap(lambda x: kernels.hadamard_quant(x, impl=tpu)), sds((2, 256, 128), bf16))
+    assert text.count("tpu_custom_call") == 1
+    grad = jax.vmap(jax.grad(lambda a, c, i: kernels.sparse_mla(a, c, i, 0.1, 512, impl=tpu)[0].astype(f32).sum(),
+                             argnums=(0, 1)))
+    text = _lower_for_tpu(grad, sds((2, 1, 64, 128, 576), bf16), sds((2, 1, 4096, 576), bf16),
+                          sds((2, 1, 64, 2048), i32))
+    assert text.count("tpu_custom_call") >= 2  # the forward and the fused backward
+    text = _lower_for_tpu(jax.vmap(lambda *a: kernels.indexer_logits(*a, impl=tpu)), sds((2, 1, 64, 64, 128), f8),
+                          sds((2, 1, 8192, 128), f8), sds((2, 1, 8192), f32), sds((2, 1, 64, 64), f32))
+    assert "tpu_custom_call" in text
+    text = _lower_for_tpu(jax.vmap(lambda x: kernels.topk(x, 2048, impl=tpu)), sds((2, 16, 131072), f32))
+    assert "tpu_custom_call" in text
+
+
 def test_tpu_kernels_lower_at_production_shapes():
     """The Mosaic TPU sparse MLA (forward, probs, fused backward) and indexer kernels lower for a v5p at the
     production shapes (H 128, Dqk 576 = 512 + 64, K 2048; indexer 64 heads x 128, 8K keys)."""

@@ -212,6 +212,13 @@ def all_cases() -> list[Case]:
     for form in ("split", "block", "pingpong", "slice", "slice32"):
         cases.append(Case(f"gather_echo[prod,L=8192,{form}]", "gather_echo", "prod", 8192, options=(("form", form),),
                           requires=(r"cp\.async\.cg\.shared\.global", r"sass:LDGSTS\.\S*128")))
+    # Every op under jax.vmap over 2 slices (pallas_kernels/_vmap folds the mapped axis into the kernels' rows; the
+    # Mosaic kernels' batched blocks are not needed): top-k, the Hadamard quantizer, the FP8 indexer (Mosaic GPU),
+    # the Mosaic GPU sparse MLA forward and the gradient through the stored backward.
+    cases.append(Case("vmap[prod,L=8192]", "vmap", "prod", 8192, smem_budget=SMEM_PER_BLOCK,
+                      requires=(r"sass:HGMMA\.64x256x16", r"wgmma\.mma_async\S*\.e4m3\.e4m3"),
+                      kernel_requires=STORED_BWD_CLAIMS["prod"]["kernel_requires"],
+                      kernel_forbids=(("mosaic", r"mma\.sync"),)))
     # The whole model with attention="kernel" (fp8 indexer -> top-k -> sparse MLA, eq. 4 KL), loss + gradients.
     cases.append(Case("model_kernel_train_step[tiny,T=64]", "model_kernel", "tiny", 64,
                       requires=(r"wgmma\.mma_async\S*\.e4m3\.e4m3",)))
@@ -293,6 +300,8 @@ def build(case: Case):
     if case.op == "model_kernel":
         return model_kernel_step(l, spec, **o)
     f8 = jnp.float8_e4m3fn
+    if case.op == "vmap":
+        return vmap_ops(sh, l, spec)
     if case.op == "hadamard_quant":  # the kernel rotates 128-dim rows (the production indexer head dim)
         return (lambda x: pk.hadamard_quant(x, impl="pallas_gpu")), [spec((1, l, 128), jnp.bfloat16)]
     if case.op in ("indexer_logits", "indexer_logits_triton"):
@@ -367,6 +376,30 @@ def build(case: Case):
             return pk.sparse_mla(q, kv, i, scale, sh.d_v, impl="pallas_gpu", **o)[0].astype(jnp.float32).sum()
         return jax.grad(loss, argnums=(0, 1)), args
     raise SystemExit(f"unknown op {case.op!r}")
+
+
+def vmap_ops(sh: Shapes, length: int, spec, v: int = 2, tokens: int = 256):
+    """The "vmap" case: each op mapped over `v` slices of `tokens` queries."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv32_jax import kernels as pk
+
+    def fn(x, h, q8, k8, ks, w, q, kv, idx):
+        def loss(q_, kv_, i_):
+            return pk.sparse_mla(q_, kv_, i_, sh.d_qk ** -0.5, sh.d_v, impl="pallas_gpu")[0].astype(jnp.float32).sum()
+        return (jax.vmap(lambda a: pk.topk(a, sh.topk, impl="pallas_gpu"))(x),
+                jax.vmap(lambda a: pk.hadamard_quant(a, impl="pallas_gpu"))(h),
+                jax.vmap(lambda *a: pk.indexer_logits(*a, impl="pallas_gpu"))(q8, k8, ks, w),
+                jax.vmap(lambda *a: pk.sparse_mla(*a, sh.d_qk ** -0.5, sh.d_v, impl="mosaic_gpu")[0])(q, kv, idx),
+                jax.vmap(jax.grad(loss, argnums=(0, 1)))(q, kv, idx))
+
+    f8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    return fn, [spec((v, tokens, length), jnp.float32), spec((v, length, sh.index_dim), bf16),
+                spec((v, 1, tokens, sh.index_heads, sh.index_dim), f8), spec((v, 1, length, sh.index_dim), f8),
+                spec((v, 1, length), jnp.float32), spec((v, 1, tokens, sh.index_heads), jnp.float32),
+                spec((v, 1, tokens, sh.heads, sh.d_qk), bf16), spec((v, 1, length, sh.d_qk), bf16),
+                spec((v, 1, tokens, sh.topk), jnp.int32)]
 
 
 def model_kernel_step(length: int, spec, mla_bwd: str = "stored"):
@@ -547,6 +580,11 @@ def collect(workdir: str) -> list[Kernel]:
         k = Kernel(f"mosaic:{os.path.basename(base)}", "mosaic", smem=parse_mosaic_resources(open(res).read()))
         if os.path.exists(base + ".after_layout_inference.txt"):
             k.grid, k.threads = parse_mosaic_launch(open(base + ".after_layout_inference.txt").read())
+        if not os.path.exists(base + ".ptx"):  # (with several Mosaic GPU kernels in one program, jaxlib numbers a
+            # kernel's PTX / ptxas / SASS dumps apart from its resources and layout dumps: one of each name pairs)
+            same = glob.glob(re.sub(r"_\d+$", "", base) + "_*.ptx")
+            if len(same) == 1:
+                base = same[0][: -len(".ptx")]
         if os.path.exists(base + ".ptxas"):
             facts = next(iter(parse_ptxas(open(base + ".ptxas").read()).values()), {})
             k.registers, k.spill_bytes = facts.get("registers"), facts.get("spill_bytes")
