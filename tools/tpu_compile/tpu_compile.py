@@ -108,6 +108,9 @@ def all_cases() -> list[Case]:
             Case(f"{gen}/sparse_mla_bwd[tiny,L=64,float32]", gen, "sparse_mla_bwd", "tiny", 64,
                  options=(("dtype", "float32"),)),
             Case(f"{gen}/model_kernel_train_step[tiny,T=64]", gen, "model_kernel", "tiny", 64),
+            # every op under jax.vmap over 2 slices (pallas_kernels/_vmap folds the mapped axis into the rows;
+            # pallas_call's own batching made the Mosaic TPU lowering refuse sparse MLA and hadamard_quant)
+            Case(f"{gen}/vmap[prod,L=8192]", gen, "vmap", "prod", 8192, ci=gen == "v5p"),
         ]
         # negative controls: the compile must fail for lack of VMEM / the budget check must fail
         over = {"v5p": 786432, "v6e": 1572864}[gen]  # 48 MiB of 64, 96 MiB of 128
@@ -151,6 +154,20 @@ def build(case: Case):
     f8 = jnp.float8_e4m3fn
     if case.op == "model_kernel":
         return model_kernel_step(l, spec)
+    if case.op == "vmap":
+        def fn(x, h, q8, k8, ks, w, q, kv, idx):
+            def loss(q_, kv_, i_):
+                return pk.sparse_mla(q_, kv_, i_, sh.d_qk ** -0.5, sh.d_v, impl=tpu)[0].astype(jnp.float32).sum()
+            return (jax.vmap(lambda a: pk.topk(a, sh.topk, impl=tpu))(x),
+                    jax.vmap(lambda a: pk.hadamard_quant(a, impl=tpu))(h),
+                    jax.vmap(lambda *a: pk.indexer_logits(*a, impl=tpu))(q8, k8, ks, w),
+                    jax.vmap(jax.grad(loss, argnums=(0, 1)))(q, kv, idx))
+        v, n = 2, 256  # slices, queries per slice
+        return fn, [spec((v, n, l), jnp.float32), spec((v, l, sh.index_dim), jnp.bfloat16),
+                    spec((v, 1, n, sh.index_heads, sh.index_dim), f8), spec((v, 1, l, sh.index_dim), f8),
+                    spec((v, 1, l), jnp.float32), spec((v, 1, n, sh.index_heads), jnp.float32),
+                    spec((v, 1, n, sh.heads, sh.d_qk), jnp.bfloat16), spec((v, 1, l, sh.d_qk), jnp.bfloat16),
+                    spec((v, 1, n, sh.topk), jnp.int32)]
     if case.op == "hadamard_quant":
         return (lambda x: pk.hadamard_quant(x, impl=tpu)), [spec((1, l, 128), jnp.bfloat16)]
     if case.op == "indexer_logits":
