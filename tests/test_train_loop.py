@@ -252,29 +252,26 @@ def test_a_run_refused_before_its_first_step_leaves_the_workdir_as_it_found_it(e
     assert [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_setup_removes_the_workdir_it_made_when_the_run_fails_before_writing(tmp_path, monkeypatch):
-    """setup() creates the workdir; a run that then fails having written nothing there (its first batch refused)
-    takes it away again. A workdir that holds something stays."""
+def test_setup_writes_nothing_and_a_run_refused_at_its_first_batch_leaves_no_workdir(tmp_path, monkeypatch):
+    """setup() used to create the workdir, so run_loop found it existing and a run refused at its first batch left
+    it behind, empty. setup writes nothing; the run creates the workdir with its first output and removes it again
+    (loop.NewOutputs)."""
     from types import SimpleNamespace
 
     from dsv32_jax.train import run as run_lib
 
+    config = load_config("dense_tiny", steps=10, log_every=1000, **{"eval.every": 0})
+    workdir = tmp_path / "w"
+    stage = RefusingStage(batches=0)
     monkeypatch.setattr(run_lib.data_lib, "make_iterator", lambda *a, **k: SimpleNamespace(close=lambda: None))
-    for writes in (False, True):
-        workdir = tmp_path / f"w{writes:d}"
-
-        def fit(it, workdir=workdir, writes=writes):
-            if writes:
-                (workdir / "metrics.jsonl").write_text('{"step": 1}\n')
-            raise loop.DataError("training data: f.jsonl, line 8: refused")
-
-        monkeypatch.setattr(run_lib, "Trainer", lambda *a, fit=fit, **k: SimpleNamespace(
-            data_shard=(0, 1), cfg=SimpleNamespace(vocab_size=256), fit=fit))
-        run = run_lib.setup(load_config("dense_tiny", **{"eval.every": 0}), str(workdir))
-        assert workdir.is_dir()
-        with pytest.raises(loop.DataError, match="line 8: refused"):
-            run()
-        assert workdir.exists() == writes
+    monkeypatch.setattr(run_lib, "Trainer", lambda *a, **k: SimpleNamespace(
+        data_shard=(0, 1), cfg=SimpleNamespace(vocab_size=256),
+        fit=lambda it: loop.run_loop(stage, workdir=str(workdir), config=config, keys=("loss",), desc="fake")))
+    run = run_lib.setup(config, str(workdir))
+    assert not workdir.exists()
+    with pytest.raises(loop.DataError, match="no step was run"):
+        run()
+    assert not workdir.exists()
 
 
 def test_trainer_step_names_a_refused_record():

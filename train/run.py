@@ -35,9 +35,9 @@ def check_data_inputs(config, data_cfg: data_lib.DataConfig) -> None:
 
 def setup(config, workdir: str) -> Callable[[], list[dict]]:
     """Builds the stage's learner and data (model, optimizer, mesh, data pipeline: every configuration check
-    runs here) and returns the function that trains it. Raises SetupError for a refused configuration or input;
-    the workdir is created only once the setup has succeeded, and removed again if the run fails having written
-    nothing there."""
+    runs here) and returns the function that trains it. Raises SetupError for a refused configuration or input.
+    Nothing is written here: the run creates the workdir with its first output and, if it fails before logging a
+    step, removes it again (`loop.NewOutputs`)."""
     try:
         if config.stage == "agent":
             from dsv32_jax.train.agent_grpo import AgentLearner, finish_agent
@@ -76,20 +76,7 @@ def setup(config, workdir: str) -> Callable[[], list[dict]]:
         raise SetupError(str(e) or type(e).__name__) from e
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise SetupError(f"--workdir {workdir} exists and is not a directory")
-    new_workdir = not os.path.lexists(workdir)
-    os.makedirs(workdir, exist_ok=True)
-
-    def fit_or_tidy():
-        try:
-            return fit()
-        except BaseException:  # a run that wrote nothing (run_loop removes its unused files) leaves no workdir
-            if new_workdir and jax.process_index() == 0:
-                try:
-                    os.rmdir(workdir)  # (refuses a directory that holds anything)
-                except OSError:
-                    pass
-            raise
-    return fit_or_tidy
+    return fit
 
 
 def run(config, workdir: str):
