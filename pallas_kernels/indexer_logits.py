@@ -186,9 +186,9 @@ def _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dty
 
     rows = pl.BlockSpec((None, block_q, 1), lambda bi, i, j, *_: (bi, i, 0))
 
-    def call(*args):  # (a function of the batch rows: under jax.vmap the mapped axis joins them, see _vmap)
+    def call(lo, hi, q, *rest):  # (a function of the batch rows: under jax.vmap the mapped axis joins them, _vmap)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(args[2].shape[0], nq, nk),
+            num_scalar_prefetch=2, grid=(q.shape[0], nq, nk),
             in_specs=[pl.BlockSpec((None, block_q, hp, dp), lambda bi, i, j, *_: (bi, i, 0, 0)),
                       pl.BlockSpec((None, block_k, dp), lambda bi, i, j, *r: (bi, key_block(bi, i, j, *r), 0)),
                       pl.BlockSpec((None, 1, block_k), lambda bi, i, j, *r: (bi, 0, key_block(bi, i, j, *r))),
@@ -197,10 +197,10 @@ def _indexer_logits_tpu(q_fp8, k_fp8, k_scale, weights, starts, ends, *, out_dty
         return pl.pallas_call(
             functools.partial(_tpu_kernel, block_k=block_k),
             grid_spec=grid_spec,
-            out_shape=jax.ShapeDtypeStruct((args[2].shape[0], tp, sp), out_dtype),
+            out_shape=jax.ShapeDtypeStruct((q.shape[0], tp, sp), out_dtype),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
             interpret=tpu_interpret_params() if backend == "interpret_tpu" else False,
-        )(*args)
+        )(lo, hi, q, *rest)
 
     out = fold_vmap(lambda fold: call, (ROWS,) * 8)(lo, hi, q, k, ks, w, starts[..., None], ends[..., None])
     return out[:, :t, :s]
