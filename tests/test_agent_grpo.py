@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 import sys
 
 import ml_collections
@@ -564,9 +565,13 @@ class _Spanish(PingEnv):
     seed 3's instance returns what the test sets (a broken hook)."""
 
     words = {"hola", "siete", "el", "numero", "es"}
-    broken = None
+    broken = None  # what the hook returns instead (an exception: raised)
+    slow = 0.0  # seconds the hook sleeps first
 
     def language_consistency(self, instance, text):
+        time.sleep(self.slow)
+        if isinstance(self.broken, Exception):
+            raise self.broken
         if self.broken is not None:
             return self.broken
         words = text.split()
@@ -597,6 +602,20 @@ def test_the_length_penalty_and_language_reward_terms_follow_the_paper():
         trajs[0].info = {}
         got = AgentLearner.reward_terms(fake, trajs[:1], rows[:1])["language_reward"]
         assert got[0] == 0.0 and "not a number in [0, 1]: language reward 0" in trajs[0].info["reward_error"]
+    # the model's text drives the hook as it drives the verifier: past the environment's score_timeout it is 0 too
+    envs["es"].broken, envs["es"].slow, envs["es"].score_timeout = None, 1.0, 0.05
+    trajs[0].info = {}
+    t0 = time.perf_counter()
+    got = AgentLearner.reward_terms(fake, trajs[:1], rows[:1])["language_reward"]
+    assert got[0] == 0.0 and time.perf_counter() - t0 < 0.9
+    assert trajs[0].info["reward_error"] == ("_Spanish.language_consistency() ran past score_timeout=0.05 s: "
+                                             "language reward 0")
+    # a hook that raises is the environment's bug: named with its episode, the exception chained
+    envs["es"].slow, envs["es"].broken = 0.0, KeyError("accent")
+    with pytest.raises(RuntimeError, match=r"_Spanish.language_consistency\(\) raised for the episode of row 0 "
+                                           r"\(es, seed 1\): KeyError: 'accent'") as e:
+        AgentLearner.reward_terms(fake, trajs[:2], rows[:2])
+    assert isinstance(e.value.__cause__, KeyError)
     # off unless configured: no term at all (the advantages are the verifier's alone, as before)
     fake.a = ml_collections.ConfigDict(dict(length_target=-1, length_penalty=0.01, language_weight=0.0))
     assert AgentLearner.reward_terms(fake, trajs, rows) == {}

@@ -173,11 +173,15 @@ learner.rewards = {k: (lambda s, f=f: judged.append(1) or f(s)) for k, f in lear
 out["grpo"] = numbers(learner.fit())
 out["reward_calls"] = len(judged)
 
+from dsv32_jax.posttrain.envs.lookup import LookupEnv
+spoken = []  # the language hook's calls on this process (a language classifier: one call per episode)
+LookupEnv.language_consistency = lambda self, instance, text: spoken.append(1) or (len(text) % 5) / 4
 c = load_config("agent_tiny", steps=1, log_every=1000, mesh=MESH, **{
     "checkpoint.use_async": False, "agent.cold_start_steps": 2, "agent.tasks_per_step": 2,
-    "agent.eval_episodes": 4})
+    "agent.eval_episodes": 4, "agent.language_weight": 0.5})
 c.model_overrides = dict(c.model_overrides, num_hidden_layers=2)
 out["agent"] = numbers(AgentLearner(c, os.path.join(root, "agent")).fit())
+out["language_calls"] = len(spoken)
 print("RESULT " + json.dumps({"process": jax.process_index(), "out": out}), flush=True)
 """
 
@@ -189,13 +193,17 @@ def test_grpo_agent_and_multi_turn_sampling_on_two_processes_equal_one(tmp_path)
     three turns of MultiTurnSampler with a restart, their batches' rows split over the devices of 2 processes x 4:
     the same metrics, trajectories and log-probs as 1 process x 8 devices. Each rollout used to read its sampled
     tokens with np.asarray, which raises for an array whose rows live on another process's devices: no post-training
-    ran on more than one host. Each GRPO reward (a judge model's call) is computed once, by one of the processes."""
+    ran on more than one host. Each GRPO reward (a judge model's call) and each agent episode's language reward is
+    computed once, by one of the processes."""
     one = _run_posttrain(1, os.path.join(str(tmp_path), "one"))
     two = _run_posttrain(2, os.path.join(str(tmp_path), "two"))
     want = one[0]["out"]
     assert want["turns"]["type"] == "ndarray" and sum(map(sum, want["turns"]["generated"])) > 8
     # every sample's reward computed once, by one process, the samples split evenly over the processes
     assert want["reward_calls"] > 0 and [r["out"]["reward_calls"] for r in two] == [want["reward_calls"] // 2] * 2
+    # and each agent episode's language hook called once (it used to run on every process), its reward in the metrics
+    assert want["language_calls"] > 0 and [r["out"]["language_calls"] for r in two] == [want["language_calls"] // 2] * 2
+    assert "language_reward" in want["agent"][0]
     for r in two:
         got = r["out"]
         print(f"process {r['process']}: grpo", got["grpo"], "agent", got["agent"])

@@ -40,7 +40,6 @@ from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_en
 from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import Env, env_factory, make_env
-from dsv32_jax.posttrain.envs.base import as_number
 from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
@@ -598,7 +597,9 @@ class AgentLearner:
         penalty, and language consistency reward" for agent tasks), per episode, each only when configured:
         length_penalty = -agent.length_penalty per model token beyond agent.length_target (>= 0) in the episode;
         language_reward = agent.language_weight x the environment's language_consistency(instance, model_text)
-        (0 for an environment without one; a value that is no number in [0, 1] is data: 0, noted in reward_error)."""
+        (0 for an environment without one; a value that is no number in [0, 1], or none within the environment's
+        score_timeout, is data: 0, noted in reward_error; an exception is the environment's bug: a RuntimeError naming
+        it and the episode). On several processes each episode's hook is called once, by one process (process_map)."""
         a, out = self.a, {}
         target = int(a.get("length_target", -1))
         if target >= 0:
@@ -606,15 +607,21 @@ class AgentLearner:
                                               for t in trajs], np.float32)
         weight = float(a.get("language_weight", 0.0))
         if weight:
-            values = []
-            for t, (spec, _) in zip(trajs, rows):
+            def judge(i):  # (value, reward_error or None) of episode i; raises with its environment and seed named
+                t, (spec, seed) = trajs[i], rows[i]
                 env = self._envs[spec]
-                got = env.language_consistency(t.instance, model_text(t))  # (the episode's own instance)
-                v = as_number(got)
-                if got is not None and not 0.0 <= v <= 1.0:  # (nan fails it too)
-                    t.info["reward_error"] = (f"{type(env).__name__}.language_consistency() returned {got!r}, not a "
-                                              "number in [0, 1]: language reward 0")
-                values.append(weight * v if 0.0 <= v <= 1.0 else 0.0)
+                try:
+                    return env._language(t.instance, model_text(t))  # (the episode's own instance)
+                except Exception as e:
+                    raise RuntimeError(f"{type(env).__name__}.language_consistency() raised for the episode of row {i} "
+                                       f"({spec}, seed {seed}): {type(e).__name__}: {e}") from e
+
+            # once per episode: each process judges its block of the episodes and receives the others' values
+            judged = shd.process_map("the agent's language reward (language_consistency)", judge, range(len(trajs)))
+            for t, (_, error) in zip(trajs, judged):
+                if error is not None:
+                    t.info["reward_error"] = error
+            values = [weight * v for v, _ in judged]
             out["language_reward"] = np.array(values, np.float32)
         return out
 

@@ -273,6 +273,23 @@ class Env:
                                        f"{min(max(value, 0.0), 1.0):g}, not a success")
         return min(max(value, 0.0), 1.0), details
 
+    def _language(self, instance: Any, text: str) -> tuple[float, str | None]:
+        """language_consistency()'s value for `text` (the model's own words: they drive it, as they drive the
+        verifier), checked: (value, None) for a number in [0, 1]; (0.0, None) for None (no language to check);
+        (0.0, the "reward_error" text) for anything else or past score_timeout. Its own exception is raised (the
+        environment's bug, as score()'s)."""
+        name = type(self).__name__
+        try:
+            got = _within(self.score_timeout, self.language_consistency, instance, text)
+        except TimeoutError:
+            return 0.0, f"{name}.language_consistency() ran past score_timeout={self.score_timeout:g} s: language reward 0"
+        if got is None:
+            return 0.0, None
+        value = as_number(got)
+        if not 0.0 <= value <= 1.0:  # (nan fails it too)
+            return 0.0, f"{name}.language_consistency() returned {got!r}, not a number in [0, 1]: language reward 0"
+        return value, None
+
     def _scored(self, out) -> tuple[Any, dict[str, Any]]:
         """score()'s (reward, details); a bare reward (a number: the likeliest slip) has no details, details that
         are no mapping are noted in `details_error`. Never raises: the reward is checked by `step`."""
