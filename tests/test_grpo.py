@@ -2,6 +2,8 @@
 shortens responses; keep routing / keep sampling mask hold through the learner; exact resume; rewards."""
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from tests.test_train import load_config
 from dsv32_jax.train import rl_tasks
 from dsv32_jax.train.grpo import GRPOLearner
 from dsv32_jax.train.steps import forward_logprobs
+from dsv32_jax.posttrain.sampler import SamplingConfig
 
 
 def learner(workdir, steps, **overrides):
@@ -264,6 +267,34 @@ def test_sampling_errors_name_the_config_field(tmp_path):
         learner(tmp_path, 1, **{"grpo.top_k": 100})
     with pytest.raises(ValueError, match=r"config\.grpo\.max_candidates must be >= 1, got 0"):
         learner(tmp_path, 1, **{"grpo.top_k": 0, "grpo.max_candidates": 0})
+
+
+@pytest.mark.heavy  # 20 s or more on 2 cores
+def test_a_nucleus_cut_by_max_candidates_is_reported(tmp_path, caplog):
+    """top_p's nucleus is taken among the max_candidates most likely tokens; on the near-flat distribution of a
+    fresh model, 4 candidates of 32 ids hold far less than top_p=0.95 of the mass, and top_p silently acted as
+    top_k=4 (audit, 2026-12-07). The learner says so once, naming the fields."""
+    from dsv32_jax.train.grpo import nucleus_capped
+
+    lrn = learner(tmp_path, 10, **{"grpo.top_p": 0.95, "grpo.max_candidates": 4, "grpo.prompts_per_step": 2,
+                                   "grpo.eval_every": 0})
+    with caplog.at_level("WARNING", logger="absl"):
+        history = [lrn.run_step() for _ in range(2)]  # (two of ten steps: no evaluation)
+    warned = [r.getMessage() for r in caplog.records if "max_candidates" in r.getMessage()]
+    assert all(h["kept_mass"] < 0.5 for h in history), history  # (about 4/32 of a near-flat distribution, and more)
+    assert len(warned) == 1, warned  # once, not at every step
+    assert re.search(r"step 1: the sampled tokens' kept sets held 0\.\d\d of the probability mass \(metric kept_mass\), "
+                     r"not config\.grpo\.top_p=0\.95: the nucleus is cut inside the config\.grpo\.max_candidates=4 ",
+                     warned[0]), warned[0]
+    # every id a candidate: the nucleus holds top_p (0.957 measured for this learner at 32 candidates), no warning
+    assert nucleus_capped("grpo", SamplingConfig(top_p=0.95, max_candidates=32), 0.957) is None
+    # top_k the tighter cut (its kept set may hold less by design), top_p off, greedy: nothing to report
+    for cfg in (SamplingConfig(top_k=2, top_p=0.9, max_candidates=4), SamplingConfig(top_p=1.0, max_candidates=4),
+                SamplingConfig(greedy=True, top_p=0.9, max_candidates=4)):
+        assert nucleus_capped("grpo", cfg, 0.1) is None
+    assert nucleus_capped("agent", SamplingConfig(top_k=4, top_p=0.9, max_candidates=4), 0.84).startswith(
+        "the sampled tokens' kept sets held 0.84")
+    assert nucleus_capped("agent", SamplingConfig(top_p=0.9, max_candidates=4), 0.86) is None
 
 
 def test_kl_weights_of_an_unknown_task_are_refused(tmp_path):

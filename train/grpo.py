@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from dsv32_jax.model import sharding as shd
@@ -69,6 +70,22 @@ def sampling_config(section: str, **kwargs) -> SamplingConfig:
         raise ValueError(msg) from None
 
 
+def nucleus_capped(section: str, sampling: SamplingConfig, kept_mass: float) -> str | None:
+    """A warning's text when the step's kept sets held clearly less probability mass than top_p asks for (metric
+    kept_mass below top_p - 0.05) because the nucleus is taken among the `max_candidates` most likely tokens only (a
+    bounded candidate set, never a full-vocabulary sort): on a flat distribution, early in training, top_p then acts
+    as top_k = max_candidates. None when top_p is off or top_k is the tighter cut (its kept set may hold less by
+    design)."""
+    if sampling.greedy or sampling.top_p >= 1.0 or 0 < sampling.top_k < sampling.max_candidates:
+        return None
+    if not kept_mass < sampling.top_p - 0.05:
+        return None
+    return (f"the sampled tokens' kept sets held {kept_mass:.2f} of the probability mass (metric kept_mass), not "
+            f"config.{section}.top_p={sampling.top_p:g}: the nucleus is cut inside the config.{section}.max_candidates="
+            f"{sampling.max_candidates} most likely tokens, which held less; raise max_candidates to sample from the "
+            "nucleus top_p asks for")
+
+
 def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, field: str) -> None:
     """A step's `rows` must split into `minibatches` equal minibatches (no row sampled and scored but never trained
     on) whose size the mesh's batch axes divide."""
@@ -79,6 +96,8 @@ def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, f
 
 
 class GRPOLearner:
+    _warned_nucleus = False  # the nucleus_capped warning was logged
+
     def __init__(self, config, workdir: str):
         check_config(config)
         self.config, self.workdir = config, workdir
@@ -226,6 +245,10 @@ class GRPOLearner:
         t1 = time.perf_counter()
         metrics = self.update(batch)
         self.step += 1
+        capped = nucleus_capped("grpo", self.sampling, metrics.get("kept_mass", 1.0))
+        if capped and not self._warned_nucleus:
+            self._warned_nucleus = True
+            logging.warning("step %d: %s", self.step, capped)
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
         if (self.g.eval_every and self.step % self.g.eval_every == 0) or self.step == self.config.steps:
             metrics.update(self.evaluate())

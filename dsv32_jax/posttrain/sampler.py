@@ -29,7 +29,7 @@ class SamplingConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k truncation
-    top_p: float = 1.0  # 1.0: no nucleus truncation
+    top_p: float = 1.0  # 1.0: no nucleus truncation; the nucleus is cut inside the max_candidates most likely ids
     max_candidates: int = 64  # bounded candidate set for top-k / top-p (never a full-vocabulary sort)
     greedy: bool = False
     eos_id: int = 1
