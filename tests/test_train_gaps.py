@@ -534,7 +534,8 @@ def test_the_long_heldout_split_keeps_only_documents_of_at_least_the_context():
 def test_the_trainers_periodic_eval_uses_dsa_after_the_dense_stage(tmp_path, monkeypatch):
     """Trainer.evaluator: the dense stage's model is evaluated with dense attention, the warm-up's and sparse
     stage's with DSA (the model the stage produces: its indexer's top-k selection), with the run's chunk sizes and
-    its indexer_fp8 (the FP8 selection it trains with; mutant: not carried over, the eval selected exactly).
+    its indexer_fp8 (the FP8 selection it trains with; mutant: not carried over, the eval selected exactly), and
+    with config.attention="kernel" its kernels.
     Evaluator.create is a stand-in that records its options; the trainer is built without its state. Mutant:
     `ATTENTIONS["dense"]` for every stage (the sparse run's eval_loss would measure dense attention)."""
     from dsv32_jax.model import sharding as shd
@@ -564,6 +565,21 @@ def test_the_trainers_periodic_eval_uses_dsa_after_the_dense_stage(tmp_path, mon
         assert seen[stage].dsa and seen[stage].attention == "sparse" and seen[stage].indexer_fp8, stage
     assert not seen["dense"].indexer_fp8
     assert all(o.attn_chunk == 8 for o in seen.values())
+    # a kernel run evaluates with its kernels (the selection and forward it trains with; it evaluated with the
+    # plain-JAX reference: audit, 2026-12-07), the dense stage with the dense reference still
+    for stage in ("dense", "warmup", "sparse"):
+        c = default_config()
+        c.stage, c.eval.batches, c.data.seq_len, c.data.batch_size = stage, 1, 16, 2
+        c.attention, c.mla_fwd = "kernel", "mosaic_gpu"
+        t = object.__new__(Stub)
+        t.config, t.stage, t.cfg, t.options = c, stage, load_preset("tiny"), run_options(c)
+        t.batch_sharding = steps.lm_batch_sharding(shd.make_mesh("fsdp:1"))
+        t.ts = types.SimpleNamespace(shardings=(None, None))
+        seen[stage] = t.evaluator()
+    assert not seen["dense"].dsa and seen["dense"].attention == "dense"
+    for stage in ("warmup", "sparse"):
+        assert seen[stage].dsa and seen[stage].attention == "kernel" and seen[stage].mla_fwd == "mosaic_gpu", stage
+        assert seen[stage].indexer_loss is None
 
 
 def test_the_grpo_update_replays_the_recorded_routing():

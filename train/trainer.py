@@ -402,7 +402,8 @@ class Trainer:
 
     def evaluator(self):
         """The held-out Evaluator of this run (built once): dense attention for the dense stage, DSA otherwise, with
-        the run's selection (indexer_fp8: the FP8 scores it trains with, not the exact ones)."""
+        the run's selection (indexer_fp8: the FP8 scores it trains with, not the exact ones) and, with
+        config.attention="kernel", the run's kernels (the indexer_topk and sparse MLA forward it trains with)."""
         if getattr(self, "_evaluator", None) is None:
             from dsv32_jax.train import eval as eval_lib
 
@@ -412,11 +413,17 @@ class Trainer:
             model_graphdef = nnx.split(self.model)[0]
             self._evaluator = eval_lib.Evaluator.create(
                 batches, graphdef=model_graphdef,
-                options=eval_lib.ATTENTIONS["dense" if self.stage == "dense" else "dsa"].replace(
-                    attn_chunk=self.options.attn_chunk, index_chunk=self.options.index_chunk,
-                    indexer_fp8=self.options.indexer_fp8 and self.stage != "dense"),
+                options=self._eval_options(eval_lib.ATTENTIONS),
                 model_shardings=self.ts.shardings[0], batch_sharding=self.batch_sharding, rows=cfg.batch_size)
         return self._evaluator
+
+    def _eval_options(self, attentions: dict) -> RunOptions:
+        o = self.options
+        if self.stage == "dense":
+            return attentions["dense"].replace(attn_chunk=o.attn_chunk, index_chunk=o.index_chunk)
+        kernel = self.config.get("attention", "sparse") == "kernel"
+        return attentions["dsa"].replace(attention="kernel" if kernel else "sparse", attn_chunk=o.attn_chunk,
+                                         index_chunk=o.index_chunk, indexer_fp8=o.indexer_fp8, mla_fwd=o.mla_fwd)
 
     def evaluate(self) -> dict:
         """Held-out loss of the current parameters ({"loss", "tokens"})."""
