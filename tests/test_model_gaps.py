@@ -343,3 +343,28 @@ def test_decode_cache_room_admits_a_write_that_fills_the_last_slot():
     for index, t in ((2, 4), (5, 1), (-1, 1)):
         with pytest.raises(ValueError, match="cache"):
             _check_cache_room(index, t, 5)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_frequent_token_s_embedding_gradient_is_summed_in_float32(param_dtype):
+    """A bf16 model's embedding gradient: the lookup's transpose scatter-added every occurrence of a token in bf16,
+    so once the running sum was ~256 contributions large the next ones rounded away (a token seen 2040 times: its
+    row's gradient 50% off, silently; audit 2026-12-07). Now each id's rows are summed in float32 and rounded once:
+    within bf16 rounding (< 1e-2) of the float64 sum, for float32 and bfloat16 parameters; rare tokens too."""
+    from flax import nnx
+
+    from dsv32_jax import RunOptions, Transformer
+
+    cfg = load_preset("tiny")
+    tokens = jnp.asarray(np.r_[np.full(2040, 7), np.arange(8)].reshape(8, 256), jnp.int32)
+    cot = np.random.default_rng(0).normal(size=(8, 256, cfg.hidden_size)) * 1e-3 + 1e-3
+    model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=param_dtype,
+                        options=RunOptions(dsa=False))
+    grad = nnx.grad(lambda m: jnp.sum(m.embed_tokens(tokens).astype(jnp.float32) * jnp.asarray(cot, jnp.float32)))(
+        model)["embed"][...]
+    assert grad.dtype == param_dtype
+    flat = np.asarray(tokens).ravel()
+    for token in (7, 3):  # 2040 occurrences; one
+        want = cot.reshape(-1, cfg.hidden_size)[flat == token].sum(0)
+        assert rel_err(np.asarray(grad[token], np.float64), want) < 1e-2, token
+    assert not np.any(np.asarray(grad[8:], np.float32))  # ids never seen: no gradient
