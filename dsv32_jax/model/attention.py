@@ -62,6 +62,21 @@ def map_query_chunks(fn: Callable, chunk: int | None, per_query: tuple, shared: 
     return jax.tree.map(merge, outs)
 
 
+def shared_across_chunks(x: jnp.ndarray, t: int, chunk: int | None, *, gathered: bool = False) -> jnp.ndarray:
+    """`x` (keys every query chunk reads) as the map_query_chunks callers close over it: in float32 when its gradient
+    sums over several reads. Reverse mode sums a closed-over operand's cotangent over the chunks in the operand's own
+    dtype (the lax.map's carry), and a gather's transpose scatter-adds its rows in their dtype: in bf16 the keys
+    that many queries read lost their gradient's precision (sink keys that 2048 queries select: 47% off in one
+    chunk, 3.7% over 256 chunks of 8; dense attention's early keys 3.5x the error of one chunk; audit, 2026-12-07).
+    Callers read it cast back to the compute dtype (the same values), `gathered` ones after the gather. Float32
+    when the T queries make several chunks, or (gathered) when there are several queries; as it is otherwise: a
+    decode step (T = 1) converts no cache."""
+    several = t > 1 if gathered else chunk is not None and t > chunk
+    if not several or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.float32:
+        return x
+    return x.astype(jnp.float32)
+
+
 def masked_softmax(logits: jnp.ndarray, valid: jnp.ndarray):
     """Softmax over the last axis restricted to `valid`; rows with no valid entry give zeros (never NaN).
 
@@ -94,9 +109,11 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, q_chunk: int | None =
         out = jnp.zeros((*q.shape[:-1], d_v), q.dtype), jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
         return (*out, jnp.zeros(topk_idx.shape, jnp.float32)) if return_probs else out
 
+    kv_read = shared_across_chunks(kv, q.shape[1], q_chunk, gathered=True)
+
     def chunk_fn(q_c, idx_c):
         valid = (idx_c >= 0) & (idx_c < num_keys)
-        rows = gather_rows(kv, jnp.where(valid, idx_c, 0))  # [B, C, K, Dqk]
+        rows = gather_rows(kv_read, jnp.where(valid, idx_c, 0)).astype(kv.dtype)  # [B, C, K, Dqk]
         rows = jnp.where(valid[..., None], rows, 0)  # an empty slot's stand-in row 0 adds no NaN (0 * NaN)
         logits = jnp.einsum("bchd,bckd->bchk", q_c, rows, preferred_element_type=jnp.float32) * scale
         probs, lse = masked_softmax(logits, valid[:, :, None, :])
@@ -122,11 +139,15 @@ def dense_mqa(q, kv, q_index, q_segment, kv_segment, scale: float, d_v: int, *, 
 
     q [B, T, H, Dqk], kv [B, S, Dqk] -> out [B, T, H, d_v], lse [B, T, H].
     """
+    kv_read = shared_across_chunks(kv, q.shape[1], q_chunk)
+
     def chunk_fn(q_c, qi_c, qs_c, *idx_c):
+        kv_c = kv_read.astype(kv.dtype)
         mask = _dense_mask(qi_c, qs_c, kv_segment, idx_c[0] if idx_c else None)
-        logits = jnp.einsum("bchd,bsd->bchs", q_c, kv, preferred_element_type=jnp.float32) * scale
+        logits = jnp.einsum("bchd,bsd->bchs", q_c, kv_c, preferred_element_type=jnp.float32) * scale
         probs, lse = masked_softmax(logits, mask[:, :, None, :])
-        out = jnp.einsum("bchs,bsd->bchd", probs.astype(kv.dtype), kv[..., :d_v], preferred_element_type=jnp.float32)
+        out = jnp.einsum("bchs,bsd->bchd", probs.astype(kv.dtype), kv_c[..., :d_v],
+                         preferred_element_type=jnp.float32)
         return out.astype(q.dtype), lse
 
     per_query = (q, q_index, q_segment) + ((topk_idx,) if topk_idx is not None else ())
@@ -135,11 +156,14 @@ def dense_mqa(q, kv, q_index, q_segment, kv_segment, scale: float, d_v: int, *, 
 
 def dense_mha(q, k, v, q_index, q_segment, kv_segment, scale: float, *, topk_idx=None, q_chunk: int | None = 256):
     """Decompressed MHA mode: q [B, T, H, Dqk], k [B, S, H, Dqk], v [B, S, H, Dv] with a dense mask. Reference."""
+    k_read, v_read = (shared_across_chunks(x, q.shape[1], q_chunk) for x in (k, v))
+
     def chunk_fn(q_c, qi_c, qs_c, *idx_c):
         mask = _dense_mask(qi_c, qs_c, kv_segment, idx_c[0] if idx_c else None)
-        logits = jnp.einsum("bchd,bshd->bchs", q_c, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.einsum("bchd,bshd->bchs", q_c, k_read.astype(k.dtype), preferred_element_type=jnp.float32) * scale
         probs, lse = masked_softmax(logits, mask[:, :, None, :])
-        out = jnp.einsum("bchs,bshd->bchd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bchs,bshd->bchd", probs.astype(v.dtype), v_read.astype(v.dtype),
+                         preferred_element_type=jnp.float32)
         return out.astype(q.dtype), lse
 
     per_query = (q, q_index, q_segment) + ((topk_idx,) if topk_idx is not None else ())

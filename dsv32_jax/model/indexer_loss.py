@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsv32_jax.model.attention import gather_rows, map_query_chunks, masked_softmax, visible
+from dsv32_jax.model.attention import gather_rows, map_query_chunks, masked_softmax, shared_across_chunks, visible
 from dsv32_jax.model.indexer import index_scores, key_block_range, select_topk
 
 
@@ -48,13 +48,14 @@ def dense_indexer_kl(q_lat, kv_lat, scale: float, q_idx, k_idx, w_idx, q_index, 
     [B, T, k] (key indices, -1 = empty) when given (e.g. the kernels' selection, FP8 with indexer_fp8)."""
     q_lat, kv_lat = jax.lax.stop_gradient(q_lat), jax.lax.stop_gradient(kv_lat)
     k_eff = min(topk, kv_lat.shape[1])
+    k_read = shared_across_chunks(k_idx, q_idx.shape[1], q_chunk)  # (the keys' gradient sums in float32)
 
     def chunk_fn(ql, qi, wi, q_ix, q_seg, *given):
         mask = visible(q_ix, q_seg, kv_segment)
         logits = jnp.einsum("bchd,bsd->bchs", ql, kv_lat, preferred_element_type=jnp.float32) * scale
         probs, _ = masked_softmax(logits, mask[:, :, None, :])
         p = jax.lax.stop_gradient(jnp.mean(probs, axis=2))  # head sum, L1-normalized
-        scores = index_scores(qi, k_idx, wi)
+        scores = index_scores(qi, k_read.astype(k_idx.dtype), wi)
         sel = given[0] if given else select_topk(jax.lax.stop_gradient(scores), mask, k_eff)
         captured = jnp.sum(jnp.where(sel >= 0, jnp.take_along_axis(p, jnp.maximum(sel, 0), axis=-1), 0.0), axis=-1)
         return _kl(p, scores, mask), captured
@@ -71,7 +72,7 @@ def _selected_scores_gathered(qi, wi, k_idx, idx, valid):
     """I_{t,s} = sum_h w_h relu(q_h . k_s) on the selected keys: qi [B, C, H_I, D], wi [B, C, H_I], k_idx [B, S, D],
     idx [B, C, K] (clamped in range), valid [B, C, K] -> [B, C, K] f32 (an invalid slot scores its clamped key;
     callers mask it)."""
-    k_sel = gather_rows(k_idx, idx)  # [B, C, K, D]
+    k_sel = gather_rows(k_idx, idx).astype(qi.dtype)  # [B, C, K, D] (keys given in float32: the same values)
     dots = jnp.einsum("bchd,bckd->bchk", qi, k_sel, preferred_element_type=jnp.float32)
     return jnp.einsum("bchk,bch->bck", jax.nn.relu(dots), wi.astype(jnp.float32))
 
@@ -104,7 +105,7 @@ def _selected_scores_bwd(key_grad, res, g):
     s, d = k_idx.shape[1:]
     w32 = wi.astype(jnp.float32)
     g = jnp.where(valid, g, 0.0)  # [B, C, K] f32
-    k_sel = gather_rows(k_idx, idx)
+    k_sel = gather_rows(k_idx, idx).astype(qi.dtype)
     dots = jnp.einsum("bchd,bckd->bchk", qi, k_sel, preferred_element_type=jnp.float32)
     dw = jnp.einsum("bchk,bck->bch", jax.nn.relu(dots), g)
     a_sel = jnp.where(dots > 0, w32[..., None] * g[:, :, None, :], 0.0)  # d scores / d dots  [B, C, H, K]
@@ -128,7 +129,7 @@ def _selected_scores_bwd(key_grad, res, g):
     first, last = key_block_range(lo, hi, block)
 
     def key_block(j, dk):
-        kb = jax.lax.dynamic_slice_in_dim(k_pad, j * block, block, axis=1)  # [B, block, D]
+        kb = jax.lax.dynamic_slice_in_dim(k_pad, j * block, block, axis=1).astype(qi.dtype)  # [B, block, D]
         gb = jax.lax.dynamic_slice_in_dim(g_pad, j * block, block, axis=2)  # [B, C, block]
         dots_b = jnp.einsum("bchd,bsd->bchs", qi, kb, preferred_element_type=jnp.float32)
         a = jnp.where(dots_b > 0, w32[..., None] * gb[:, :, None, :], 0.0).astype(qi.dtype)
@@ -151,13 +152,15 @@ def sparse_indexer_kl(head_probs, topk_idx, q_idx, k_idx, w_idx, *, q_chunk: int
     num_heads_sum = jnp.sum(head_probs, axis=-1, keepdims=True)
     p_all = jax.lax.stop_gradient(head_probs / jnp.where(num_heads_sum > 0, num_heads_sum, 1.0))
     num_keys = k_idx.shape[1]
+    # the keys' gradient sums over the chunks in float32 (selected_scores reads float32 keys as the queries' dtype)
+    k_read = shared_across_chunks(k_idx, q_idx.shape[1], q_chunk, gathered=True)
 
     def chunk_fn(p, idx, qi, wi):
         valid = (idx >= 0) & (idx < num_keys)
         if key_grad == "scatter":
-            scores = _selected_scores_gathered(qi, wi, k_idx, jnp.where(valid, idx, 0), valid)
+            scores = _selected_scores_gathered(qi, wi, k_read, jnp.where(valid, idx, 0), valid)
         else:
-            scores = selected_scores(qi, wi, k_idx, jnp.where(valid, idx, 0), valid, key_grad)
+            scores = selected_scores(qi, wi, k_read, jnp.where(valid, idx, 0), valid, key_grad)
         return _kl(p, scores, valid)
 
     return map_query_chunks(chunk_fn, q_chunk, (p_all, topk_idx, q_idx, w_idx))
