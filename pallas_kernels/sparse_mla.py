@@ -879,7 +879,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
                block_h: int = 64, block_i: int | None = None, bwd_block_h: int = 32, bwd_block_i: int = 32,
                num_warps: int = 8, num_stages: int = 2, bwd_partial_bytes: int = 1 << 29, bwd: str = "stored",
                fwd: str = "triton", pds: str = "triton", stored_tiles: StoredTiles | None = None,
-               dqkv: str = "triton"):
+               dqkv: str = "triton", q_chunk: int | None = 64):
     """Sparse MLA, eq. (2). q [B, T, H, Dqk], kv [B, S, Dqk], topk_idx [B, T, K] -> (out [B, T, H, d_v], lse
     [B, T, H] f32 natural log) and, with return_probs, probabilities summed over heads [B, T, K] f32.
 
@@ -914,6 +914,7 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
     impls. The Mosaic GPU kernels run 64 heads per CTA (dq / dkv: 64 or 128): fewer heads (per device, under a
     mesh) are padded to 64, which multiplies their MMA work and q / dO / P / dS memory (4x at 16 heads; BENCHMARKS.md
     "Head padding"); all three run 32 or fewer heads in their keys-as-M forms (32 per CTA: 2x at 16 heads).
+    q_chunk: the query chunk of the reference that runs where no kernel does (impl "reference"; RunOptions.attn_chunk).
     """
     def unsupported(backend, kernel="forward"):
         if backend not in MGPU_BACKENDS:
@@ -951,7 +952,8 @@ def sparse_mla(q, kv, topk_idx, scale: float, d_v: int, *, return_probs: bool = 
             raise ValueError(f"sparse_mla: dqkv='mosaic_gpu' cannot run on q {q.shape} {q.dtype}, kv {kv.shape} "
                              f"{kv.dtype}: {why}")
     if impl == "reference" or 0 in (*q.shape, kv.shape[1], topk_idx.shape[-1]):  # no work for a kernel: the
-        return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs)  # reference's zeros
+        return attention.sparse_mla(q, kv, topk_idx, scale, d_v, return_probs=return_probs,  # reference's zeros
+                                    q_chunk=q_chunk)
     if isinstance(scale, jax.core.Tracer):
         raise ValueError(f"sparse_mla: impl={impl!r} compiles scale into its kernels: it must be a Python float, "
                          "not a traced value (impl='reference' takes one)")

@@ -689,3 +689,22 @@ def test_the_kernels_key_ranges_follow_the_segments_in_linear_memory():
         compiled = jax.jit(_key_ranges).lower(spec, spec, spec).compile()
         assert f"[1,{length},{length}]" not in compiled.as_text()
         assert compiled.memory_analysis().temp_size_in_bytes < 64 * length  # (the compare: 17 MB at 4096)
+
+
+def test_the_kernel_path_s_reference_fallback_takes_the_run_s_attention_chunk(monkeypatch):
+    """attention="kernel" where no kernel runs (a CPU without interpret mode) computes the sparse MLA with the
+    reference: with the run's RunOptions.attn_chunk, which the kernels' entry dropped (its reference ran the default
+    chunk of 64 whatever the run set; audit, 2026-12-07)."""
+    from flax import nnx
+
+    from dsv32_jax import RunOptions, Transformer, load_preset
+    from dsv32_jax.kernels import _dispatch
+    from dsv32_jax.model import attention
+
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    seen, orig = [], attention.sparse_mla
+    monkeypatch.setattr(attention, "sparse_mla", lambda *a, **k: seen.append(k.get("q_chunk")) or orig(*a, **k))
+    cfg = load_preset("tiny").replace(index_topk=4)
+    model = Transformer(cfg, rngs=nnx.Rngs(0), options=RunOptions(attention="kernel", attn_chunk=16))
+    model(jnp.arange(24, dtype=jnp.int32).reshape(1, 24) % cfg.vocab_size)
+    assert seen and set(seen) == {16}, seen

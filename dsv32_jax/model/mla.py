@@ -288,7 +288,7 @@ def mqa_attend(q_lat, q_i, w_i, q_index, q_segment, kv_lat, k_i, kv_segment, k_s
     else:
         from dsv32_jax.kernels import sparse_mla
         sparse = functools.partial(sparse_mla, bwd=opts.mla_bwd, fwd=opts.mla_fwd, pds=opts.mla_pds,
-                                   dqkv=opts.mla_dqkv)
+                                   dqkv=opts.mla_dqkv, q_chunk=opts.attn_chunk)  # (q_chunk: its reference's)
     if opts.indexer_loss == "sparse":
         o_lat, _, head_probs = sparse(q_lat, kv_lat, aux["topk"], scale, cfg.kv_lora_rank, return_probs=True)
         kl = sparse_indexer_kl(heads.head_sum(head_probs), sel_s, qi_s, k_i, wi_s,
