@@ -549,17 +549,23 @@ def test_the_trainers_periodic_eval_uses_dsa_after_the_dense_stage(tmp_path, mon
     class Stub(Trainer):
         model = property(lambda self: abstract)
 
-    seen = {}
     monkeypatch.setattr(eval_lib.Evaluator, "create", classmethod(lambda cls, batches, **kw: kw["options"]))
-    for stage in ("dense", "warmup", "sparse"):
-        c = default_config()
-        c.stage, c.eval.batches, c.data.seq_len, c.data.batch_size, c.attn_chunk = stage, 1, 16, 2, 8
-        c.indexer_fp8 = True
-        t = object.__new__(Stub)
-        t.config, t.stage, t.cfg, t.options = c, stage, load_preset("tiny"), run_options(c)
-        t.batch_sharding = steps.lm_batch_sharding(shd.make_mesh("fsdp:1"))
-        t.ts = types.SimpleNamespace(shardings=(None, None))
-        seen[stage] = t.evaluator()
+
+    def eval_options(**fields) -> dict:  # stage -> the options its Evaluator gets, for a config with `fields`
+        seen = {}
+        for stage in ("dense", "warmup", "sparse"):
+            c = default_config()
+            c.stage, c.eval.batches, c.data.seq_len, c.data.batch_size = stage, 1, 16, 2
+            for k, v in fields.items():
+                setattr(c, k, v)
+            t = object.__new__(Stub)
+            t.config, t.stage, t.cfg, t.options = c, stage, load_preset("tiny"), run_options(c)
+            t.batch_sharding = steps.lm_batch_sharding(shd.make_mesh("fsdp:1"))
+            t.ts = types.SimpleNamespace(shardings=(None, None))
+            seen[stage] = t.evaluator()
+        return seen
+
+    seen = eval_options(attn_chunk=8, indexer_fp8=True)
     assert not seen["dense"].dsa and seen["dense"].attention == "dense"
     for stage in ("warmup", "sparse"):  # the run's selection: the FP8 scores it trains with (was the exact one)
         assert seen[stage].dsa and seen[stage].attention == "sparse" and seen[stage].indexer_fp8, stage
@@ -567,15 +573,7 @@ def test_the_trainers_periodic_eval_uses_dsa_after_the_dense_stage(tmp_path, mon
     assert all(o.attn_chunk == 8 for o in seen.values())
     # a kernel run evaluates with its kernels (the selection and forward it trains with; it evaluated with the
     # plain-JAX reference: audit, 2026-12-07), the dense stage with the dense reference still
-    for stage in ("dense", "warmup", "sparse"):
-        c = default_config()
-        c.stage, c.eval.batches, c.data.seq_len, c.data.batch_size = stage, 1, 16, 2
-        c.attention, c.mla_fwd = "kernel", "mosaic_gpu"
-        t = object.__new__(Stub)
-        t.config, t.stage, t.cfg, t.options = c, stage, load_preset("tiny"), run_options(c)
-        t.batch_sharding = steps.lm_batch_sharding(shd.make_mesh("fsdp:1"))
-        t.ts = types.SimpleNamespace(shardings=(None, None))
-        seen[stage] = t.evaluator()
+    seen = eval_options(attention="kernel", mla_fwd="mosaic_gpu")
     assert not seen["dense"].dsa and seen["dense"].attention == "dense"
     for stage in ("warmup", "sparse"):
         assert seen[stage].dsa and seen[stage].attention == "kernel" and seen[stage].mla_fwd == "mosaic_gpu", stage
