@@ -717,7 +717,7 @@ class AgentLearner:
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         self.step += 1
-        capped = nucleus_capped("agent", self.sampling, metrics.get("kept_mass", 1.0))
+        capped = "kept_mass" in metrics and nucleus_capped("agent", self.sampling, metrics["kept_mass"])
         if capped and not self._warned_nucleus:
             self._warned_nucleus = True
             logging.warning("step %d: %s", self.step, capped)
