@@ -296,3 +296,33 @@ def test_generate_refuses_positions_past_the_models_context():
     with pytest.raises(ValueError, match=r"generate: a prompt of 5 tokens plus max_new_tokens=12 exceeds the model's "
                                          r"context of 16 positions \(config max_position_embeddings\)"):
         generate(small, prompts, lengths, jax.random.key(0), SamplingConfig(max_new_tokens=12, greedy=True))
+
+
+def test_multi_turn_steps_compile_nothing_new_when_rows_stop_early():
+    """MultiTurnSampler.step cut its outputs to the decode steps taken with a device slice by that data-dependent
+    count: every new count compiled a dynamic slice per output array (7-14 compiles a turn once a policy stops
+    early; audit, 2026-12-07). Now the outputs are read whole and cut on the host: after two warm-up episodes, four
+    more (pieces in one bucket, EOS frequent, so the step counts vary) compile nothing."""
+    from jax import monitoring
+
+    from dsv32_jax.posttrain.sampler import MultiTurnSampler
+
+    cfg = load_preset("tiny").replace(initializer_range=0.1, vocab_size=32, index_topk=4, num_hidden_layers=2)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    scfg = SamplingConfig(max_new_tokens=24, eos_id=1, vocab_size=5)  # ids 0-4: EOS often
+    rng = np.random.default_rng(0)
+    compiles, counting, counts = [], [False], set()
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: counting[0] and event == "/jax/core/compile/backend_compile_duration"
+        and compiles.append(secs))
+    for episode in range(6):
+        counting[0] = episode >= 2
+        sampler = MultiTurnSampler(model, 4, 256, scfg)
+        for turn in range(3):
+            pieces = [[int(x) for x in rng.integers(2, 5, int(rng.integers(3, 14)))] for _ in range(4)]
+            before = sampler.index
+            sampler.step(pieces, np.ones(4, bool), jax.random.key(episode * 10 + turn))
+            counts.add(sampler.index - before)
+    counting[0] = False
+    assert len(counts) > 3, counts  # the decode step counts did vary
+    assert compiles == [], f"{len(compiles)} compiles after warm-up"

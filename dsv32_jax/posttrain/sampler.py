@@ -341,10 +341,12 @@ class MultiTurnSampler:
         self.cache, steps, r, piece_routing, piece_topk = _continue(
             self.graphdef, self.state, self.cache, jnp.int32(self.index), jnp.asarray(toks), jnp.asarray(pos),
             jnp.asarray(seg), rng, self.cfg, jnp.asarray(live), jnp.asarray(self.row_seg, jnp.int32))
+        # the step's outputs on the host, whole on every process (a batch-sharded rollout spans several hosts), cut
+        # to the decode steps taken there: a device slice by the data-dependent count compiled a dynamic slice per
+        # output array for every new count (7-14 compiles a turn once rows stop early; audit, 2026-12-07)
+        steps, r, piece_routing, piece_topk = shd.host_value((steps, r, piece_routing, piece_topk))
         steps = int(steps)
-        # the step's outputs on the host, whole on every process (a batch-sharded rollout spans several hosts)
-        r, piece_routing, piece_topk = shd.host_value(
-            (jax.tree.map(lambda x: x[:, :steps], r), piece_routing, piece_topk))
+        r = jax.tree.map(lambda x: x[:, :steps], r)
         gen_pos = pos[:, -1][:, None] + 1 + np.arange(steps)[None, :]
         mask = r.mask
         generated = mask.astype(np.float32)
