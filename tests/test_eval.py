@@ -70,6 +70,24 @@ def test_eval_loss_is_the_token_weighted_mean_nll_with_dense_and_dsa_attention()
     assert abs(losses["dense"] - losses["dsa"]) > 1e-3  # 48 tokens > top-k 8: the selection changes the loss
 
 
+def test_evaluating_another_model_of_the_same_architecture_compiles_nothing():
+    """The eval table scores each workdir, split and length with a new Evaluator: each made its own jax.jit and
+    compiled the same program again (8 compiles for 2 programs; audit, 2026-12-07). Another model of the same
+    architecture and the same batches now compile nothing, and its loss is its own."""
+    from jax import monitoring
+
+    cfg = load_preset("tiny").replace(initializer_range=0.3, index_topk=8)
+    batches = eval_lib.eval_batches(DataConfig(split="heldout", seq_len=32, batch_size=2), cfg.vocab_size, 1)
+    first = eval_lib.evaluate_model(Transformer(cfg, rngs=nnx.Rngs(0)), batches, "dsa")
+    compiles, counting = [], [True]
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: counting[0] and event == "/jax/core/compile/backend_compile_duration"
+        and compiles.append(secs))
+    second = eval_lib.evaluate_model(Transformer(cfg, rngs=nnx.Rngs(1)), batches, "dsa")
+    counting[0] = False
+    assert compiles == [] and abs(first["loss"] - second["loss"]) > 1e-4, (compiles, first, second)
+
+
 @pytest.mark.heavy
 def test_trainer_reports_heldout_loss_and_the_cli_writes_the_table(tmp_path):
     from dsv32_jax.train.run import run

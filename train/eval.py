@@ -98,6 +98,12 @@ def lm_eval_step(model_state: nnx.State, batch: dict, *, graphdef, options: RunO
     return {"nll": jnp.sum(nll * mask), "tokens": jnp.sum(mask)}
 
 
+# one jitted step for every unsharded Evaluator: the graph and options are its static arguments, so an evaluation of
+# another model of the same architecture (the eval table's next workdir, split or length) reuses the compiled
+# program; a jax.jit per Evaluator compiled it again for each (8 compiles for 2 programs; audit, 2026-12-07)
+_lm_eval_step = jax.jit(lm_eval_step, static_argnames=("graphdef", "options"))
+
+
 @dataclasses.dataclass
 class Evaluator:
     """Held-out loss of a model state on fixed batches: `evaluator(model_state) -> {"loss", "tokens"}`."""
@@ -109,9 +115,9 @@ class Evaluator:
     def create(cls, batches: list[dict], *, graphdef, options: RunOptions, model_shardings=None,
                batch_sharding=None, rows: int | None = None):
         """rows: the global batch's (with batch_sharding: each process holds its row block's share of them)."""
-        fn = functools.partial(lm_eval_step, graphdef=graphdef, options=options)
         if batch_sharding is None:
-            return cls(batches, jax.jit(fn), lambda b: b)
+            return cls(batches, functools.partial(_lm_eval_step, graphdef=graphdef, options=options), lambda b: b)
+        fn = functools.partial(lm_eval_step, graphdef=graphdef, options=options)
         if rows is None:
             raise ValueError("Evaluator.create: a batch_sharding needs the global batch's rows")
         step = jax.jit(fn, in_shardings=(model_shardings, {k: batch_sharding for k in EVAL_KEYS}))
