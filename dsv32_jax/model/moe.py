@@ -8,6 +8,8 @@ the gate weights are then recomputed from the live scores for the given ids, so 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from dsv32_jax.model import sharding
 from dsv32_jax.model.config import ModelConfig
-from dsv32_jax.model.layers import Dense, normal_param
+from dsv32_jax.model.layers import Dense, normal_param, take_rows
 
 
 class ExpertBias(nnx.Variable):
@@ -132,7 +134,7 @@ def ragged_experts(x, ids, weights, w_gate, w_up, w_down, first_expert):
     per device), hence `blocked_experts` there."""
     n, k = ids.shape
     order, group_sizes = _sort_by_expert(ids, w_gate.shape[0], first_expert)
-    xs = x[order // k]
+    xs = take_rows(x, order // k, n)  # (each token's k rows' gradients summed in float32)
 
     def gmm(lhs, rhs):  # rows past sum(group_sizes) (the dummy group) come out as zeros
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
@@ -146,8 +148,9 @@ def blocked_experts(x, ids, weights, w_gate, w_up, w_down, first_expert, *, bloc
                     blocks_per_step: int = 8):
     """`ragged_experts` in O(N x D) memory: each expert's sorted rows cut into blocks of `block` rows (its last
     block padded), at most ceil(N k / block) + E blocks; a lax.scan takes `blocks_per_step` blocks at a time,
-    gathers their tokens and experts' weights, and adds the weighted SwiGLU outputs into the [N, D] result. Each
-    step is rematerialized in the backward, which keeps only the (token, gate, expert) indices per step."""
+    gathers their tokens and experts' weights, and adds the weighted SwiGLU outputs into the [N, D] result. The
+    backward (`_block_scan`'s) recomputes each step's blocks, keeping only the (token, gate, expert) indices per
+    step, and sums the gradients in float32."""
     n, k = ids.shape
     g, d = w_gate.shape[0], x.shape[1]
     order, group_sizes = _sort_by_expert(ids, g, first_expert)
@@ -164,19 +167,82 @@ def blocked_experts(x, ids, weights, w_gate, w_up, w_down, first_expert, *, bloc
     token = (slot // k).reshape(steps, -1)
     gate = jnp.where(valid, weights.astype(jnp.float32).reshape(-1)[slot], 0.0).reshape(steps, -1)
 
-    @jax.checkpoint
-    def contribution(token, gate, e):  # [P x B] rows of P blocks -> their weighted outputs, float32
-        xb = x[token].reshape(blocks_per_step, block, d)
-        h = jax.nn.silu(jnp.einsum("pbd,pdi->pbi", xb, w_gate[e], preferred_element_type=jnp.float32))
-        h = h * jnp.einsum("pbd,pdi->pbi", xb, w_up[e], preferred_element_type=jnp.float32)
-        out = jnp.einsum("pbi,pid->pbd", h.astype(x.dtype), w_down[e], preferred_element_type=jnp.float32)
-        return out.reshape(-1, d) * gate[:, None]
+    return _block_scan(x, w_gate, w_up, w_down, gate, token, e.reshape(steps, -1), blocks_per_step)
+
+
+def _swiglu_rows(xb, wg, wu, wd, gate, dtypes):
+    """The weighted SwiGLU outputs [P x B, D] float32 of P blocks of B rows xb [P, B, D] through their experts'
+    weights [P, D, I] / [P, I, D], each operand first cast to its dtype in `dtypes` (x's and the weights': the
+    backward passes float32 copies) and the hidden units to x's."""
+    xb, wg, wu, wd = (a.astype(t) for a, t in zip((xb, wg, wu, wd), dtypes))
+    h = jax.nn.silu(jnp.einsum("pbd,pdi->pbi", xb, wg, preferred_element_type=jnp.float32))
+    h = h * jnp.einsum("pbd,pdi->pbi", xb, wu, preferred_element_type=jnp.float32)
+    out = jnp.einsum("pbi,pid->pbd", h.astype(dtypes[0]), wd, preferred_element_type=jnp.float32)
+    return out.reshape(-1, out.shape[-1]) * gate[:, None]
+
+
+def _dtypes(*arrays) -> tuple:
+    return tuple(a.dtype for a in arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _block_scan(x, w_gate, w_up, w_down, gate, token, e, blocks_per_step):
+    """sum over steps of the blocks' weighted outputs, scattered to their tokens: [N, D] float32. token, gate
+    [steps, P x B], e [steps, P]. The backward recomputes each step's blocks and sums the gradients of x and of
+    the experts' weights in float32 carries (autodiff summed them in the weights' dtype: the transposes of the
+    per-block gathers scatter-add bf16 rows into bf16 carries, 3x the bf16 rounding floor at 32K rows on one
+    expert; audit, 2026-12-07), rounded to their dtypes once per expert (`_block_scan_bwd`)."""
+    n, d = x.shape
 
     def step(y, inputs):
-        return y.at[inputs[0]].add(contribution(*inputs)), None
+        tok, gt, ee = inputs
+        xb = x[tok].reshape(blocks_per_step, -1, d)
+        rows = _swiglu_rows(xb, w_gate[ee], w_up[ee], w_down[ee], gt, _dtypes(x, w_gate, w_up, w_down))
+        return y.at[tok].add(rows), None
 
-    y, _ = jax.lax.scan(step, jnp.zeros((n, d), jnp.float32), (token, gate, e.reshape(steps, -1)))
-    return y
+    return jax.lax.scan(step, jnp.zeros((n, d), jnp.float32), (token, gate, e))[0]
+
+
+def _block_scan_fwd(x, w_gate, w_up, w_down, gate, token, e, blocks_per_step):
+    return _block_scan(x, w_gate, w_up, w_down, gate, token, e, blocks_per_step), (x, w_gate, w_up, w_down, gate,
+                                                                                   token, e)
+
+
+def _block_scan_bwd(blocks_per_step, res, gy):
+    """Each step's blocks recomputed and differentiated in float32 (float32 copies of the gathered rows and weights:
+    their cotangents come back float32). x's gradient sums in a float32 carry ([N, D]). The weights' would need a
+    float32 [E, D, I] carry per projection (the 671B step: +9 GiB per device, measured), so, the blocks being
+    sorted by expert, each expert's gradient sums in a float32 [D, I] accumulator over its consecutive blocks and is
+    added into the weights' dtype carry when the next expert's blocks begin: rounded once per expert (plus
+    zeros)."""
+    x, w_gate, w_up, w_down, gate, token, e = res
+    n, d = x.shape
+    dtypes = _dtypes(x, w_gate, w_up, w_down)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+
+    def step(carry, inputs):
+        dx, dws, cur, accs = carry
+        tok, gt, ee = inputs
+        xb = f32(x[tok]).reshape(blocks_per_step, -1, d)
+        _, vjp = jax.vjp(lambda *a: _swiglu_rows(*a, dtypes), xb, f32(w_gate[ee]), f32(w_up[ee]), f32(w_down[ee]), gt)
+        gx, *gws, ggt = vjp(gy[tok])
+        dx = dx.at[tok].add(gx.reshape(-1, d))
+        for p in range(blocks_per_step):  # (blocks in expert order)
+            flush = (ee[p] != cur).astype(jnp.float32)  # the accumulated expert's blocks ended: add it (else + 0)
+            dws = tuple(dw.at[cur].add((acc * flush).astype(dw.dtype)) for dw, acc in zip(dws, accs))
+            accs = tuple(acc * (1.0 - flush) + g[p] for acc, g in zip(accs, gws))
+            cur = ee[p]
+        return (dx, dws, cur, accs), ggt
+
+    ws = (w_gate, w_up, w_down)
+    init = (jnp.zeros((n, d), jnp.float32), tuple(jnp.zeros(w.shape, w.dtype) for w in ws), e[0, 0],
+            tuple(jnp.zeros(w.shape[1:], jnp.float32) for w in ws))
+    (dx, dws, cur, accs), dgate = jax.lax.scan(step, init, (token, gate, e))
+    dws = tuple(dw.at[cur].add(acc.astype(dw.dtype)) for dw, acc in zip(dws, accs))
+    return (dx.astype(x.dtype), *dws, dgate.astype(gate.dtype), None, None)
+
+
+_block_scan.defvjp(_block_scan_fwd, _block_scan_bwd)
 
 
 def _expert_parallel(mesh, x, ids, weights, w):

@@ -3,15 +3,13 @@ untied LM head, and the multi-token-prediction (MTP) module."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dsv32_jax.model.config import ModelConfig
-from dsv32_jax.model.layers import Dense, RMSNorm, normal_param
+from dsv32_jax.model.layers import Dense, RMSNorm, normal_param, take_rows
 from dsv32_jax.model.mla import MLA, Positions
 from dsv32_jax.model.moe import MLP, MoE
 from dsv32_jax.model.options import RunOptions
@@ -70,26 +68,6 @@ def _check_cache_room(index, num_tokens: int, length: int) -> None:
     if start < 0 or start + num_tokens > length:
         raise ValueError(f"decode: {num_tokens} tokens at cache slot {start} need slots [{start}, {start + num_tokens}) "
                          f"of a cache of {length} (init_cache(batch, length) with a larger length)")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def take_rows(table, tokens, vocab: int):
-    """jnp.take(table, tokens, axis=0) for table [vocab, D], whose gradient sums each id's rows in float32: the
-    transpose of take is a scatter-add in the table's dtype, which in bf16 rounded away most of a frequent token's
-    gradient (2040 occurrences: 50% off; audit, 2026-12-07). The sum is rounded to the table's dtype once."""
-    return jnp.take(table, tokens, axis=0)
-
-
-def _take_rows_fwd(table, tokens, vocab):
-    return jnp.take(table, tokens, axis=0), tokens
-
-
-def _take_rows_bwd(vocab, tokens, g):
-    summed = jnp.zeros((vocab, g.shape[-1]), jnp.float32).at[tokens].add(g.astype(jnp.float32), mode="drop")
-    return summed.astype(g.dtype), None
-
-
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 class Transformer(nnx.Module):
