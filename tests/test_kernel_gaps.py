@@ -671,8 +671,9 @@ def test_the_kernels_key_ranges_follow_the_segments_in_linear_memory():
     from dsv32_jax.kernels.indexer_topk import _key_ranges
 
     rng = np.random.default_rng(11)
-    for trial in range(60):
-        b, t, s = (int(x) for x in rng.integers(1, [4, 40, 60]))
+    shapes = [(1, 1, 1), (1, 17, 29), (3, 39, 59), (2, 40, 7), (3, 5, 60), (1, 33, 33)]  # (few: each compiles)
+    for trial in range(36):
+        b, t, s = shapes[trial % len(shapes)]
         kv = rng.integers(0, rng.integers(1, 6), (b, s)).astype(np.int32)
         if trial % 3 == 0:
             kv = np.sort(kv, axis=1)  # packed documents: contiguous runs
