@@ -188,10 +188,10 @@ def _dtypes(*arrays) -> tuple:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _block_scan(x, w_gate, w_up, w_down, gate, token, e, blocks_per_step):
     """sum over steps of the blocks' weighted outputs, scattered to their tokens: [N, D] float32. token, gate
-    [steps, P x B], e [steps, P]. The backward recomputes each step's blocks and sums the gradients of x and of
-    the experts' weights in float32 carries (autodiff summed them in the weights' dtype: the transposes of the
-    per-block gathers scatter-add bf16 rows into bf16 carries, 3x the bf16 rounding floor at 32K rows on one
-    expert; audit, 2026-12-07), rounded to their dtypes once per expert (`_block_scan_bwd`)."""
+    [steps, P x B], e [steps, P]. The backward recomputes each step's blocks and sums the gradients in float32:
+    x's in a carry, each expert's weights' over its blocks, rounded to their dtype once per expert
+    (`_block_scan_bwd`). Autodiff summed them in bf16: the transposes of the per-block gathers scatter-add bf16
+    rows into bf16 carries (3x the bf16 rounding floor at 32K rows on one expert; audit, 2026-12-07)."""
     n, d = x.shape
 
     def step(y, inputs):
