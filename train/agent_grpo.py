@@ -43,8 +43,8 @@ from dsv32_jax.posttrain.envs import Env, env_factory, make_env
 from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
-from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, nucleus_capped,
-                                  sampling_config)
+from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, sampling_config,
+                                  warn_nucleus_capped)
 from dsv32_jax.train.grpo_loss import group_advantages
 from dsv32_jax.train.loop import run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
@@ -717,10 +717,7 @@ class AgentLearner:
         t1 = time.perf_counter()
         metrics.update(self.update(batch))
         self.step += 1
-        capped = "kept_mass" in metrics and nucleus_capped("agent", self.sampling, metrics["kept_mass"])
-        if capped and not self._warned_nucleus:
-            self._warned_nucleus = True
-            logging.warning("step %d: %s", self.step, capped)
+        warn_nucleus_capped(self, "agent", metrics)
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
         if (self.a.eval_every and self.step % self.a.eval_every == 0) or self.step == self.config.steps:
             metrics.update(self.evaluate())

@@ -86,6 +86,14 @@ def nucleus_capped(section: str, sampling: SamplingConfig, kept_mass: float) -> 
             "nucleus top_p asks for")
 
 
+def warn_nucleus_capped(learner, section: str, metrics: dict) -> None:
+    """Logs nucleus_capped's warning for the step just taken (`learner.step`), once per learner."""
+    capped = "kept_mass" in metrics and nucleus_capped(section, learner.sampling, metrics["kept_mass"])
+    if capped and not learner._warned_nucleus:
+        learner._warned_nucleus = True
+        logging.warning("step %d: %s", learner.step, capped)
+
+
 def check_minibatches(what: str, rows: int, minibatches: int, mesh, mesh_spec, field: str) -> None:
     """A step's `rows` must split into `minibatches` equal minibatches (no row sampled and scored but never trained
     on) whose size the mesh's batch axes divide."""
@@ -245,10 +253,7 @@ class GRPOLearner:
         t1 = time.perf_counter()
         metrics = self.update(batch)
         self.step += 1
-        capped = "kept_mass" in metrics and nucleus_capped("grpo", self.sampling, metrics["kept_mass"])
-        if capped and not self._warned_nucleus:
-            self._warned_nucleus = True
-            logging.warning("step %d: %s", self.step, capped)
+        warn_nucleus_capped(self, "grpo", metrics)
         metrics.update(stats, rollout_s=t1 - t0, train_s=time.perf_counter() - t1)
         if (self.g.eval_every and self.step % self.g.eval_every == 0) or self.step == self.config.steps:
             metrics.update(self.evaluate())
