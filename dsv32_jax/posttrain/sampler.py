@@ -242,19 +242,27 @@ def sequence_layout(prompt_lengths, prompt_width: int, rollout: Rollout):
 
 
 # ------------------------------------------------------------------------------------------ multi-turn continuation
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=(2,))
-def _continue(graphdef, state, cache, index, pieces, piece_pos, piece_seg, rng, cfg: SamplingConfig, live, row_seg):
-    """Appends `pieces` [B, L] (left-padded: segment 0 on padding) at cache slots [index, index + L), then samples
-    up to cfg.max_new_tokens tokens per live row into the following slots, positions continuing each row's last
-    piece position. Returns (new cache, number of decode steps run, Rollout of the generated tokens, routing and
-    top-k of the piece slots)."""
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _append(graphdef, state, cache, index, pieces, piece_pos, piece_seg):
+    """Appends `pieces` [B, L] (left-padded: segment 0 on padding) at cache slots [index, index + L). Returns (the
+    logits of each row's last piece token [B, V], new cache, routing and top-k of the piece slots)."""
     model = nnx.merge(graphdef, state)
     logits, cache, aux = model.decode(pieces, cache, index, piece_pos, piece_seg)
     widths = _layer_widths(aux)
-    cache, steps, rollout = _decode_loop(model, logits[:, -1], cache, index + pieces.shape[1], piece_pos[:, -1] + 1,
-                                         row_seg, ~live, rng, cfg, widths)
-    return (cache, steps, rollout, {k: aux["routing"][k] for k in widths["routing"]},
+    return (logits[:, -1], cache, {k: aux["routing"][k] for k in widths["routing"]},
             {k: aux["topk"][k] for k in widths["topk"]})
+
+
+@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
+def _sample_after(graphdef, state, cache, last, slot0, next_pos, row_seg, live, rng, cfg: SamplingConfig,
+                  widths: tuple):
+    """Samples up to cfg.max_new_tokens tokens per live row from `last` into cache slots slot0, slot0 + 1, ...,
+    positions from next_pos [B]. widths: `_layer_widths` as nested tuples (static). Returns (new cache, number of
+    decode steps run, Rollout of the generated tokens). Its shapes do not depend on the pieces' width (slot0 is
+    traced): one compile serves every turn, where appending compiles once per piece width."""
+    model = nnx.merge(graphdef, state)
+    return _decode_loop(model, last, cache, slot0, next_pos, row_seg, ~live, rng, cfg,
+                        {name: dict(w) for name, w in widths})
 
 
 PIECE_BUCKET = 16  # a step's pieces are padded to a multiple of this many cache slots
@@ -338,9 +346,16 @@ class MultiTurnSampler:
         # every process runs the rows' environments itself and the step takes these as replicated inputs
         shd.check_same_on_processes("MultiTurnSampler.step: the pieces / live rows / limits", pieces, live,
                                     [] if limits is None else list(limits))
-        self.cache, steps, r, piece_routing, piece_topk = _continue(
+        # two programs: appending the pieces compiles once per piece width, sampling once (it held the whole decode
+        # loop and compiled again for every width: 3-6.5 s each for the tiny agent model; audit, 2026-12-07)
+        last, self.cache, piece_routing, piece_topk = _append(
             self.graphdef, self.state, self.cache, jnp.int32(self.index), jnp.asarray(toks), jnp.asarray(pos),
-            jnp.asarray(seg), rng, self.cfg, jnp.asarray(live), jnp.asarray(self.row_seg, jnp.int32))
+            jnp.asarray(seg))
+        widths = tuple((name, tuple((k, v.shape[-1]) for k, v in new.items()))
+                       for name, new in (("routing", piece_routing), ("topk", piece_topk)))
+        self.cache, steps, r = _sample_after(
+            self.graphdef, self.state, self.cache, last, jnp.int32(self.index + width), jnp.asarray(pos[:, -1] + 1),
+            jnp.asarray(self.row_seg, jnp.int32), jnp.asarray(live), rng, self.cfg, widths)
         # the step's outputs on the host, whole on every process (a batch-sharded rollout spans several hosts), cut
         # to the decode steps taken there: a device slice by the data-dependent count compiled a dynamic slice per
         # output array for every new count (7-14 compiles a turn once rows stop early; audit, 2026-12-07)
