@@ -159,6 +159,34 @@ def test_generate_equals_cache_free_sampling_with_one_key_per_step(sampled):
     assert np.asarray(r.kept_ids).shape == (2, T, 0)
 
 
+def test_generate_checks_host_inputs_without_reading_anything_back_from_the_device(model, sampled):
+    """`generate` checks the prompt lengths and ids on the host: given numpy inputs (as GRPO passes them) it reads
+    nothing back from the device (it converted them to device arrays and read them back four times: counted at the
+    array's host read, since on a CPU the transfer guard lets those through), and draws
+    the same tokens as the cache-free reference."""
+    cfg = SamplingConfig(max_new_tokens=T, temperature=TEMP, eos_id=sampled["eos"], pad_id=3)
+    prompts, lens = np.asarray(sampled["prompts"]), np.asarray(sampled["lens"])
+    from jax._src import array as jax_array  # (on a CPU the transfer guard lets host reads through: count them)
+
+    reads = []
+    value = jax_array.ArrayImpl._value
+
+    def counted(self):
+        reads.append(self.shape)
+        return value.fget(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax_array.ArrayImpl, "_value", property(counted))
+        r = generate(model, prompts, lens, jax.random.key(123), cfg)
+    assert reads == []
+    np.testing.assert_array_equal(np.asarray(r.tokens), sampled["want"][0])
+    with pytest.raises(ValueError, match=r"prompt_lengths must be in \[1, P=6\]"):
+        generate(model, jnp.asarray(prompts), jnp.asarray(lens) + P, jax.random.key(0), cfg)
+    with pytest.raises(ValueError, match=r"got range \[0, 32\]"):
+        generate(model, jnp.asarray(prompts).at[0, 0].set(32).at[1, 0].set(0), jnp.asarray(lens),
+                 jax.random.key(0), cfg)
+
+
 def test_steps_after_every_row_stopped_record_no_indexer_selection(model, sampled):
     """Both rows stop early (row 0 as in `sampled`; row 1's prompt searched, with the cache-free reference, for one
     that draws eos_id by step T - 2): the loop ends after the later EOS, and the steps it never ran keep the buffers'

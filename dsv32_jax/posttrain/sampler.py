@@ -207,23 +207,26 @@ def _generate(graphdef, state, prompts, prompt_lengths, rng, cfg: SamplingConfig
 
 def generate(model, prompts, prompt_lengths, rng, cfg: SamplingConfig) -> Rollout:
     """Samples up to cfg.max_new_tokens per row. prompts [B, P] int32 LEFT-padded, prompt_lengths [B]."""
+    # the checks below read the inputs on the host once (they were read back from the device four times)
+    host_p, host_n = (None if isinstance(x, jax.core.Tracer) else np.asarray(shd.host_value(x))
+                      for x in (prompts, prompt_lengths))
     prompts = jnp.asarray(prompts, jnp.int32)
     lengths = jnp.asarray(prompt_lengths, jnp.int32)
     if prompts.ndim != 2 or lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B]; got {prompts.shape} and {lengths.shape}")
-    if not isinstance(lengths, jax.core.Tracer):  # (concrete: a length past the padded width mislays every position)
-        bad = [int(n) for n in jax.device_get(lengths) if not 1 <= n <= prompts.shape[1]]
+    if host_n is not None:  # (concrete: a length past the padded width mislays every position)
+        bad = [int(n) for n in host_n if not 1 <= n <= prompts.shape[1]]
         if bad:
             raise ValueError(f"prompt_lengths must be in [1, P={prompts.shape[1]}] (the prompts' padded width); "
                              f"got {bad[:4]}")
     cfg.check_vocab(model.config.vocab_size)
-    if not isinstance(prompts, jax.core.Tracer) and prompts.size:  # (padding too: a NaN row poisons every row)
-        lo, hi = int(jnp.min(prompts)), int(jnp.max(prompts))
+    if host_p is not None and host_p.size:  # (padding too: a NaN row poisons every row)
+        lo, hi = int(host_p.min()), int(host_p.max())
         if lo < 0 or hi >= model.config.vocab_size:
             raise ValueError(f"prompts: token ids must be in [0, vocab_size={model.config.vocab_size}), got range "
                              f"[{lo}, {hi}] (padding included)")
     ctx = int(model.config.max_position_embeddings)
-    longest = prompts.shape[1] if isinstance(lengths, jax.core.Tracer) else int(jax.device_get(lengths).max())
+    longest = prompts.shape[1] if host_n is None else int(host_n.max())
     if longest + cfg.max_new_tokens > ctx:  # (RoPE past the trained context: the model extrapolates, silently)
         raise ValueError(f"generate: a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds the "
                          f"model's context of {ctx} positions (config max_position_embeddings)")
