@@ -902,6 +902,31 @@ def test_step_zero_sft_continues_from_its_checkpoint_after_a_stop(tmp_path):
     assert os.listdir(tmp_path / "b" / checkpointing.CHECKPOINTS_DIR) == ["1"]
 
 
+@pytest.mark.heavy
+def test_step_zero_sft_stops_at_a_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, monkeypatch):
+    """The recall stage / cold start before step 1 saved whatever its updates produced: a NaN loss went on for the
+    whole stage and into its checkpoint (red-team audit). It stops at the first non-finite SFT loss, naming the
+    update and the last SFT checkpoint, which keeps the last finite state."""
+    from dsv32_jax.train.agent_grpo import SFT_CHECKPOINTS_DIR
+    from dsv32_jax.train.loop import NonFinite
+
+    kw = dict(envs="lookup", max_turns=1, eval_episodes=1, recall_steps=4, recall_batch=2, sft_checkpoint_every=2)
+    lrn = AgentLearner(_config(**kw), str(tmp_path / "w"))
+    real, calls = lrn._sft_update, []
+
+    def update(*a, **k):
+        calls.append(1)
+        return float("nan") if len(calls) == 3 else real(*a, **k)
+
+    monkeypatch.setattr(lrn, "_sft_update", update)
+    with pytest.raises(NonFinite, match=r"^SFT update 3 of step 0: recall_loss=nan is not finite; the run stopped "
+                                        r"without logging or saving it \(the last SFT checkpoint is update 2 in "
+                                        r".*sft_checkpoints\)"):
+        lrn.prepare()
+    assert len(calls) == 3 and lrn._prepared is None
+    assert os.listdir(tmp_path / "w" / SFT_CHECKPOINTS_DIR) == ["2"]
+
+
 SFT_MESH_SCRIPT = r"""
 import json, os, sys, tempfile
 os.environ["JAX_PLATFORMS"] = "cpu"

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,6 +228,58 @@ def test_a_refused_record_mid_run_saves_the_last_step_and_names_the_batch(batche
                                              rf"batch; {where}"):
         loop.run_loop(stage, workdir=str(tmp_path), config=config, keys=("loss",), desc="fake")
     assert stage.saved == saved
+
+
+class DivergingStage(FakeStage):
+    """A stage whose metric `key` turns NaN / inf at step `bad_at`; every step is saved."""
+
+    def __init__(self, key, value, bad_at):
+        super().__init__(None, signal_at=None)
+        self.key, self.value, self.bad_at = key, value, bad_at
+
+    def run_step(self):
+        metrics = {"loss": 1.0, "grad_norm": 1.0, "tokens_per_s": float("inf")}  # (not guarded: may be inf)
+        self.step += 1
+        if self.step == self.bad_at:
+            metrics[self.key] = self.value
+        return metrics
+
+
+@pytest.mark.parametrize("key,value,bad_at,where", [
+    ("loss", float("nan"), 3, r"the last checkpoint is step 2 in .*checkpoints"),
+    ("grad_norm", float("inf"), 2, r"the last checkpoint is step 1 in "),
+    ("loss", float("nan"), 1, r"no checkpoint was saved"),
+])
+def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_saving_it(key, value, bad_at, where,
+                                                                                      tmp_path, monkeypatch):
+    """A diverged run (lr 1e30: loss NaN from step 2) ran to config.steps, exited 0, wrote NaN rows (not JSON) to
+    metrics.jsonl and saved NaN weights that generation and the HF export then used (red-team audit). The loop
+    stops at the first non-finite loss or gradient norm, naming the step and the last saved checkpoint."""
+    config = load_config("dense_tiny", steps=10, log_every=1000)
+    stage = DivergingStage(key, value, bad_at)
+    monkeypatch.setattr(checkpointing, "latest_step", lambda mngr: stage.saved[-1][0] if stage.saved else None)
+    with pytest.raises(loop.NonFinite, match=rf"^step {bad_at}: {key}={value} is not finite; the run stopped "
+                                             rf"without logging or saving it \({where}"):
+        loop.run_loop(stage, workdir=str(tmp_path / "w"), config=config, keys=("loss",), desc="fake")
+    assert [s for s, _ in stage.saved] == list(range(1, bad_at))
+    if bad_at > 1:
+        rows = metrics_lib.read_jsonl(str(tmp_path / "w" / "metrics.jsonl"))
+        assert [r["step"] for r in rows] == list(range(1, bad_at))
+    else:  # (nothing was logged: the fresh workdir goes, as for a run refused at its first batch)
+        assert not os.path.exists(tmp_path / "w")
+
+
+def test_cli_a_diverged_run_exits_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    res = cli([f"--config={ROOT}/configs/quickstart.py", "--workdir=w", "--config.steps=4", "--config.eval.every=0",
+               "--config.data.seq_len=32", "--config.data.batch_size=2", "--config.optimizer.lr=1e30",
+               "--config.optimizer.warmup_steps=0", "--config.checkpoint.every=1"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert re.search(r"error: step 2: .*loss=nan.* is not finite; the run stopped without logging or saving it "
+                     r"\(the last checkpoint is step 1 in ", res.stderr), res.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "w" / "checkpoints")) == ["1"]
+    with open(tmp_path / "w" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1]
 
 
 @pytest.mark.parametrize("existing", [False, True])

@@ -46,7 +46,7 @@ from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, sampling_config,
                                   warn_nucleus_capped)
 from dsv32_jax.train.grpo_loss import group_advantages
-from dsv32_jax.train.loop import run_loop
+from dsv32_jax.train.loop import check_finite, finite, run_loop
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
@@ -491,6 +491,11 @@ class AgentLearner:
                 def fn(s, loss):  # after SFT update `s` of a stage that starts at update `offset`
                     n = offset + s + 1  # SFT updates done
                     now = time.perf_counter()
+                    if not finite({loss_key: loss}):
+                        saved = mngr.latest_step()
+                        check_finite({loss_key: loss}, f"SFT update {n} of step 0", "no SFT checkpoint was saved"
+                                     if saved is None else f"the last SFT checkpoint is update {saved} in "
+                                     f"{os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)}")
                     metrics[loss_key], metrics[time_key] = loss, metrics.get(time_key, 0.0) + now - t[0]
                     t[0] = now
                     stopped[0] = stop is not None and stop.requested

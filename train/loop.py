@@ -19,6 +19,7 @@ import shutil
 from typing import Callable, Protocol
 
 import jax
+import numpy as np
 from absl import logging
 
 from dsv32_jax.train import checkpointing
@@ -33,6 +34,32 @@ class DataExhausted(Exception):
 class DataError(ValueError):
     """A record the stage's data pipeline refused mid-run (a missing text field, invalid JSON deep in a file; the
     message names the file and line). run_loop saves the last finished step and re-raises it."""
+
+
+class NonFinite(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite (a diverged update, broken data): run_loop stops before
+    logging or saving that step, so neither metrics.jsonl nor a checkpoint holds it."""
+
+
+# the metrics whose non-finite value stops a run: the objectives and the update's size (the LM stages, GRPO, the
+# agent stage's updates, its recall / cold-start SFT)
+GUARDED = ("loss", "lm_loss", "grad_norm", "sft_loss", "recall_loss")
+
+
+def finite(metrics: dict) -> bool:
+    """Whether every GUARDED metric in `metrics` is finite."""
+    return all(np.all(np.isfinite(v)) for k, v in metrics.items() if k in GUARDED)
+
+
+def check_finite(metrics: dict, where: str, saved: str) -> None:
+    """Raises NonFinite naming `where` (e.g. "step 7"), the guarded metrics that are NaN / inf, and `saved` (what
+    checkpoint holds the run's last good state)."""
+    bad = {k: float(np.asarray(v)) for k, v in metrics.items() if k in GUARDED and not np.all(np.isfinite(v))}
+    if bad:
+        values = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise NonFinite(f"{where}: {values} is not finite; the run stopped without logging or saving it ({saved}). "
+                        "Lower optimizer.lr or lengthen optimizer.warmup_steps, or check the data, then resume from "
+                        "that checkpoint")
 
 
 class Stage(Protocol):
@@ -157,6 +184,10 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                             raise DataError(f"{e} (reading step {step + 1}'s batch; "
                                             + (f"step {step} is saved in {mngr.directory})" if step else
                                                "no step was run)")) from None
+                    if not finite(metrics):
+                        saved = checkpointing.latest_step(mngr)
+                        check_finite(metrics, f"step {step + 1}", "no checkpoint was saved" if saved is None else
+                                     f"the last checkpoint is step {saved} in {mngr.directory}")
                     step += 1
                     profiler.after(step)
                     writer.write(step, metrics)

@@ -165,7 +165,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     from dsv32_jax.train.checkpointing import ResumeError
-    from dsv32_jax.train.loop import DataError, DataExhausted
+    from dsv32_jax.train.loop import DataError, DataExhausted, NonFinite
 
     try:
         fit()
@@ -173,6 +173,9 @@ def main(argv):
         # configuration or cannot be read, the data ran out before the first step, or a record was refused
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFinite as e:  # the run diverged: stopped before logging or saving the step
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
