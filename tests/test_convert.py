@@ -324,6 +324,35 @@ def test_round_trip_fixture_f32_bit_exact(tmp_path):
     assert json.load(open(os.path.join(src, "config.json")))["dtype"] == cfg["torch_dtype"] == "float32"
 
 
+def test_export_refuses_non_finite_weights_and_writes_nothing(tmp_path, monkeypatch):
+    """orbax-to-hf wrote a diverged run's NaN weights (exit 0) that hf-to-orbax and from_pretrained then refused
+    (red-team audit): it refuses them, naming the parameter and its HF tensor, and leaves no output."""
+    from dsv32_jax.checkpoint import convert as convert_mod
+
+    src = os.path.join(FIXTURES, "hf_moe_bias")
+    hf_to_orbax(src, str(tmp_path / "o"), dtype="float32", progress=False)
+    open_params = convert_mod.orbax_io.open_params
+
+    def poisoned(*a, **k):
+        source = open_params(*a, **k)
+        load = source.reader.load
+
+        def load_nan(paths):
+            got = load(paths)
+            return {k: (np.where(np.arange(v.size).reshape(v.shape) == 1, np.nan, v).astype(v.dtype)
+                        if "q_a_proj" in k else v) for k, v in got.items()}
+
+        monkeypatch.setattr(source.reader, "load", load_nan)
+        return source
+
+    monkeypatch.setattr(convert_mod.orbax_io, "open_params", poisoned)
+    with pytest.raises(CheckpointError, match=r"o: parameter layers\.0\.attn\.q_a_proj\.kernel \(HF "
+                                              r"model\.layers\.0\.self_attn\.q_a_proj\.weight\) contains NaN or Inf "
+                                              r"values: nothing was exported"):
+        orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "hf"), progress=False)
+    assert leftovers(str(tmp_path / "hf")) == []
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_round_trip_bf16_checkpoint_bit_exact(tmp_path, synth_bf16, dtype):
     """BF16 weights with F32 k_norm and F32 correction bias, MTP included; the export restores the source dtypes."""

@@ -352,7 +352,8 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
             for spec in _ordered(specs):  # one parameter (e.g. a layer's stacked w_gate) in memory at a time
                 wanted = [spec.path] + ([orbax_io.scale_path(spec.path)] if reader.dtype(spec.path) == FP8 else [])
                 stored = reader.load(wanted)
-                _export_spec(writer, spec, main_spec.get(spec.path, spec), stored, fp8, dtype, src_dtypes, bar)
+                _export_spec(writer, spec, main_spec.get(spec.path, spec), stored, fp8, dtype, src_dtypes, bar,
+                             source.label)
                 del stored
             writer.close()
         except BaseException:
@@ -371,9 +372,15 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
 
 
 def _export_spec(writer: ShardedSafetensorsWriter, spec: TensorSpec, ref: TensorSpec, store, fp8: bool, dtype,
-                 src_dtypes, bar: Progress) -> None:
+                 src_dtypes, bar: Progress, where: str) -> None:
     leaf = store[orbax_io.str_path(spec.path)]
     scale = store.get(orbax_io.scale_path(spec.path)) if leaf.dtype == FP8 else None
+    for what, v in (("", leaf), (" (its FP8 scales)", scale)):
+        # (a diverged run's weights: hf-to-orbax and from_pretrained refuse them, so an export must not write them)
+        if v is not None and not np.all(np.isfinite(v)):
+            raise CheckpointError(f"{where}: parameter {'.'.join(orbax_io.str_path(spec.path))}{what} (HF "
+                                  f"{spec.hf_names[0]}{' ...' if len(spec.hf_names) > 1 else ''}) contains NaN or Inf "
+                                  "values: nothing was exported")
     stacked = len(spec.hf_names) > 1
     kind = _export_kind(ref, dtype, src_dtypes)
     for i, name in enumerate(spec.hf_names):
