@@ -187,7 +187,16 @@ def default_config() -> ml_collections.ConfigDict:
     # ("": <workdir>/profile), every stage alike: TensorBoard's profile plugin reads it (tensorboard --logdir=DIR),
     # Perfetto its plugins/profile/<run>/<host>.trace.json.gz. Step 1 of a run holds the compile: start at 2 or later.
     c.profile = ml_collections.ConfigDict(dict(start=2, steps=0, dir=""))
+    # A config file or override sets only the fields above (a misspelled one, `c.optimizer.lrr = 5.0`, was a field
+    # nothing read: the run went on with the default); the free-form dicts take any key.
+    c.lock()
+    for free in FREE_FORM:
+        c[free].unlock()
     return c
+
+
+# config fields that hold free-form dicts (keys chosen by the user, not by default_config)
+FREE_FORM = ("model_overrides", "grpo.kl_weights", "agent.kl_weights", "agent.env_kwargs")
 
 
 def check_batch_mesh(config, num_devices: int | None = None) -> dict[str, int]:

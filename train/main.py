@@ -21,8 +21,8 @@ _PARSE_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, Synta
 
 def _refuse(e: BaseException, argv) -> None:
     """A config file or override that ml_collections refuses, in one line (exit 2) instead of a traceback."""
-    print(f"error: {_unknown_field(e, argv) or _config_file_error(e, argv) or _plain(e)}", file=sys.stderr,
-          flush=True)
+    print(f"error: {_unknown_field(e, argv) or _locked_field(e, argv) or _config_file_error(e, argv) or _plain(e)}",
+          file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -48,6 +48,40 @@ def _config_file_error(e: BaseException, argv) -> str | None:
         return (f"--config={path}: not a Python config file defining get_config() (configs/*.py are examples"
                 + ("; JSON and YAML files are not read as configs)" if not path.endswith(".py") else ")"))
     return None
+
+
+def _locked_field(e: BaseException, argv) -> str | None:
+    """A config file that sets a field default_config does not have (the config is locked: ml_collections'
+    message lists every field of the section): the file, its line, the section and the closest field names."""
+    import difflib
+    import re
+    import traceback
+
+    m = re.search(r'Key "([^"]+)" does not exist and cannot be added since the config is locked', str(e))
+    if not isinstance(e, AttributeError) or not m:
+        return None
+    key, path = m.group(1), _config_path(argv)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if os.path.abspath(f.filename) == os.path.abspath(path)]
+    line = frames[-1] if frames else None
+    where = f", line {line.lineno}" if line else ""
+    # the section from the source line (`c.optimizer.lrr = 5.0` -> config.optimizer)
+    chain = re.search(rf"\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\.{re.escape(key)}\b", line.line or "") if line else None
+    parts = chain.group(1).split(".")[1:] if chain else None
+    section = ".".join(["config", *parts]) if parts is not None else "the config"
+    hint = ""
+    if parts is not None:
+        from dsv32_jax.train.config import default_config
+
+        node = default_config()
+        try:
+            for p in parts:
+                node = node[p]
+            close = difflib.get_close_matches(key, list(node.keys()), n=3)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        except (KeyError, AttributeError, TypeError):
+            pass
+    return f"--config={path}{where}: {section} has no field {key!r}{hint}"
 
 
 def _config_traceback(text: str, argv) -> str | None:
