@@ -208,13 +208,21 @@ class Transformer(nnx.Module):
         return [self.logits(x) for x in self.mtp_hidden(tokens, h, pos, routing, aux)]
 
     def mtp_hidden(self, tokens, h, pos: Positions, routing, aux) -> list:
-        """The MTP heads' normed states (what `mtp_logits` projects with the shared head), one per depth."""
+        """The MTP heads' normed states (what `mtp_logits` projects with the shared head), one per depth. Depth j's
+        input at t is Emb(t_{t+1+j}), token 0 where t + 1 + j is past the row's end or in another document (segment)
+        than t: a packed row's document sees what it sees alone (the MTP layer's indexer KL at a document's last
+        tokens read the next document's first ones)."""
         routing = routing or {}
         out = []
-        next_tokens = tokens
+        next_tokens, next_seg = tokens, pos.q_segment
+
+        def shift(x):
+            return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+
         for j, mtp in enumerate(self.mtp):
-            next_tokens = jnp.concatenate([next_tokens[:, 1:], jnp.zeros_like(next_tokens[:, :1])], axis=1)
-            x = jnp.concatenate([mtp.enorm(self.embed_tokens(next_tokens)), mtp.hnorm(h)], axis=-1)
+            next_tokens, next_seg = shift(next_tokens), shift(next_seg)
+            inputs = jnp.where(next_seg == pos.q_segment, next_tokens, 0)
+            x = jnp.concatenate([mtp.enorm(self.embed_tokens(inputs)), mtp.hnorm(h)], axis=-1)
             key = self.config.num_hidden_layers + j  # the MTP layer's index in the checkpoint
             h, layer_aux = _block_call(self.options.remat)(mtp.block, mtp.eh_proj(x), pos, self.options,
                                                            routing.get(key), None)
