@@ -413,6 +413,27 @@ def test_run_passes_the_flags_into_the_sampling_config(scripted_stream):
                     {"prompt": "hi", "id": 7, "completion": "ok!", "completion_tokens": 3}]
 
 
+@pytest.mark.parametrize("kw,want", [
+    (dict(top_p=0.99), 256),  # the exact nucleus: every id of the byte tokenizer / model
+    (dict(top_p=0.99, tokenizer="chat:tiny"), 113),  # the tokenizer's ids only
+    (dict(top_k=100), 100),  # (SamplingConfig refused top_k > its default 64 candidates)
+    (dict(top_k=8), 64),
+    (dict(top_p=0.9, max_candidates=32), 32),
+])
+def test_run_samples_top_p_from_the_whole_vocabulary_unless_told_otherwise(scripted_stream, kw, want):
+    """dsv32-generate built SamplingConfig with its default 64 candidates: --top_p=0.99 on a flat distribution kept
+    64 ids (mass 0.25), silently, and --top_k=100 failed with a message about a field no flag sets (red-team
+    audit). --max_candidates (0: auto) sets the candidate set; auto is the whole vocabulary for top_p."""
+    kw.setdefault("tokenizer", "byte")
+    run_cli([("a", {"prompt": "hi"})], temperature=1.0, **kw)
+    (c,) = scripted_stream
+    assert c.cfg.max_candidates == want
+    if "top_p" in kw and "max_candidates" not in kw:  # the nucleus of a flat distribution: (nearly) every id
+        logits = jnp.zeros((1, 256))
+        _, ids, keep = processed_logits(logits, c.cfg)
+        assert int(np.asarray(keep).sum()) >= int(0.99 * want)
+
+
 def test_run_masks_the_sampler_to_a_smaller_tokenizer_and_stops_at_its_eos(scripted_stream):
     """The 113-id chat:tiny codec (EOS id 2) on the 256-id model: the sampler's vocab_size is 113 (ids the codec
     cannot decode are never sampled) and its eos_id the codec's. Mutants guarded: the vocabulary mask dropped
@@ -425,6 +446,8 @@ def test_run_masks_the_sampler_to_a_smaller_tokenizer_and_stops_at_its_eos(scrip
 @pytest.mark.parametrize("kw, match", [
     (dict(max_new_tokens=0), r"--max_new_tokens=0: must be >= 1"),
     (dict(top_p=0.0), r"--top_p=0.0: must be in \(0, 1\]"),
+    (dict(max_candidates=-1), r"--max_candidates=-1: must be >= 0"),
+    (dict(top_k=40, max_candidates=32), r"--top_k=40 exceeds --max_candidates=32 \(the candidate set"),
     (dict(ckpt="/nonexistent/ckpt"), r"--ckpt=/nonexistent/ckpt: does not exist"),
     (dict(tokenizer="chat:bpe"), r"tokenizer chat:bpe: 1536 ids, more than the model's vocab_size 256 \(.*hf_long\); "
                                  r"pass the model's own tokenizer with --tokenizer"),
@@ -513,9 +536,10 @@ def test_main_checks_its_flags_and_passes_them_on(cli_main):
     from absl import app
 
     status, seen = cli_main("--ckpt=c", "--prompt=hi", "--top_p=0.5", "--temperature=0.3", "--seed=4",
-                            "--max_new_tokens=9")
+                            "--max_new_tokens=9", "--max_candidates=12")
     assert status == 0 and seen["prompts"] == [("--prompt", {"prompt": "hi"})]
     assert (seen["top_p"], seen["temperature"], seen["seed"], seen["max_new_tokens"]) == (0.5, 0.3, 4, 9)
+    assert seen["max_candidates"] == 12
     for args, match in [(("--prompt=hi", "--prompts_file=p.jsonl"), "exactly one of --prompt and --prompts_file"),
                         ((), "exactly one of --prompt and --prompts_file"),
                         (("--prompt=hi", "--thinking"), "--thinking applies to chat prompts: add --chat")]:

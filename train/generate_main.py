@@ -49,6 +49,9 @@ flags.DEFINE_string("tokenizer", None, "override the checkpoint's tokenizer: 'by
 flags.DEFINE_integer("step", None, "training workdirs: the checkpoint step (default: the latest)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute / parameter dtype")
 flags.DEFINE_integer("top_k", 0, "sample among the k most likely tokens only (0: no top-k truncation)")
+flags.DEFINE_integer("max_candidates", 0, "the candidate set --top_k / --top_p cut from: the N most likely tokens; 0 "
+                     "(default): the whole vocabulary with --top_p < 1 (the exact nucleus: one top-k over the "
+                     "vocabulary per token), else max(64, --top_k). A smaller N caps the nucleus (faster)")
 flags.DEFINE_enum("dsa", "auto", ["auto", "on", "off"],
                   "DeepSeek Sparse Attention: 'on' attends to the lightning indexer's top-k keys, 'off' to every "
                   "earlier token; 'auto': off when the checkpoint's indexers were never trained (an HF checkpoint "
@@ -215,7 +218,8 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         thinking: bool = False, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
         seed: int = 0, mesh: str = "", tokenizer: str | None = None, step: int | None = None,
         dtype: str = "float32", top_k: int = 0, dsa: str = "auto", attention: str = "sparse",
-        indexer_fp8: bool = False, fp8_kv: bool = False, write=None, note=None) -> list[dict]:
+        indexer_fp8: bool = False, fp8_kv: bool = False, max_candidates: int = 0, write=None,
+        note=None) -> list[dict]:
     """Loads the checkpoint, encodes and checks every prompt (before generating anything), then generates and
     streams each completion through `write` (default: stdout). prompts: (label for errors, object) pairs.
     dsa / attention / indexer_fp8 / fp8_kv: the model's RunOptions (`--dsa` explains "auto"); `note` (default:
@@ -242,6 +246,12 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         raise GenerateError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
     if top_k < 0:
         raise GenerateError(f"--top_k={top_k}: must be >= 0; 0 = no top-k truncation")
+    if max_candidates < 0:
+        raise GenerateError(f"--max_candidates={max_candidates}: must be >= 0; 0 = the whole vocabulary with --top_p "
+                            "< 1, else max(64, --top_k)")
+    if 0 < max_candidates < top_k:
+        raise GenerateError(f"--top_k={top_k} exceeds --max_candidates={max_candidates} (the candidate set top_k cuts "
+                            "from): raise --max_candidates, or leave it at 0")
     if dsa not in ("auto", "on", "off"):
         raise GenerateError(f"--dsa={dsa}: must be auto, on or off")
     if out:  # before any generation, not after it
@@ -273,9 +283,12 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
         check_prompt(model, len(ids), max_new_tokens, where=label)
         encoded.append(ids)
     eos = tok.eos_id if tok.eos_id is not None else -1
+    vocab = min(tok.vocab_size, model.config.vocab_size)
+    if not max_candidates:  # (SamplingConfig's default of 64 cut --top_p=0.99 to the 64 likeliest ids, silently)
+        max_candidates = vocab if top_p < 1 else max(SamplingConfig.max_candidates, top_k)
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature or 1.0, greedy=temperature == 0,
-                         top_k=top_k, top_p=top_p, eos_id=eos, pad_id=0, vocab_size=tok.vocab_size
-                         if tok.vocab_size < model.config.vocab_size else 0)
+                         top_k=top_k, top_p=top_p, max_candidates=max_candidates, eos_id=eos, pad_id=0,
+                         vocab_size=tok.vocab_size if tok.vocab_size < model.config.vocab_size else 0)
     rng = jax.random.key(seed)
     rows = []
     for i, ((label, obj), ids) in enumerate(zip(prompts, encoded)):
@@ -308,7 +321,8 @@ def main(argv):
         run(FLAGS.ckpt, prompts, out=FLAGS.out, chat=FLAGS.chat, thinking=FLAGS.thinking,
             max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p, seed=FLAGS.seed,
             mesh=FLAGS.mesh, tokenizer=FLAGS.tokenizer, step=FLAGS.step, dtype=FLAGS.dtype, top_k=FLAGS.top_k,
-            dsa=FLAGS.dsa, attention=FLAGS.attention, indexer_fp8=FLAGS.indexer_fp8, fp8_kv=FLAGS.fp8_kv)
+            dsa=FLAGS.dsa, attention=FLAGS.attention, indexer_fp8=FLAGS.indexer_fp8, fp8_kv=FLAGS.fp8_kv,
+            max_candidates=FLAGS.max_candidates)
     except (GenerateError, ValueError, OSError) as e:  # ValueError: PromptTooLongError, CheckpointError, ...
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
