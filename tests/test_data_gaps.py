@@ -166,3 +166,37 @@ def test_eos_is_not_doubled_when_the_post_processor_appends_it(tmp_path):
     real = row["segment_ids"][0] > 0
     assert row["tokens"][0][real].tolist() == [the, cat, eos, the, dog, eos]
     assert row["segment_ids"][0][real].tolist() == [1, 1, 1, 2, 2, 2]
+
+
+def test_special_token_strings_in_documents_are_text_unless_parsing_is_asked_for(tmp_path):
+    """A document quoting "<｜User｜>" or "<｜end▁of▁sentence｜>" (a log, a web page about chat models) became the
+    special ids mid-row, EOS trained as a target (red-team audit; the chat codec already read such strings in
+    messages as text). data.special_tokens="text" (default) tokenizes them as the characters they are: no special
+    id but the EOS the pipeline appends, and the ids decode back to the document; "parse" (a corpus rendered with a
+    chat template on purpose) gives the special ids. The shipped BPE tokenizer's specials are the references."""
+    import pytest
+
+    from dsv32_jax.posttrain.chat.codecs import CHAT_TOKENIZER_PATH
+    from dsv32_jax.posttrain.chat.tokens import EOS, USER
+
+    path = str(CHAT_TOKENIZER_PATH)
+    doc = f"quoted log: {USER}hi{EOS} more text here"
+    jsonl = write_jsonl(tmp_path / "d.jsonl", [doc])
+    tok = make_tokenizer(path)
+    eos, user = tok._tok.token_to_id(EOS), tok._tok.token_to_id(USER)
+    specials = {t for t in (eos, user) if t is not None}
+    assert len(specials) == 2
+
+    def ids(mode):
+        cfg = finite("jsonl", [jsonl], tokenizer=path, seq_len=64, special_tokens=mode)
+        b = take(make_iterator(cfg, vocab_size=2048))[0]
+        seg = b["segment_ids"][0]
+        return [int(x) for x in b["tokens"][0][seg > 0]]
+
+    as_text, parsed = ids("text"), ids("parse")
+    assert as_text[-1] == eos and not specials & set(as_text[:-1]), as_text
+    assert tok.decode(as_text[:-1]).endswith(doc)
+    assert [x for x in parsed if x in specials] == [user, eos, eos]  # (and the EOS the pipeline appends)
+
+    with pytest.raises(ValueError, match=r"data\.special_tokens must be 'text' or 'parse', got 'yes'"):
+        finite("jsonl", [jsonl], special_tokens="yes")

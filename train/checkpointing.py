@@ -136,7 +136,7 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
 RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle")
 # config.data fields a resume may change (a dataset moved, a field renamed), but whose change makes the restored
 # iterator position a position in another stream: warned about by name
-WARN_DATA_FIELDS = ("paths", "text_field", "tokenizer", "add_eos")
+WARN_DATA_FIELDS = ("paths", "text_field", "tokenizer", "add_eos", "special_tokens")
 
 
 def resume_point(workdir: str):

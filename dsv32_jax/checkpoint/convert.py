@@ -372,7 +372,7 @@ def orbax_to_hf(ckpt: str, out: str, fp8: bool = False, dtype: str | None = None
 
 
 def _export_spec(writer: ShardedSafetensorsWriter, spec: TensorSpec, ref: TensorSpec, store, fp8: bool, dtype,
-                 src_dtypes, bar: Progress, where: str) -> None:
+                 src_dtypes, bar: Progress, where: str = "the checkpoint") -> None:
     leaf = store[orbax_io.str_path(spec.path)]
     scale = store.get(orbax_io.scale_path(spec.path)) if leaf.dtype == FP8 else None
     for what, v in (("", leaf), (" (its FP8 scales)", scale)):

@@ -29,6 +29,10 @@ class DataConfig:
     shards: int = 0
     split: str = "train"  # builtin source: "train" or "heldout" (disjoint documents, for evaluation)
     min_doc_tokens: int = 0  # drop documents shorter than this (e.g. a long-context evaluation split)
+    # A tokenizer.json's special-token strings inside a document ("<｜end▁of▁sentence｜>" quoted in a web page): "text"
+    # (default) tokenizes them as the text they are; "parse" turns them into the special ids (text rendered with a
+    # chat template on purpose)
+    special_tokens: str = "text"
 
     def __post_init__(self):
         paths = self.paths
@@ -61,3 +65,5 @@ class DataConfig:
             raise ValueError(f"data.batch_size {self.batch_size} must be divisible by data.shards {self.shards}")
         if self.worker_count < 0:
             raise ValueError(f"data.worker_count must be >= 0, got {self.worker_count}")
+        if self.special_tokens not in ("text", "parse"):
+            raise ValueError(f"data.special_tokens must be 'text' or 'parse', got {self.special_tokens!r}")

@@ -283,7 +283,7 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
         raise ValueError(f"process_index {process_index} / process_count {process_count} is not a valid shard")
     if cfg.batch_size % process_count:
         raise ValueError(f"data.batch_size {cfg.batch_size} must be divisible by the process count {process_count}")
-    tokenizer = make_tokenizer(cfg.tokenizer, vocab_size)
+    tokenizer = make_tokenizer(cfg.tokenizer, vocab_size, special_tokens=cfg.special_tokens)
     source, blocks = make_source(cfg)
     if len(source) == 0:
         raise ValueError(f"data source {cfg.source!r} {list(cfg.paths)} holds no documents")

@@ -60,15 +60,24 @@ class HFTokenizer:
     generation_config.json (``eos_token_id``), then well-known EOS token names. ``encode`` applies the
     tokenizer's own post-processor and prepends BOS when tokenizer_config.json asks for it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, special_tokens: str = "parse"):
         import tokenizers  # noqa: PLC0415  (optional at import time of this module)
 
+        if special_tokens not in ("text", "parse"):
+            raise ValueError(f"special_tokens must be 'text' or 'parse', got {special_tokens!r}")
         self.path = path
         self.name = path
+        self.special_tokens = special_tokens
         try:
             self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001  (the Rust error types are not exported)
             raise ValueError(f"cannot load tokenizer {path}: {e}") from e
+        # encode(): with special_tokens="text" a copy that reads special-token strings as text (the flag belongs to
+        # the tokenizer object; the one the chat codec checks its specials with keeps parsing them)
+        self._encoder = self._tok
+        if special_tokens == "text":
+            self._encoder = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            self._encoder.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         folder = os.path.dirname(os.path.abspath(path))
@@ -92,13 +101,15 @@ class HFTokenizer:
             self.bos_id = self._tok.token_to_id(bos)
 
     def __getstate__(self):  # reload from the file in grain worker processes
-        return {"path": self.path}
+        return {"path": self.path, "special_tokens": self.special_tokens}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(state["path"], state.get("special_tokens", "parse"))
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=True).ids
+        """`text`'s ids (the post-processor's BOS / EOS added); its special-token strings become special ids with
+        special_tokens="parse", are tokenized as text with "text"."""
+        ids = self._encoder.encode(text, add_special_tokens=True).ids
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
@@ -141,10 +152,12 @@ def tokenizer_record(spec: str) -> str:
     return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
-def make_tokenizer(spec: str, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
+def make_tokenizer(spec: str, vocab_size: int | None = None,
+                   special_tokens: str = "parse") -> ByteTokenizer | HFTokenizer:
     """"byte", a tokenizer.json path, or a (checkpoint) directory containing tokenizer.json. With
-    ``vocab_size`` (the model's), raises if the tokenizer can produce ids >= vocab_size."""
-    tok = ByteTokenizer() if spec == "byte" else HFTokenizer(tokenizer_file(spec))
+    ``vocab_size`` (the model's), raises if the tokenizer can produce ids >= vocab_size. special_tokens: what
+    HFTokenizer.encode makes of special-token strings in the text ("parse": special ids, "text": text)."""
+    tok = ByteTokenizer() if spec == "byte" else HFTokenizer(tokenizer_file(spec), special_tokens)
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{vocab_size}: token ids would fall outside the embedding table. Use a model config "
