@@ -218,6 +218,12 @@ def _training_config(stage, **fields):
     ("agent", "agent.tasks_per_step", 0, r"config\.agent\.tasks_per_step must be an integer >= 1"),
     ("agent", "agent.indexer_weight", -1.0, r"config\.agent\.indexer_weight must be a finite number >= 0"),
     ("agent", "agent.tools_prompt", "bad", r"config\.agent\.tools_prompt must be 'full' or 'compact', got 'bad'"),
+    # (red-team audit: these four ran, the evaluation at every step, the reward's sign flipped, the penalty off)
+    ("grpo", "grpo.eval_every", -1, r"config\.grpo\.eval_every must be an integer >= 0, got -1"),
+    ("agent", "agent.eval_every", -1, r"config\.agent\.eval_every must be an integer >= 0, got -1"),
+    ("grpo", "grpo.language_weight", -1.0, r"config\.grpo\.language_weight must be a finite number >= 0"),
+    ("grpo", "grpo.grm_weight", -0.5, r"config\.grpo\.grm_weight must be a finite number >= 0"),
+    ("grpo", "grpo.length_target", -5, r"config\.grpo\.length_target must be an integer >= -1, got -5"),
 ])
 def test_training_config_checks_name_the_field(stage, field, value, needle):
     """Each of these was accepted (a negative weight or clip range silently inverts its loss; eval.batches 0

@@ -287,3 +287,13 @@ def test_the_sweep_summary_refuses_tables_of_different_shapes_naming_both_files(
         eval_sweep.main([a, str(tmp_path / "c.json")])
     assert eval_sweep.main([a, _table(tmp_path / "d.json", 3.0, 0.3), "--out", str(tmp_path / "o" / "s")]) == 0
     assert json.loads((tmp_path / "o" / "s.json").read_text())["rows"][1]["gap"] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_cli_refuses_a_context_past_the_models(capsys):
+    """--seq_lens past a model's max_position_embeddings scored it at RoPE positions it does not have (red-team
+    audit): refused by name before any evaluation."""
+    moe = os.path.join(os.path.dirname(HF_SHORT), "hf_moe_bias")  # max_position_embeddings 2560
+    with pytest.raises(SystemExit, match=rf"^error: --seq_lens: 4096 exceeds the context of {moe}: 2560 positions "
+                                         r"\(max_position_embeddings of its model config\)$"):
+        eval_lib.main([f"--workdirs={moe}", "--seq_lens=128,4096", "--batches=1", "--batch_size=2",
+                       "--tokenizer=byte"])

@@ -786,3 +786,26 @@ def test_build_policy_loads_through_the_lm_stages_loader(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=rf"config.init_from={c.init_from}: parameter layers/1/.* has shape None "
                                          r"there but \(.*\) in this run's model"):
         trainer.build_policy(c, cfg.replace(num_hidden_layers=2), jnp.float32, jnp.float32, resuming=False)
+
+
+def test_setup_refuses_contexts_past_the_models(tmp_path):
+    """Three settings ran past the model's context (max_position_embeddings) and were refused late or never (red-
+    team audit): GRPO's max_new_tokens (refused by generate at the first rollout, a traceback naming no field),
+    data.seq_len (trained at RoPE positions the config says the model does not have; generation then refused the
+    model), and the eval CLI's --seq_lens. Each is refused at setup, naming its field."""
+    from tests.test_train import load_config
+
+    from dsv32_jax.train.grpo import GRPOLearner
+    from dsv32_jax.train.trainer import Trainer
+
+    config = load_config("grpo_tiny", steps=1, **{"grpo.max_new_tokens": 5000})
+    with pytest.raises(ValueError, match=r"^config\.grpo\.max_new_tokens=5000 plus the tasks' prompt width \(\d+ "
+                                         r"tokens\) exceeds the model's context of 2560 positions"):
+        GRPOLearner(config, str(tmp_path / "g"))
+    config = load_config("quickstart", steps=1, model_overrides={"max_position_embeddings": 32},
+                         **{"data.seq_len": 64, "data.batch_size": 2})
+    with pytest.raises(ValueError, match=r"^config\.data\.seq_len=64 exceeds the model's context of 32 positions"):
+        Trainer(config, str(tmp_path / "t"))
+    config = load_config("quickstart", steps=1, model_overrides={"max_position_embeddings": 32},
+                         **{"data.seq_len": 32, "data.batch_size": 2})
+    Trainer(config, str(tmp_path / "t"))  # (a row of exactly the context is fine)

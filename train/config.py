@@ -412,12 +412,16 @@ def check_config(config) -> None:
             fail(f"{section}.top_p", "in (0, 1]")
         integer(f"{section}.epochs", 1)
         integer(f"{section}.max_new_tokens", 1)
+        integer(f"{section}.eval_every", 0)  # (-1 evaluated at every step: step % -1 == 0)
         if "indexer_weight" in config[section]:  # (a negative weight would push the indexer away from its target)
             number(f"{section}.indexer_weight")
     if config.stage == "grpo":
         if not [t for t in str(config.grpo.tasks).split(",") if t.strip()]:
             fail("grpo.tasks", "one or more comma-separated tasks (map, sum, rev, copy)")
         integer("grpo.prompts_per_step", 1)
+        integer("grpo.length_target", -1)  # (-5 was "off", as -1 is, silently)
+        number("grpo.language_weight")  # (a negative weight rewards switching languages)
+        number("grpo.grm_weight")
     if config.stage == "agent":
         integer("agent.tasks_per_step", 1)
         from typing import get_args

@@ -149,6 +149,10 @@ def _workdir_label(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
 
+class SeqLenError(ValueError):
+    """A --seq_lens context longer than a model's."""
+
+
 def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_size: int = 8,
                attentions: dict[str, list[str]] | None = None, data: dict | None = None,
                paths: tuple[str, ...] = ()) -> dict:
@@ -167,6 +171,10 @@ def eval_table(workdirs: list[str], seq_lens: list[int], batches: int, batch_siz
         model = dsv32_jax.from_pretrained(path, dtype=jnp.float32)
         stage = orbax_io.training_checkpoint(path).meta.get("stage") if orbax_io.is_training_workdir(path) else None
         which = (attentions or {}).get(path) or (["dense"] if stage == "dense" else ["dense", "dsa"])
+        ctx = int(model.config.max_position_embeddings)
+        if max(seq_lens) > ctx:  # (positions past the context: RoPE the model never saw, scored as if it had)
+            raise SeqLenError(f"{max(seq_lens)} exceeds the context of {path}: {ctx} positions "
+                              "(max_position_embeddings of its model config)")
         for seq_len in seq_lens:
             for split, long in (("heldout", False), ("heldout-long", True)):
                 key = (seq_len, long, model.config.vocab_size)
@@ -327,6 +335,8 @@ def main(argv=None) -> int:
 
     try:
         table = eval_table(workdirs, seq_lens, a.batches, a.batch_size, data=data, paths=paths)
+    except SeqLenError as e:
+        raise SystemExit(f"error: --seq_lens: {e}") from None
     except (CheckpointError, ConfigError) as e:
         raise SystemExit(f"error: --workdirs: {e}") from None
     except (ValueError, KeyError, OSError) as e:  # the data: files, records' fields, tokenizer, vocabulary

@@ -131,6 +131,11 @@ class GRPOLearner:
         if not 0.0 <= self.letters <= 1.0:
             raise ValueError(f"config.grpo.letters must be in [0, 1], got {self.letters}")
         self.prompt_width = max(len(rl_tasks.make_prompt(k, np.random.default_rng(0))[0]) for k in self.tasks)
+        ctx = int(self.cfg.max_position_embeddings)
+        if self.prompt_width + g.max_new_tokens > ctx:  # (generate refused it at the first rollout, a traceback)
+            raise ValueError(f"config.grpo.max_new_tokens={g.max_new_tokens} plus the tasks' prompt width "
+                             f"({self.prompt_width} tokens) exceeds the model's context of {ctx} positions "
+                             "(max_position_embeddings of the model config)")
         if self.resume is None:
             check_init_from(config)
         self.mesh = shd.make_mesh(config.mesh or "fsdp:-1")

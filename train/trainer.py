@@ -260,6 +260,11 @@ class Trainer:
         self.data_shard = data_shard(self.batch_sharding, config.data.batch_size, config.data.seq_len, config.mesh,
                                      "config.data")
         self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
+        ctx = int(self.cfg.max_position_embeddings)
+        if config.data.seq_len > ctx:  # (a document that fills a row reaches RoPE positions past the context)
+            raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's context of {ctx} "
+                             "positions (max_position_embeddings of the model config): lower data.seq_len or raise "
+                             "it with config.model_overrides")
         self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
 
