@@ -297,3 +297,21 @@ def test_cli_refuses_a_context_past_the_models(capsys):
                                          r"\(max_position_embeddings of its model config\)$"):
         eval_lib.main([f"--workdirs={moe}", "--seq_lens=128,4096", "--batches=1", "--batch_size=2",
                        "--tokenizer=byte"])
+
+
+def test_a_held_out_set_smaller_than_the_evaluation_is_repeated_with_a_warning(tmp_path, caplog):
+    """The held-out stream repeats to fill --batches: a one-document file was scored as 17 tokens per column without
+    a word (red-team audit). The batches are the same as before, and a warning says how many one pass holds."""
+    import logging
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"text": "hello there"}) + "\n")
+    cfg = DataConfig(source="jsonl", paths=(str(path),), seq_len=8, batch_size=1, num_epochs=None, shuffle=False)
+    with caplog.at_level(logging.WARNING):
+        got = eval_lib.eval_batches(cfg, 256, 3)
+    assert len(got) == 3
+    assert "one pass holds 2 batch(es) of 1 x 8 tokens, fewer than the 3 evaluated" in caplog.text  # (11 bytes)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert len(eval_lib.eval_batches(cfg, 256, 2)) == 2
+    assert "fewer than" not in caplog.text

@@ -78,14 +78,34 @@ def eval_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int, sh
         raise ValueError(f"the held-out batch of {cfg.batch_size} rows cannot be split into {n} row blocks "
                          "(config.eval.batch_size)")
     rows = cfg.batch_size // n
+    # one pass over the held-out documents, counted: the stream repeats to fill num_batches, and the table's token
+    # count then includes repeats (a one-document file was scored as 17 tokens per column without a word)
+    one_pass = len(_first_batches(dataclasses.replace(cfg, num_epochs=1), vocab_size, num_batches))
+    if one_pass < num_batches:
+        from absl import logging
+
+        logging.warning("held-out data (%s%s): one pass holds %d batch(es) of %d x %d tokens, fewer than the %d "
+                        "evaluated: its documents are scored more than once (the tokens column counts repeats)",
+                        cfg.source, f" {list(cfg.paths)}" if cfg.paths else f", {cfg.split} split", one_pass,
+                        cfg.batch_size, cfg.seq_len, num_batches)
+    return [{k: np.asarray(b[k])[i * rows:(i + 1) * rows] for k in EVAL_KEYS}
+            for b in _first_batches(cfg, vocab_size, num_batches)]
+
+
+def _first_batches(cfg: data_lib.DataConfig, vocab_size: int, num_batches: int) -> list[dict]:
+    """Up to `num_batches` whole batches of `cfg`'s stream (fewer where a finite stream ends)."""
     it = data_lib.make_iterator(cfg, vocab_size=vocab_size)  # (the whole batch: the stream of process 0 of 1)
+    out = []
     try:
-        return [{k: np.asarray(b[k])[i * rows:(i + 1) * rows] for k in EVAL_KEYS}
-                for b in (next(it) for _ in range(num_batches))]
+        for _ in range(num_batches):
+            out.append(next(it))
+    except StopIteration:
+        pass
     finally:
         close = getattr(it, "close", None)
         if close is not None:
             close()
+    return out
 
 
 def lm_eval_step(model_state: nnx.State, batch: dict, *, graphdef, options: RunOptions) -> dict:
