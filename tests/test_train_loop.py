@@ -484,6 +484,9 @@ def test_missing_init_from_without_an_earlier_stage(name, tmp_path):
     assert "--config.init_from=''" in str(e.value)
     check_init_from(load_config(name, init_from=str(tmp_path)), name)  # exists: fine
     check_init_from(load_config(name, init_from=""), name)
+    (tmp_path / "model.safetensors").write_bytes(b"x")  # a file (red-team audit: "not valid JSON")
+    with pytest.raises(InitFromError, match=r"config\.init_from='.*model\.safetensors': a file, not a directory"):
+        check_init_from(load_config(name, init_from=str(tmp_path / "model.safetensors")), name)
 
 
 def cli(args, cwd, timeout=600):

@@ -280,6 +280,9 @@ def _previous_config(config, config_name: str | None) -> str | None:
 def check_init_from(config, config_name: str | None = None) -> None:
     """Raises InitFromError when config.init_from is set but missing, naming the path and what to run first."""
     init = config.init_from
+    if init and os.path.exists(init) and not os.path.isdir(init):  # (its first read called it "not valid JSON")
+        raise InitFromError(f"config.init_from={init!r}: a file, not a directory: give an HF checkpoint directory, a "
+                            "converted orbax checkpoint or a training workdir")
     if not init or os.path.exists(init):
         return
     stage = config.stage
