@@ -19,6 +19,8 @@ KEY_SCHEMA = {"type": "object", "properties": {"key": {"type": "string"}}, "requ
 @pytest.mark.parametrize("answer, value", [
     ("41", 41), (" -7 ", -7), ("0", 0),
     ("41 or 42", None), ("41abc", None), ("x41", None), ("41.0", None), ("4 1", None), ("", None),
+    # (red-team audit: \d and \s took every Unicode digit and space, '8１' scored as 81)
+    ("４２", None), ("٤٢", None), ("8１", None), ("\u00a042", None), ("42\n", 42),
 ])
 def test_parse_integer_takes_only_an_integer(answer, value):
     """helpers.parse_integer: optional spaces around an optional '-' and digits, nothing else (docstring). Mutants

@@ -6,7 +6,7 @@
     prompt = chat.encode_tokens(messages, codec, tools, add_generation_prompt=True, thinking, drop_thinking)
     if strategy != "none" and len(prompt) > 0.8 * context_budget: messages = context.manage(messages, strategy)
     ids = policy.generate(prompt, min(max_new_tokens, context_budget - len(prompt)))
-    parsed = chat.parse_completion(codec.decode(ids))       # ChatFormatError -> reward 0, info["error"]
+    parsed = chat.parse_completion_ids(ids, codec)           # ChatFormatError -> reward 0, info["error"]
     obs, reward, done, info = env.step(Action(...))         # append Assistant + one ToolResult per call
 
 The episode starts from ``[System(env system prompt), User(task)]`` with the env's tools rendered into the system
@@ -53,7 +53,7 @@ from dsv32_jax.posttrain.agent.context import STRATEGIES, TRIGGER, Summarizer, m
 from dsv32_jax.posttrain.envs import Action, Env, Observation, ToolCall
 
 __all__ = ["Completion", "GuessPolicy", "OraclePolicy", "Policy", "RandomPolicy", "ScriptedPolicy", "Segment",
-           "Trajectory", "chat_tools", "check_env_text", "completion_text", "run_episode"]
+           "Trajectory", "chat_tools", "check_env_text", "completion_ids", "completion_text", "run_episode"]
 
 
 class Policy(Protocol):
@@ -65,15 +65,24 @@ class Policy(Protocol):
 ActionLike = Union[Action, chat.Assistant, Mapping[str, Any]]
 
 
+def _assistant(action: ActionLike) -> chat.Assistant:
+    if isinstance(action, chat.Assistant):
+        return action
+    act = Action.coerce(action)
+    return chat.Assistant(act.content, act.reasoning, list(act.tool_calls))
+
+
 def completion_text(action: ActionLike, thinking: bool = True) -> str:
     """What a model generates for ``action`` after the generation prompt: ``{reasoning}</think>`` (thinking mode),
     content, DSML tool calls, EOS."""
-    if isinstance(action, chat.Assistant):
-        msg = action
-    else:
-        act = Action.coerce(action)
-        msg = chat.Assistant(act.content, act.reasoning, list(act.tool_calls))
-    return chat.render_assistant(msg, keep_reasoning=thinking)
+    return chat.render_assistant(_assistant(action), keep_reasoning=thinking)
+
+
+def completion_ids(action: ActionLike, codec: chat.Codec, thinking: bool = True) -> list[int]:
+    """The ids of :func:`completion_text`, with the action's reasoning, content and arguments as plain text (a
+    demonstration answering ``<result>`` or ``use </think>``: encoding its text turned them into markup, and the
+    oracle episode then failed as a format error, stopping the agent stage's cold start)."""
+    return chat.encode_assistant(_assistant(action), codec, keep_reasoning=thinking)
 
 
 def chat_tools(env: Env) -> list[chat.Tool]:
@@ -95,7 +104,7 @@ class ScriptedPolicy:
                 self.completions.append(list(c))
             else:
                 try:
-                    self.completions.append(codec.encode(completion_text(c, thinking)))
+                    self.completions.append(completion_ids(c, codec, thinking))
                 except (TypeError, chat.ChatFormatError) as e:
                     raise ValueError(f"completions[{i}]: not an action, string or id list ({e})") from None
         self.calls = 0
@@ -126,8 +135,8 @@ class GuessPolicy:
         self.guess = guess or (lambda rng: str(rng.randint(0, 99)))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        text = completion_text(Action(content=self.guess(self.rng), reasoning="guess"), self.thinking)
-        return self.codec.encode(text)[:max_new_tokens]
+        return completion_ids(Action(content=self.guess(self.rng), reasoning="guess"), self.codec,
+                              self.thinking)[:max_new_tokens]
 
 
 class RandomPolicy:
@@ -249,8 +258,12 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
         raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     for name, value in (("max_turns", max_turns), ("max_new_tokens", max_new_tokens),
                         ("context_budget", context_budget)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # (True was taken as 1)
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    # (nan switched context management off silently, -1 rewrote the history every turn, "0.8" was a TypeError)
+    if isinstance(trigger, bool) or not isinstance(trigger, (int, float)) or not 0 < trigger <= 1:
+        raise ValueError(f"trigger must be a number in (0, 1] (the fraction of context_budget past which the "
+                         f"strategy rewrites the history), got {trigger!r}")
     obs = env.reset(seed)
     check_env_text(env, obs, codec, seed)
     tools = chat_tools(env)
@@ -308,7 +321,9 @@ def run_episode(env: Env, seed: int, policy: Policy, codec: chat.Codec, *, max_t
                  f"context_budget={context_budget})")
             break
         try:
-            parsed = chat.parse_completion(chat.decode_completion(gen, codec), thinking=thinking)
+            # (from the ids: text the model spelled in plain ids, e.g. a tool-call block copied from a tool result,
+            # is data, not markup; red-team audit)
+            parsed = chat.parse_completion_ids(gen, codec, thinking=thinking)
             assistant = _to_assistant(parsed)
             chat.check_encodable(assistant, codec)  # (a JSON argument can spell what the codec cannot encode)
         except chat.ChatFormatError as e:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from dsv32_jax.posttrain import chat
 from dsv32_jax.posttrain.agent.context import STRATEGIES, format_call, parse_summary, split_summary
-from dsv32_jax.posttrain.agent.episode import OraclePolicy, Policy, completion_text, run_episode
+from dsv32_jax.posttrain.agent.episode import OraclePolicy, Policy, completion_ids, run_episode
 from dsv32_jax.posttrain.envs import Action, Env, make_env
 
 __all__ = ["VerbosePolicy", "format_table", "success_vs_budget", "visible_facts"]
@@ -79,7 +79,7 @@ class VerbosePolicy:
         self._emitted: set[int] = set()
 
     def _emit(self, action: Action, max_new_tokens: int) -> list[int]:
-        return self.codec.encode(completion_text(action, self.thinking))[:max_new_tokens]
+        return completion_ids(action, self.codec, self.thinking)[:max_new_tokens]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         facts = visible_facts(self.codec.decode(prompt_ids))

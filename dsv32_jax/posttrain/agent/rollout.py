@@ -82,6 +82,13 @@ class BatchedRollout:
         b = len(envs)
         if len(seeds) != b:
             raise ValueError(f"BatchedRollout.run: {len(envs)} envs but {len(seeds)} seeds")
+        first: dict[int, int] = {}
+        for row, env in enumerate(envs):  # (the rows' episodes run side by side: one instance holds one task)
+            if id(env) in first:
+                raise ValueError(f"BatchedRollout.run: envs[{row}] is the same instance as envs[{first[id(env)]}]: "
+                                 "each row needs its own environment (its episode's state: task, steps, done); "
+                                 "make one per row, e.g. [make_env(name) for _ in range(n)]")
+            first[id(env)] = row
         sampler = MultiTurnSampler(self.model, b, self.capacity, self.cfg)
         self._cond = threading.Condition()
         self._pending, self._results, self._abort = {}, {}, False

@@ -67,11 +67,11 @@ from __future__ import annotations
 
 from dsv32_jax.posttrain.chat.codecs import (CHAT_TOKENIZER_PATH, PRINTABLE_CHARS, TINY_CHARS, Codec, HFCodec, TinyCodec,
                                    load_tokenizer)
-from dsv32_jax.posttrain.chat.encoding import (COMPACT_TOOLS_PROMPT, TOOLS_PROMPT, Piece, check_encodable, encode, encode_parts,
-                                     encode_tokens, render_assistant, render_pieces, render_tool_calls, render_tools)
+from dsv32_jax.posttrain.chat.encoding import (COMPACT_TOOLS_PROMPT, TOOLS_PROMPT, Piece, check_encodable, encode,
+                                     encode_assistant, encode_parts, encode_tokens, render_assistant, render_pieces, render_tool_calls, render_tools)
 from dsv32_jax.posttrain.chat.messages import (Assistant, Message, MessageLike, System, Tool, ToolCall, ToolLike, ToolResult,
                                      User, as_message, as_tool)
-from dsv32_jax.posttrain.chat.parsing import decode_completion, parse_completion
+from dsv32_jax.posttrain.chat.parsing import decode_completion, parse_completion, parse_completion_ids
 from dsv32_jax.posttrain.chat.tokens import (ASSISTANT, BOS, CALLS_CLOSE, CALLS_OPEN, DROP_MODES, DSML, EOS, INVOKE_CLOSE,
                                    INVOKE_OPEN, PAD, PARAM_CLOSE, PARAM_OPEN, RESULT_CLOSE, RESULT_OPEN, RESULTS_CLOSE,
                                    RESULTS_OPEN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN, USER, ChatFormatError,
@@ -83,6 +83,6 @@ __all__ = [
     "RESULTS_OPEN", "RESULT_CLOSE", "RESULT_OPEN", "SPECIAL_TOKENS", "THINK_CLOSE", "THINK_OPEN", "TINY_CHARS",
     "TOOLS_PROMPT", "USER", "Assistant", "ChatFormatError", "Codec", "DropThinking", "HFCodec", "Message",
     "MessageLike", "Piece", "System", "TinyCodec", "Tool", "ToolCall", "ToolLike", "ToolResult", "ToolsPrompt", "User",
-    "as_message", "as_tool", "check_encodable", "decode_completion", "encode", "encode_parts", "encode_tokens", "load_tokenizer",
-    "parse_completion", "render_assistant", "render_pieces", "render_tool_calls", "render_tools",
+    "as_message", "as_tool", "check_encodable", "decode_completion", "encode", "encode_assistant", "encode_parts", "encode_tokens", "load_tokenizer",
+    "parse_completion", "parse_completion_ids", "render_assistant", "render_pieces", "render_tool_calls", "render_tools",
 ]

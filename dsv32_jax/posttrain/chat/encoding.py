@@ -22,7 +22,7 @@ from dsv32_jax.posttrain.chat.tokens import (ASSISTANT, BOS, CALLS_CLOSE, CALLS_
                                    RESULTS_OPEN, THINK_CLOSE, THINK_OPEN, USER, ChatFormatError, DropThinking,
                                    ToolsPrompt)
 
-__all__ = ["COMPACT_TOOLS_PROMPT", "TOOLS_PROMPT", "Piece", "check_encodable", "encode", "encode_parts", "encode_tokens",
+__all__ = ["COMPACT_TOOLS_PROMPT", "TOOLS_PROMPT", "Piece", "check_encodable", "encode", "encode_assistant", "encode_parts", "encode_tokens",
            "render_assistant", "render_pieces", "render_tool_calls", "render_tools"]
 
 #: The tool-use instructions appended to the system prompt; ``{tool_schemas}`` is one JSON object per line.
@@ -252,6 +252,14 @@ def encode_parts(codec, parts: Sequence[Part]) -> list[int]:
     for text, data in parts:
         ids += codec.encode_text(text) if data else codec.encode(text)
     return ids
+
+
+def encode_assistant(msg: Assistant, codec, keep_reasoning: bool = True) -> list[int]:
+    """The ids a model generates for assistant turn ``msg`` after the generation prompt (``render_assistant``'s
+    string, up to and including EOS), its reasoning, content and arguments as plain text: a demonstration whose
+    answer or argument spells ``<result>`` or ``</think>`` encodes them as the characters they are, as the
+    conversation's encoding does."""
+    return encode_parts(codec, _assistant_parts(msg, keep_reasoning))
 
 
 def check_encodable(msg: Assistant, codec) -> None:

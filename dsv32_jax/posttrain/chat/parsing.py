@@ -1,5 +1,6 @@
-"""Completions -> reasoning, content and typed tool calls (:func:`parse_completion`), and the id-level checks of a
-sampled completion (:func:`decode_completion`: EOS last, no PAD / BOS)."""
+"""Completions -> reasoning, content and typed tool calls (:func:`parse_completion` on text,
+:func:`parse_completion_ids` on sampled ids: only special ids are markup), and the id-level checks of a sampled
+completion (:func:`decode_completion`: EOS last, no PAD / BOS)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dsv32_jax.posttrain.chat.tokens import (BOS, CALLS_CLOSE, CALLS_OPEN, DSML,
                                    PARAM_OPEN, RESULT_OPEN, RESULTS_OPEN, SPECIAL_TOKENS, THINK_CLOSE, THINK_OPEN,
                                    ChatFormatError)
 
-__all__ = ["decode_completion", "parse_completion"]
+__all__ = ["decode_completion", "parse_completion", "parse_completion_ids"]
 
 _INVOKE_HEAD = re.compile(r' name="([^"<>\n]*)"')
 _PARAM_HEAD = re.compile(r' name="([^"<>\n]*)" string="(true|false)"')
@@ -203,3 +204,73 @@ def decode_completion(ids: Sequence[int], codec) -> str:
             raise ChatFormatError(f"{name!r} (id {tid}) at token offset {ids.index(tid)} of the completion: padding "
                                   "and BOS are never content")
     return codec.decode(ids)
+
+
+# Marks a special token's spelling inside plain text while parse_completion_ids parses (Unicode private use; the
+# character itself is doubled): after `<` of "</think>", inside "｜DSML｜". Removed from every parsed string.
+_ESC = "\ue000"
+_DSML_TAGS = (CALLS_OPEN, CALLS_CLOSE, INVOKE_OPEN, INVOKE_CLOSE, PARAM_OPEN, PARAM_CLOSE)
+_UNESCAPE = re.compile(_ESC + "(" + _ESC + ")?")
+_REPR_UNESCAPE = re.compile(r"\\ue000(\\ue000)?")
+
+
+def _specials_of(codec) -> dict[int, str]:
+    """id -> string of the format's special tokens that ``codec`` encodes as one id."""
+    out = {}
+    for tok in SPECIAL_TOKENS:
+        try:
+            ids = codec.encode(tok)
+        except ValueError:
+            continue
+        if len(ids) == 1:
+            out[ids[0]] = tok
+    return out
+
+
+def _escape(text: str, spellings: Sequence[str], dsml: bool) -> str:
+    text = text.replace(_ESC, _ESC + _ESC)
+    if dsml:  # (first: it sits inside every DSML tag)
+        text = text.replace(DSML, DSML[0] + _ESC + DSML[1:])
+    for tok in spellings:
+        text = text.replace(tok, tok[0] + _ESC + tok[1:])
+    return text
+
+
+def _unescape(value: Any) -> Any:
+    if isinstance(value, str):
+        return _UNESCAPE.sub(lambda m: _ESC if m.group(1) else "", value)
+    if isinstance(value, list):
+        return [_unescape(v) for v in value]
+    if isinstance(value, dict):
+        return {_unescape(k): _unescape(v) for k, v in value.items()}
+    return value
+
+
+def parse_completion_ids(ids: Sequence[int], codec, thinking: bool = True,
+                         tools: Sequence[ToolLike] | None = None) -> dict[str, Any]:
+    """:func:`parse_completion` of sampled ``ids`` (after :func:`decode_completion`'s id-level checks), where only
+    the codec's special ids are markup: text the model spelled with plain-text ids (``</think>`` letter by letter,
+    a DSML tool-call block or ``<result>`` copied from a tool result, which the chat encoding feeds it as plain
+    text) is data, in the reasoning, the content or an argument; parsing the decoded string read it as markup (a
+    copied tool-call block ran as a call). DSML tags count as markup only where the codec has them as single ids
+    (a non-strict HFCodec spells them in plain ids, so there they are read from the text)."""
+    decode_completion(ids, codec)
+    specials = _specials_of(codec)
+    dsml = all(tag in specials.values() for tag in _DSML_TAGS)
+    spellings = sorted((t for t in specials.values() if DSML not in t), key=len, reverse=True)
+    parts, run = [], []
+    for i in [int(x) for x in ids] + [None]:
+        if i is None or i in specials:
+            if run:
+                parts.append(_escape(codec.decode(run), spellings, dsml))
+                run = []
+            if i is not None:
+                parts.append(specials[i])
+        else:
+            run.append(i)
+    try:
+        parsed = parse_completion("".join(parts), thinking=thinking, tools=tools)
+    except ChatFormatError as e:  # (its snippets are reprs: the marker shows as the escape sequence there)
+        text = _unescape(str(e))
+        raise ChatFormatError(_REPR_UNESCAPE.sub(lambda m: m.group(1) or "", text)) from None
+    return _unescape(parsed)

@@ -7,11 +7,12 @@ import re
 from typing import Any, Sequence
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-_INTEGER = re.compile(r"\s*(-?\d{1,18})\s*")
+_INTEGER = re.compile(r"\s*(-?[0-9]{1,18})\s*", re.ASCII)  # (ASCII: '４２' and '٤٢' scored as 42)
 
 
 def parse_integer(answer: str) -> int | None:
-    """The integer a final answer states (optional spaces around an optional '-' and digits), else None."""
+    """The integer a final answer states (optional ASCII whitespace around an optional '-' and ASCII digits), else
+    None."""
     m = _INTEGER.fullmatch(answer) if isinstance(answer, str) else None
     return int(m.group(1)) if m else None
 
