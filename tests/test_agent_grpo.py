@@ -903,7 +903,8 @@ def test_step_zero_sft_continues_from_its_checkpoint_after_a_stop(tmp_path):
 
 
 @pytest.mark.heavy
-def test_step_zero_sft_stops_at_a_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bad", ["recall_loss", "grad_norm"])
+def test_step_zero_sft_stops_at_a_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, monkeypatch, bad):
     """The recall stage / cold start before step 1 saved whatever its updates produced: a NaN loss went on for the
     whole stage and into its checkpoint (red-team audit). It stops at the first non-finite SFT loss, naming the
     update and the last SFT checkpoint, which keeps the last finite state."""
@@ -914,14 +915,17 @@ def test_step_zero_sft_stops_at_a_non_finite_loss_and_keeps_its_last_checkpoint(
     lrn = AgentLearner(_config(**kw), str(tmp_path / "w"))
     real, calls = lrn._sft_update, []
 
-    def update(*a, **k):
+    def update(*a, **k):  # update 3: a NaN loss, or a finite loss with NaN gradients (the weights go NaN)
         calls.append(1)
-        return float("nan") if len(calls) == 3 else real(*a, **k)
+        loss = real(*a, **k)
+        if len(calls) == 3 and bad == "grad_norm":
+            lrn._sft_checked = dict(lrn._sft_checked, grad_norm=float("nan"))
+        return float("nan") if len(calls) == 3 and bad == "recall_loss" else loss
 
     monkeypatch.setattr(lrn, "_sft_update", update)
-    with pytest.raises(NonFinite, match=r"^SFT update 3 of step 0: recall_loss=nan is not finite; the run stopped "
-                                        r"without logging or saving it \(the last SFT checkpoint is update 2 in "
-                                        r".*sft_checkpoints\)"):
+    with pytest.raises(NonFinite, match=rf"^SFT update 3 of step 0: {bad}=nan is not finite; the run stopped "
+                                        r"without logging or saving it\. The last checkpoint, SFT update 2 in "
+                                        r".*sft_checkpoints, holds the parameters"):
         lrn.prepare()
     assert len(calls) == 3 and lrn._prepared is None
     assert os.listdir(tmp_path / "w" / SFT_CHECKPOINTS_DIR) == ["2"]

@@ -580,6 +580,17 @@ def test_parse_completion_ids_reads_only_special_ids_as_markup(plain_codec):
         assert chat.parse_completion_ids(text_ids("r") + think_close + text_ids(odd) + eos, codec)["content"] == odd
 
 
+def test_parse_completion_ids_keeps_a_json_escape_of_its_marker_character():
+    """A string="false" argument whose JSON spells the parse's marker character as an escape ("\\ue000A") decoded
+    to that character, which the unescaping after the parse then deleted (code review): the value is unescaped
+    before it is decoded."""
+    text = chat.render_assistant(Assistant("", "r", [ToolCall("f", {"v": ["Q"]})]), True).replace('"Q"', '"\\ue000A"')
+    for codec in (chat.TinyCodec.printable(), chat.load_tokenizer()):
+        ids = codec.encode(text)
+        assert chat.parse_completion_ids(ids, codec)["tool_calls"][0]["arguments"] == {"v": ["\ue000A"]}
+        assert chat.parse_completion(codec.decode(ids))["tool_calls"][0]["arguments"] == {"v": ["\ue000A"]}
+
+
 def test_parse_completion_ids_keeps_the_id_level_checks():
     tiny = chat.TinyCodec()
     ids = tiny.encode("r</think>a") + [tiny.eos_id]

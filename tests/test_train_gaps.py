@@ -461,6 +461,14 @@ def test_resuming_with_other_data_files_is_warned_about_by_name(tmp_path, caplog
             "config.data.text_field 'text' there, 'body' here)") in caplog.text
     with pytest.raises(checkpointing.ResumeError, match=r"config\.data\.seq_len 16 there, 32 here"):
         checkpointing.check_resume(point, stage="dense", data={**saved, "seq_len": 32})
+    # a checkpoint from before data.special_tokens parsed special-token strings in the text: resuming with the new
+    # default "text" is another stream (code review), "parse" is the same one
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        checkpointing.check_resume(point, stage="dense", data={**saved, "special_tokens": "parse"})
+        assert caplog.text == ""
+        checkpointing.check_resume(point, stage="dense", data={**saved, "special_tokens": "text"})
+    assert "config.data.special_tokens 'parse' there, 'text' here" in caplog.text
 
 
 def test_a_data_state_of_another_shard_count_is_a_resume_error():
@@ -807,5 +815,8 @@ def test_setup_refuses_contexts_past_the_models(tmp_path):
     with pytest.raises(ValueError, match=r"^config\.data\.seq_len=64 exceeds the model's context of 32 positions"):
         Trainer(config, str(tmp_path / "t"))
     config = load_config("quickstart", steps=1, model_overrides={"max_position_embeddings": 32},
-                         **{"data.seq_len": 32, "data.batch_size": 2})
-    Trainer(config, str(tmp_path / "t"))  # (a row of exactly the context is fine)
+                         **{"data.seq_len": 32, "data.batch_size": 2, "eval.every": 1, "eval.seq_len": 48})
+    with pytest.raises(ValueError, match=r"^config\.eval\.seq_len=48 exceeds the model's context of 32"):
+        Trainer(config, str(tmp_path / "t"))  # (the held-out evaluation's rows: code review)
+    config.eval.seq_len = 32
+    Trainer(config, str(tmp_path / "t"))  # (rows of exactly the context are fine)

@@ -246,9 +246,10 @@ class DivergingStage(FakeStage):
 
 
 @pytest.mark.parametrize("key,value,bad_at,where", [
-    ("loss", float("nan"), 3, r"the last checkpoint is step 2 in .*checkpoints"),
-    ("grad_norm", float("inf"), 2, r"the last checkpoint is step 1 in "),
-    ("loss", float("nan"), 1, r"no checkpoint was saved"),
+    ("loss", float("nan"), 3, r"The last checkpoint, step 2 in .*checkpoints, holds the parameters this loss was "
+                              r"computed on: .* resume from an earlier step \(saved: 1\)"),
+    ("grad_norm", float("inf"), 2, r"The last checkpoint, step 1 in .* earlier step \(none is saved\)"),
+    ("loss", float("nan"), 1, r"No checkpoint was saved"),
 ])
 def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_saving_it(key, value, bad_at, where,
                                                                                       tmp_path, monkeypatch):
@@ -257,9 +258,9 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_savi
     stops at the first non-finite loss or gradient norm, naming the step and the last saved checkpoint."""
     config = load_config("dense_tiny", steps=10, log_every=1000)
     stage = DivergingStage(key, value, bad_at)
-    monkeypatch.setattr(checkpointing, "latest_step", lambda mngr: stage.saved[-1][0] if stage.saved else None)
+    monkeypatch.setattr(checkpointing, "saved_steps", lambda mngr: [s for s, _ in stage.saved])
     with pytest.raises(loop.NonFinite, match=rf"^step {bad_at}: {key}={value} is not finite; the run stopped "
-                                             rf"without logging or saving it \({where}"):
+                                             rf"without logging or saving it\. {where}"):
         loop.run_loop(stage, workdir=str(tmp_path / "w"), config=config, keys=("loss",), desc="fake")
     assert [s for s, _ in stage.saved] == list(range(1, bad_at))
     if bad_at > 1:
@@ -269,14 +270,19 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_savi
         assert not os.path.exists(tmp_path / "w")
 
 
-def test_cli_a_diverged_run_exits_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_cli_a_diverged_run_exits_with_its_step_and_names_the_checkpoint_its_loss_came_from(tmp_path):
+    """lr 1e30: step 1's update blows the weights up (finite, ~1e30), step 2's loss on them is NaN. The run stops
+    there, unsaved; the message says checkpoint 1 holds the parameters that loss came from (it is no good state to
+    resume: code review of the first form, which called it the last good checkpoint)."""
     res = cli([f"--config={ROOT}/configs/quickstart.py", "--workdir=w", "--config.steps=4", "--config.eval.every=0",
                "--config.data.seq_len=32", "--config.data.batch_size=2", "--config.optimizer.lr=1e30",
                "--config.optimizer.warmup_steps=0", "--config.checkpoint.every=1"], cwd=tmp_path, timeout=300)
     assert res.returncode == 1, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
-    assert re.search(r"error: step 2: .*loss=nan.* is not finite; the run stopped without logging or saving it "
-                     r"\(the last checkpoint is step 1 in ", res.stderr), res.stderr[-2000:]
+    assert re.search(r"error: step 2: .*loss=nan.* is not finite; the run stopped without logging or saving it\. "
+                     r"The last checkpoint, step 1 in .*, holds the parameters this loss was computed on: unless the "
+                     r"batch is at fault they have diverged already; resume from an earlier step \(none is saved\)",
+                     res.stderr), res.stderr[-2000:]
     assert sorted(os.listdir(tmp_path / "w" / "checkpoints")) == ["1"]
     with open(tmp_path / "w" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1]

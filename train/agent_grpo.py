@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
@@ -46,7 +47,7 @@ from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, sampling_config,
                                   warn_nucleus_capped)
 from dsv32_jax.train.grpo_loss import group_advantages
-from dsv32_jax.train.loop import check_finite, finite, run_loop
+from dsv32_jax.train.loop import check_finite, finite, run_loop, saved_note
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
@@ -120,10 +121,12 @@ def sft_step(state, batch, *, graphdef, indexer_weight: float):
                             return_aux=True, mtp=False)
         lm = losses.lm_loss(logits, batch)
         kl, _ = losses.indexer_kl(aux, (batch["segment_ids"] > 0).astype(jnp.float32))
-        return lm + indexer_weight * kl, {"sft_loss": lm, "indexer_kl": kl}
+        loss = lm + indexer_weight * kl
+        return loss, {"sft_loss": lm, "indexer_kl": kl, "loss": loss}
 
     grads, metrics = nnx.grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(model)
     optimizer.update(model, grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return nnx.state((model, optimizer)), metrics
 
 
@@ -227,6 +230,7 @@ class AgentLearner:
     _warned_reward = False  # the reward_errors warning was logged
     _warned_nucleus = False  # the nucleus_capped warning was logged
     _last_trajs: tuple = ()  # the last rollout's trajectories (the warning quotes one)
+    _sft_checked: dict = {}  # the last SFT update's total loss and gradient norm (prepare stops on a non-finite one)
 
     def __init__(self, config, workdir: str):
         check_config(config)
@@ -433,6 +437,8 @@ class AgentLearner:
         with shd.use_mesh(self.mesh):
             step = self._sft_anneal if anneal else self._sft
             self.state, m = step(self.state, jax.device_put(batch, self.batch_sharding))
+        m = jax.device_get(m)  # (one transfer; prepare checks the total loss and the gradient norm too)
+        self._sft_checked = {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])}
         return float(m["sft_loss"])
 
     def recall_stage(self, steps_: int, batch_size: int, start: int = 0, after=None) -> list[float]:
@@ -491,11 +497,11 @@ class AgentLearner:
                 def fn(s, loss):  # after SFT update `s` of a stage that starts at update `offset`
                     n = offset + s + 1  # SFT updates done
                     now = time.perf_counter()
-                    if not finite({loss_key: loss}):
-                        saved = mngr.latest_step()
-                        check_finite({loss_key: loss}, f"SFT update {n} of step 0", "no SFT checkpoint was saved"
-                                     if saved is None else f"the last SFT checkpoint is update {saved} in "
-                                     f"{os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)}")
+                    checked = {loss_key: loss, **self._sft_checked}  # (+ the total loss and the gradient norm)
+                    if not finite(checked):
+                        check_finite(checked, f"SFT update {n} of step 0", saved_note(
+                            checkpointing.saved_steps(mngr), os.path.join(self.workdir, SFT_CHECKPOINTS_DIR),
+                            "SFT update"))
                     metrics[loss_key], metrics[time_key] = loss, metrics.get(time_key, 0.0) + now - t[0]
                     t[0] = now
                     stopped[0] = stop is not None and stop.requested

@@ -50,6 +50,12 @@ def latest_step(mngr: ocp.CheckpointManager) -> int | None:
     return mngr.latest_step()
 
 
+def saved_steps(mngr: ocp.CheckpointManager) -> list[int]:
+    """The finished checkpoints' steps, ascending (after any save in flight)."""
+    mngr.wait_until_finished()
+    return sorted(mngr.all_steps())
+
+
 def _pure(tree):
     return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
@@ -171,6 +177,9 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
     recorded = meta.get("data_config")
     if data is not None and isinstance(recorded, dict):
         here = data_fingerprint(data)
+        if "special_tokens" not in recorded and "special_tokens" in here and recorded.get("tokenizer", "byte") != "byte":
+            # (written before data.special_tokens: its tokenizer parsed special-token strings, now "parse")
+            recorded = dict(recorded, special_tokens="parse")
         problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
                      if k in recorded and recorded[k] != here.get(k)]
         changed = [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in WARN_DATA_FIELDS

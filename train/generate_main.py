@@ -285,7 +285,7 @@ def run(ckpt: str, prompts: list[tuple[str, dict]], *, out: str | None = None, c
     eos = tok.eos_id if tok.eos_id is not None else -1
     vocab = min(tok.vocab_size, model.config.vocab_size)
     if not max_candidates:  # (SamplingConfig's default of 64 cut --top_p=0.99 to the 64 likeliest ids, silently)
-        max_candidates = vocab if top_p < 1 else max(SamplingConfig.max_candidates, top_k)
+        max_candidates = max(vocab, top_k) if top_p < 1 else max(SamplingConfig.max_candidates, top_k)
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature or 1.0, greedy=temperature == 0,
                          top_k=top_k, top_p=top_p, max_candidates=max_candidates, eos_id=eos, pad_id=0,
                          vocab_size=tok.vocab_size if tok.vocab_size < model.config.vocab_size else 0)

@@ -52,14 +52,25 @@ def finite(metrics: dict) -> bool:
 
 
 def check_finite(metrics: dict, where: str, saved: str) -> None:
-    """Raises NonFinite naming `where` (e.g. "step 7"), the guarded metrics that are NaN / inf, and `saved` (what
-    checkpoint holds the run's last good state)."""
+    """Raises NonFinite naming `where` (e.g. "step 7"), the guarded metrics that are NaN / inf, and `saved`
+    (`saved_note`: the checkpoints there are)."""
     bad = {k: float(np.asarray(v)) for k, v in metrics.items() if k in GUARDED and not np.all(np.isfinite(v))}
     if bad:
         values = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise NonFinite(f"{where}: {values} is not finite; the run stopped without logging or saving it ({saved}). "
-                        "Lower optimizer.lr or lengthen optimizer.warmup_steps, or check the data, then resume from "
-                        "that checkpoint")
+        raise NonFinite(f"{where}: {values} is not finite; the run stopped without logging or saving it. {saved}")
+
+
+def saved_note(steps: list[int], directory: str, what: str = "step") -> str:
+    """What NonFinite says of the checkpoints in `directory` (`steps`, ascending): the latest holds the parameters
+    the non-finite loss was computed on (a step's loss is that of the parameters the previous step saved), so unless
+    the batch is at fault they diverged already and an earlier one is the one to resume from."""
+    if not steps:
+        return "No checkpoint was saved: lower optimizer.lr or lengthen optimizer.warmup_steps, or check the data."
+    earlier = f" (saved: {', '.join(map(str, steps[-4:-1]))})" if len(steps) > 1 else " (none is saved)"
+    return (f"The last checkpoint, {what} {steps[-1]} in {directory}, holds the parameters this loss was computed on: "
+            f"unless the batch is at fault they have diverged already; resume from an earlier {what}{earlier} by "
+            "moving the later ones away, with a lower optimizer.lr or a longer optimizer.warmup_steps, or check the "
+            "data")
 
 
 class Stage(Protocol):
@@ -185,9 +196,8 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                                             + (f"step {step} is saved in {mngr.directory})" if step else
                                                "no step was run)")) from None
                     if not finite(metrics):
-                        saved = checkpointing.latest_step(mngr)
-                        check_finite(metrics, f"step {step + 1}", "no checkpoint was saved" if saved is None else
-                                     f"the last checkpoint is step {saved} in {mngr.directory}")
+                        check_finite(metrics, f"step {step + 1}", saved_note(checkpointing.saved_steps(mngr),
+                                                                             str(mngr.directory)))
                     step += 1
                     profiler.after(step)
                     writer.write(step, metrics)

@@ -231,6 +231,19 @@ class TrainState:
     shardings: nnx.State
 
 
+def check_context(config, cfg) -> None:
+    """data.seq_len and eval.seq_len within the model's context (max_position_embeddings): a document that fills a
+    row reaches RoPE positions past it, which the model config says it does not have."""
+    ctx = int(cfg.max_position_embeddings)
+    for field in ("data.seq_len", "eval.seq_len"):
+        section, name = field.split(".")
+        value = int(config[section].get(name, 0) or 0) if section in config else 0
+        if value > ctx:
+            raise ValueError(f"config.{field}={value} exceeds the model's context of {ctx} positions "
+                             f"(max_position_embeddings of the model config): lower config.{field} or raise the "
+                             "context with config.model_overrides")
+
+
 class Trainer:
     def __init__(self, config, workdir: str, *, allocate: bool = True):
         """allocate=False builds only the abstract state (shapes, no mesh, no compilation): any config, any size."""
@@ -259,12 +272,9 @@ class Trainer:
         self.batch_sharding = steps.lm_batch_sharding(self.mesh)
         self.data_shard = data_shard(self.batch_sharding, config.data.batch_size, config.data.seq_len, config.mesh,
                                      "config.data")
+        check_context(config, self.cfg)  # (before anything is built; again for init_from's config below)
         self.ts = self._init_state()  # may adopt the checkpoint's config (self.cfg)
-        ctx = int(self.cfg.max_position_embeddings)
-        if config.data.seq_len > ctx:  # (a document that fills a row reaches RoPE positions past the context)
-            raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds the model's context of {ctx} "
-                             "positions (max_position_embeddings of the model config): lower data.seq_len or raise "
-                             "it with config.model_overrides")
+        check_context(config, self.cfg)
         self.flops_per_token = flops_per_token(self.cfg, config.data.seq_len, self.stage == "sparse")
         self._step_fn = self._compile_step()
 

@@ -73,13 +73,17 @@ def _check_against_schema(tool: Tool, args: dict[str, Any], pos: int) -> None:
                                   f"offset {pos}")
 
 
-def _parse_param(text: str, pos: int, end: int, tool: str) -> tuple[str, Any, int]:
+def _same(text: str) -> str:
+    return text
+
+
+def _parse_param(text: str, pos: int, end: int, tool: str, clean=_same) -> tuple[str, Any, int]:
     head_end = text.find(">", pos + len(PARAM_OPEN), end)
     m = _PARAM_HEAD.fullmatch(text, pos + len(PARAM_OPEN), head_end) if head_end >= 0 else None
     if m is None:
         raise ChatFormatError(f"malformed parameter tag in invoke {tool!r} at offset {pos}: expected "
                               f'{PARAM_OPEN} name="..." string="true|false">, got {_snippet(text, pos)}')
-    key, is_str = m.group(1), m.group(2) == "true"
+    key, is_str = clean(m.group(1)), m.group(2) == "true"
     close = text.find(PARAM_CLOSE, head_end + 1, end)
     markup = text.find(DSML, head_end + 1, end)
     if close < 0 or markup < close:  # the closing tag itself holds the first DSML after the value
@@ -88,6 +92,7 @@ def _parse_param(text: str, pos: int, end: int, tool: str) -> tuple[str, Any, in
                               f"before {before}")
     raw = text[head_end + 1:close]
     _check_text(f"parameter {key!r} of tool {tool!r}", raw, head_end + 1)
+    raw = clean(raw)  # (before JSON: a value's JSON escape may spell any character, the parse's marker too)
     if is_str:
         value: Any = raw
     else:
@@ -100,14 +105,15 @@ def _parse_param(text: str, pos: int, end: int, tool: str) -> tuple[str, Any, in
     return key, value, close + len(PARAM_CLOSE)
 
 
-def _parse_invoke(text: str, pos: int, end: int, tools: dict[str, Tool] | None) -> tuple[dict[str, Any], int]:
+def _parse_invoke(text: str, pos: int, end: int, tools: dict[str, Tool] | None,
+                  clean=_same) -> tuple[dict[str, Any], int]:
     start = pos
     head_end = text.find(">", pos + len(INVOKE_OPEN), end)
     m = _INVOKE_HEAD.fullmatch(text, pos + len(INVOKE_OPEN), head_end) if head_end >= 0 else None
     if m is None or not m.group(1):
         raise ChatFormatError(f'malformed invoke tag at offset {pos}: expected {INVOKE_OPEN} name="...">, got '
                               f"{_snippet(text, pos)}")
-    name = m.group(1)
+    name = clean(m.group(1))
     if tools is not None and name not in tools:
         raise ChatFormatError(f"unknown tool {name!r} in invoke at offset {pos} (tools: {', '.join(tools) or 'none'})")
     args: dict[str, Any] = {}
@@ -123,7 +129,7 @@ def _parse_invoke(text: str, pos: int, end: int, tools: dict[str, Tool] | None) 
         if not text.startswith(PARAM_OPEN, pos, end):
             raise ChatFormatError(f"unexpected text {_snippet(text, pos)} in invoke {name!r} at offset {pos}")
         at = pos
-        key, value, pos = _parse_param(text, pos, end, name)
+        key, value, pos = _parse_param(text, pos, end, name, clean)
         if key in args:
             raise ChatFormatError(f"duplicate parameter {key!r} of tool {name!r} at offset {at}")
         args[key] = value
@@ -132,7 +138,8 @@ def _parse_invoke(text: str, pos: int, end: int, tools: dict[str, Tool] | None) 
     return {"name": name, "arguments": args}, pos
 
 
-def _parse_calls(text: str, pos: int, end: int, tools: dict[str, Tool] | None) -> tuple[list[dict[str, Any]], int]:
+def _parse_calls(text: str, pos: int, end: int, tools: dict[str, Tool] | None,
+                 clean=_same) -> tuple[list[dict[str, Any]], int]:
     start = pos
     pos += len(CALLS_OPEN)
     calls = []
@@ -143,7 +150,7 @@ def _parse_calls(text: str, pos: int, end: int, tools: dict[str, Tool] | None) -
         if text.startswith(CALLS_CLOSE, pos, end):
             return calls, pos + len(CALLS_CLOSE)
         if text.startswith(INVOKE_OPEN, pos, end):
-            call, pos = _parse_invoke(text, pos, end, tools)
+            call, pos = _parse_invoke(text, pos, end, tools, clean)
             calls.append(call)
         elif text.startswith(PARAM_OPEN, pos, end):
             raise ChatFormatError(f"parameter outside invoke at offset {pos}")
@@ -151,7 +158,8 @@ def _parse_calls(text: str, pos: int, end: int, tools: dict[str, Tool] | None) -
             raise ChatFormatError(f"unexpected text {_snippet(text, pos)} in function_calls block at offset {pos}")
 
 
-def parse_completion(text: str, thinking: bool = True, tools: Sequence[ToolLike] | None = None) -> dict[str, Any]:
+def parse_completion(text: str, thinking: bool = True, tools: Sequence[ToolLike] | None = None, *,
+                     _clean=_same) -> dict[str, Any]:
     """Parse what the model generated after the generation prompt.
 
     Returns ``{"reasoning": str | None, "content": str, "tool_calls": [{"name", "arguments"}, ...]}``
@@ -182,11 +190,12 @@ def parse_completion(text: str, thinking: bool = True, tools: Sequence[ToolLike]
     else:
         content = text[pos:calls_at]
         content = content[:-2] if content.endswith("\n\n") else content
-        calls, after = _parse_calls(text, calls_at, end, table)
+        calls, after = _parse_calls(text, calls_at, end, table, _clean)
         if text[after:end].strip():
             raise ChatFormatError(f"unexpected text after {CALLS_CLOSE!r} at offset {after}: {_snippet(text, after)}")
     _check_text("content", content, pos)
-    return {"reasoning": reasoning, "content": content, "tool_calls": calls}
+    return {"reasoning": None if reasoning is None else _clean(reasoning), "content": _clean(content),
+            "tool_calls": calls}
 
 
 def decode_completion(ids: Sequence[int], codec) -> str:
@@ -236,14 +245,8 @@ def _escape(text: str, spellings: Sequence[str], dsml: bool) -> str:
     return text
 
 
-def _unescape(value: Any) -> Any:
-    if isinstance(value, str):
-        return _UNESCAPE.sub(lambda m: _ESC if m.group(1) else "", value)
-    if isinstance(value, list):
-        return [_unescape(v) for v in value]
-    if isinstance(value, dict):
-        return {_unescape(k): _unescape(v) for k, v in value.items()}
-    return value
+def _unescape(text: str) -> str:
+    return _UNESCAPE.sub(lambda m: _ESC if m.group(1) else "", text)
 
 
 def parse_completion_ids(ids: Sequence[int], codec, thinking: bool = True,
@@ -268,9 +271,8 @@ def parse_completion_ids(ids: Sequence[int], codec, thinking: bool = True,
                 parts.append(specials[i])
         else:
             run.append(i)
-    try:
-        parsed = parse_completion("".join(parts), thinking=thinking, tools=tools)
+    try:  # (every string the parse extracts is unescaped once, a JSON value before it is decoded)
+        return parse_completion("".join(parts), thinking=thinking, tools=tools, _clean=_unescape)
     except ChatFormatError as e:  # (its snippets are reprs: the marker shows as the escape sequence there)
         text = _unescape(str(e))
         raise ChatFormatError(_REPR_UNESCAPE.sub(lambda m: m.group(1) or "", text)) from None
-    return _unescape(parsed)
