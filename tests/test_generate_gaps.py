@@ -639,3 +639,20 @@ def test_dsa_auto_attends_densely_where_the_indexers_were_never_trained(tmp_path
     assert [o.dsa for o in loaded_options] == [False, True]
     assert notes == [f"note: {HF_LONG}: why: attending to every earlier token (--dsa=on selects with these indexers "
                      "anyway)"]
+
+
+def test_the_streaming_decode_step_compiles_once_per_cache_bucket(model):
+    """generate_stream's cache held prompt width + max_new_tokens slots, so the decode step compiled again for every
+    16-token prompt bucket (a prompts file of varied lengths: one compile per length bucket). The cache is rounded up
+    to CACHE_BUCKET slots (the rest invisible, segment 0): prompts of 5, 20 and 40 tokens share one step program, and
+    each still equals the cache-free generation."""
+    from dsv32_jax.posttrain import generate as gen
+
+    cfg = SamplingConfig(max_new_tokens=3, temperature=0.7, eos_id=-1, pad_id=0)
+    before_step, before_prefill = gen._step._cache_size(), gen._prefill._cache_size()
+    for n in (5, 20, 40):
+        ids = [int(x) for x in np.random.default_rng(n).integers(2, 32, n)]
+        assert gen.generate_ids(model, ids, cfg, jax.random.key(n)) == gen.generate_no_cache(model, ids, cfg,
+                                                                                             jax.random.key(n))
+    assert gen._step._cache_size() - before_step == 1
+    assert gen._prefill._cache_size() - before_prefill == 3  # (one per 16-token prompt bucket)
