@@ -47,7 +47,7 @@ from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, sampling_config,
                                   warn_nucleus_capped)
 from dsv32_jax.train.grpo_loss import group_advantages
-from dsv32_jax.train.loop import check_finite, finite, run_loop, saved_note
+from dsv32_jax.train.loop import check_finite, run_loop, saved_note
 from dsv32_jax.train.optimizer import make_tx, trainable_filter
 from dsv32_jax.train.trainer import build_policy, resumed_model_config
 
@@ -497,11 +497,9 @@ class AgentLearner:
                 def fn(s, loss):  # after SFT update `s` of a stage that starts at update `offset`
                     n = offset + s + 1  # SFT updates done
                     now = time.perf_counter()
-                    checked = {loss_key: loss, **self._sft_checked}  # (+ the total loss and the gradient norm)
-                    if not finite(checked):
-                        check_finite(checked, f"SFT update {n} of step 0", saved_note(
-                            checkpointing.saved_steps(mngr), os.path.join(self.workdir, SFT_CHECKPOINTS_DIR),
-                            "SFT update"))
+                    where = os.path.join(self.workdir, SFT_CHECKPOINTS_DIR)  # (the total loss and grad norm too:)
+                    check_finite({loss_key: loss, **self._sft_checked}, f"SFT update {n} of step 0",
+                                 lambda: saved_note(checkpointing.saved_steps(mngr), where, "SFT update"))
                     metrics[loss_key], metrics[time_key] = loss, metrics.get(time_key, 0.0) + now - t[0]
                     t[0] = now
                     stopped[0] = stop is not None and stop.requested

@@ -177,8 +177,8 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
     recorded = meta.get("data_config")
     if data is not None and isinstance(recorded, dict):
         here = data_fingerprint(data)
-        if "special_tokens" not in recorded and "special_tokens" in here and recorded.get("tokenizer", "byte") != "byte":
-            # (written before data.special_tokens: its tokenizer parsed special-token strings, now "parse")
+        legacy = "special_tokens" not in recorded and recorded.get("tokenizer", "byte") != "byte"
+        if legacy and "special_tokens" in here:  # (written before data.special_tokens: its tokenizer parsed them)
             recorded = dict(recorded, special_tokens="parse")
         problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
                      if k in recorded and recorded[k] != here.get(k)]

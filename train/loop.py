@@ -46,18 +46,13 @@ class NonFinite(RuntimeError):
 GUARDED = ("loss", "lm_loss", "grad_norm", "sft_loss", "recall_loss")
 
 
-def finite(metrics: dict) -> bool:
-    """Whether every GUARDED metric in `metrics` is finite."""
-    return all(np.all(np.isfinite(v)) for k, v in metrics.items() if k in GUARDED)
-
-
-def check_finite(metrics: dict, where: str, saved: str) -> None:
-    """Raises NonFinite naming `where` (e.g. "step 7"), the guarded metrics that are NaN / inf, and `saved`
-    (`saved_note`: the checkpoints there are)."""
+def check_finite(metrics: dict, where: str, saved: Callable[[], str]) -> None:
+    """Raises NonFinite naming `where` (e.g. "step 7"), the guarded metrics that are NaN / inf, and `saved()`
+    (`saved_note`: the checkpoints there are; called only then)."""
     bad = {k: float(np.asarray(v)) for k, v in metrics.items() if k in GUARDED and not np.all(np.isfinite(v))}
     if bad:
         values = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise NonFinite(f"{where}: {values} is not finite; the run stopped without logging or saving it. {saved}")
+        raise NonFinite(f"{where}: {values} is not finite; the run stopped without logging or saving it. {saved()}")
 
 
 def saved_note(steps: list[int], directory: str, what: str = "step") -> str:
@@ -195,9 +190,8 @@ def run_loop(stage: Stage, *, workdir: str, config, keys, desc: str,
                             raise DataError(f"{e} (reading step {step + 1}'s batch; "
                                             + (f"step {step} is saved in {mngr.directory})" if step else
                                                "no step was run)")) from None
-                    if not finite(metrics):
-                        check_finite(metrics, f"step {step + 1}", saved_note(checkpointing.saved_steps(mngr),
-                                                                             str(mngr.directory)))
+                    check_finite(metrics, f"step {step + 1}",
+                                 lambda: saved_note(checkpointing.saved_steps(mngr), str(mngr.directory)))
                     step += 1
                     profiler.after(step)
                     writer.write(step, metrics)

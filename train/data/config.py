@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from dsv32_jax.train.data.tokenizers import SPECIAL_TOKEN_MODES
+
 
 SOURCES = ("builtin", "jsonl", "parquet", "arrayrecord", "text")
 
@@ -29,7 +31,7 @@ class DataConfig:
     shards: int = 0
     split: str = "train"  # builtin source: "train" or "heldout" (disjoint documents, for evaluation)
     min_doc_tokens: int = 0  # drop documents shorter than this (e.g. a long-context evaluation split)
-    # A tokenizer.json's special-token strings inside a document ("<｜end▁of▁sentence｜>" quoted in a web page): "text"
+    # A tokenizer.json's special-token strings inside a document (an EOS string quoted in a web page): "text"
     # (default) tokenizes them as the text they are; "parse" turns them into the special ids (text rendered with a
     # chat template on purpose)
     special_tokens: str = "text"
@@ -65,5 +67,5 @@ class DataConfig:
             raise ValueError(f"data.batch_size {self.batch_size} must be divisible by data.shards {self.shards}")
         if self.worker_count < 0:
             raise ValueError(f"data.worker_count must be >= 0, got {self.worker_count}")
-        if self.special_tokens not in ("text", "parse"):
+        if self.special_tokens not in SPECIAL_TOKEN_MODES:
             raise ValueError(f"data.special_tokens must be 'text' or 'parse', got {self.special_tokens!r}")

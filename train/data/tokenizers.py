@@ -54,6 +54,10 @@ def _token_content(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# what HFTokenizer.encode makes of special-token strings in the text: special ids, or the characters they are
+SPECIAL_TOKEN_MODES = ("parse", "text")
+
+
 class HFTokenizer:
     """A HF `tokenizers` tokenizer.json. EOS / BOS come from the files next to it, first found wins:
     tokenizer_config.json (``eos_token``, ``bos_token`` + ``add_bos_token``), then config.json /
@@ -63,7 +67,7 @@ class HFTokenizer:
     def __init__(self, path: str, special_tokens: str = "parse"):
         import tokenizers  # noqa: PLC0415  (optional at import time of this module)
 
-        if special_tokens not in ("text", "parse"):
+        if special_tokens not in SPECIAL_TOKEN_MODES:
             raise ValueError(f"special_tokens must be 'text' or 'parse', got {special_tokens!r}")
         self.path = path
         self.name = path

@@ -224,15 +224,14 @@ _REPR_UNESCAPE = re.compile(r"\\ue000(\\ue000)?")
 
 
 def _specials_of(codec) -> dict[int, str]:
-    """id -> string of the format's special tokens that ``codec`` encodes as one id."""
+    """id -> string of the format's special tokens that ``codec`` has as one id (``token_to_id`` raises for the
+    others: a non-strict HFCodec's DSML tags)."""
     out = {}
     for tok in SPECIAL_TOKENS:
         try:
-            ids = codec.encode(tok)
+            out[codec.token_to_id(tok)] = tok
         except ValueError:
             continue
-        if len(ids) == 1:
-            out[ids[0]] = tok
     return out
 
 
