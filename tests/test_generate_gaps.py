@@ -656,3 +656,35 @@ def test_the_streaming_decode_step_compiles_once_per_cache_bucket(model):
                                                                                              jax.random.key(n))
     assert gen._step._cache_size() - before_step == 1
     assert gen._prefill._cache_size() - before_prefill == 3  # (one per 16-token prompt bucket)
+
+
+@pytest.mark.parametrize("base", [16, 64, 256])
+def test_buckets_pad_by_at_most_an_eighth_and_stay_few(base):
+    """sampler.bucketed: every length up to 128K (and its bucket) rounds up to a multiple of `base`, pads by less than
+    max(base, n / 8), never falls below a shorter length's bucket and is its own bucket; the lengths fall into at
+    most 16 + 8 per doubling past 16 * base buckets (plain multiples of 16 gave 8,192 prefill / append programs)."""
+    from dsv32_jax.posttrain.sampler import bucketed
+
+    top = 1 << 17
+    got = np.array([bucketed(n, base) for n in range(1, top + 1)])
+    n = np.arange(1, top + 1)
+    assert np.all(got >= n) and np.all(got % base == 0)
+    assert np.all(got - n < np.maximum(base, n / 8))
+    assert np.all(np.diff(got) >= 0)
+    assert all(bucketed(int(b), base) == b for b in np.unique(got))
+    assert len(np.unique(got)) <= 16 + 8 * max(0, np.log2(top / (16 * base)))
+    assert bucketed(0, base) == base
+
+
+def test_prompts_past_256_tokens_share_a_prefill_program_per_bucket(model):
+    """Prompts of 257-320 tokens took 4 prefill programs (one per 16 tokens); their buckets step by 32 past 256 tokens,
+    so 2 programs, and each generation still equals the cache-free one (the extra left padding is invisible)."""
+    from dsv32_jax.posttrain import generate as gen
+
+    cfg = SamplingConfig(max_new_tokens=2, temperature=0.7, eos_id=-1, pad_id=0)
+    before = gen._prefill._cache_size()
+    for n in (257, 275, 289, 320):
+        ids = [int(x) for x in np.random.default_rng(n).integers(2, 32, n)]
+        assert gen.generate_ids(model, ids, cfg, jax.random.key(n)) == gen.generate_no_cache(model, ids, cfg,
+                                                                                             jax.random.key(n))
+    assert gen._prefill._cache_size() - before == 2

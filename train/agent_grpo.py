@@ -41,7 +41,7 @@ from dsv32_jax.posttrain.agent.episode import OraclePolicy, chat_tools, check_en
 from dsv32_jax.posttrain.agent.recall import INDUCTION_CHARS, recall_examples
 from dsv32_jax.posttrain.agent.rollout import BatchedRollout
 from dsv32_jax.posttrain.envs import Env, env_factory, make_env
-from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig
+from dsv32_jax.posttrain.sampler import PIECE_BUCKET, SamplingConfig, bucketed
 from dsv32_jax.train import checkpointing, losses, steps
 from dsv32_jax.train.config import check_config
 from dsv32_jax.train.grpo import (check_group_size, check_minibatches, minibatch_updates, sampling_config,
@@ -93,12 +93,12 @@ def env_specs(value) -> list[str]:
 
 def sft_batch(trajectories, width: int, bucket: int = 0, rows_multiple: int = 1) -> dict:
     """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token.
-    `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to a multiple of `bucket`.
+    `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to its bucket (`bucketed`).
     `rows_multiple`: empty rows (segment 0, no loss: the token-averaged losses ignore them) are added up to a
     multiple of it (the mesh's batch shards: the example count of a step need not divide them)."""
     b = -(-len(trajectories) // rows_multiple) * rows_multiple
     if bucket:
-        width = min(width, -(-max(len(ids) for ids, _ in trajectories) // bucket) * bucket)
+        width = min(width, bucketed(max(len(ids) for ids, _ in trajectories), bucket))
     out = {k: np.zeros((b, width), np.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
     out["loss_mask"] = np.zeros((b, width), np.float32)
     for i, (ids, mask) in enumerate(trajectories):
@@ -353,10 +353,10 @@ class AgentLearner:
 
     def check_first_prompts(self, seeds=(0, 10**6, 10**7), sample: int = 32) -> None:
         """Before any work: every environment's texts are encodable by the codec and its first prompt plus
-        `max_new_tokens` fits `capacity` as the rollout's sampler lays it out (the prompt padded to its 16-slot
-        bucket), at the first seed of the RL, cold-start and evaluation ranges and at `sample` RL seeds (prompt
-        lengths vary by task: checking three seeds let a capacity through that half of the tasks overran). A
-        longer task that still overruns ends "context full" (the `context_full` metric)."""
+        `max_new_tokens` fits `capacity` as the rollout's sampler lays it out (the prompt padded to its bucket,
+        `sampler.bucketed`), at the first seed of the RL, cold-start and evaluation ranges and at `sample` RL seeds
+        (prompt lengths vary by task: checking three seeds let a capacity through that half of the tasks overran).
+        A longer task that still overruns ends "context full" (the `context_full` metric)."""
         a = self.a
         ctx = int(self.cfg.max_position_embeddings)
         caps = self.capacities()
@@ -380,13 +380,13 @@ class AgentLearner:
                                            tools_prompt=a.tools_prompt)[0])
                 longest = max(longest, (n, seed))
             n, seed = longest
-            need = -(-n // bucket) * bucket + a.max_new_tokens
+            need = bucketed(n, bucket) + a.max_new_tokens
             for field, cap in caps:
                 if need > cap:
                     raise ValueError(f"{field}={cap} is too small: the longest first prompt of "
                                      f"environment {spec!r} at {len(seeds) + sample} seeds (seed {seed}) has {n} tokens "
                                      f"with config.agent.codec={a.codec!r} and config.agent.tools_prompt="
-                                     f"{a.tools_prompt!r}; padded to the sampler's {bucket}-slot bucket "
+                                     f"{a.tools_prompt!r}; padded to the sampler's bucket "
                                      f"({need - a.max_new_tokens}) plus config.agent.max_new_tokens={a.max_new_tokens} "
                                      f"it needs {need}; raise it to at least that (more for longer tasks and later turns)")
 
@@ -586,7 +586,7 @@ class AgentLearner:
         total = rewards + sum(terms.values(), np.zeros_like(rewards))
         shd.check_same_on_processes("the agent's rewards (verifiers, reward terms)", total)
         adv = group_advantages(total, group_ids)
-        width = -(-rec["tokens"].shape[1] // 64) * 64  # bucket the layout width: fewer recompiles
+        width = bucketed(rec["tokens"].shape[1], 64)  # bucket the layout width: fewer recompiles
         padw = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         batch = {"tokens": padw(rec["tokens"]), "positions": padw(rec["positions"]), "segments": padw(rec["segments"]),
                  "gen": padw(rec["generated"]), "logp_old": padw(rec["logprobs"]), "kept_ids": padw(rec["kept_ids"]),

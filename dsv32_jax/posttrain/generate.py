@@ -20,15 +20,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv32_jax.posttrain.sampler import SamplingConfig, prompt_layout, sample_token
+from dsv32_jax.posttrain.sampler import SamplingConfig, bucketed, prompt_layout, sample_token
 
 
 class PromptTooLongError(ValueError):
     """A prompt does not fit the model's context (config.max_position_embeddings)."""
 
 
-PROMPT_BUCKET = 16  # prompts are left-padded to a multiple of this (fewer prefill compilations)
-CACHE_BUCKET = 256  # the decode cache holds a multiple of this many slots (one decode step program per bucket)
+PROMPT_BUCKET = 16  # prompts are left-padded to a bucket of this base (`sampler.bucketed`: fewer prefill programs)
+CACHE_BUCKET = 256  # the decode cache's slots are a bucket of this base (one decode step program per bucket)
 
 
 def context_length(model) -> int:
@@ -77,20 +77,20 @@ def _prompt_ids(model, ids: Sequence[int], cfg: SamplingConfig) -> list[int]:
 
 def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) -> Iterator[int]:
     """Yields up to cfg.max_new_tokens sampled ids after the prompt `ids` (stops after cfg.eos_id, which is
-    yielded; eos_id < 0: never stops early), each as soon as it is sampled. The prompt is left-padded to a
-    multiple of PROMPT_BUCKET (padding is segment 0: invisible to attention and the indexer) and the cache holds
-    prompt + max_new_tokens slots, rounded up to a multiple of CACHE_BUCKET within the context (the unused slots are
-    segment 0, invisible): the decode step compiles once per cache bucket, not once per prompt bucket. rng: a jax
-    key (default key(0)); step i samples with fold_in(rng, i)."""
+    yielded; eos_id < 0: never stops early), each as soon as it is sampled. The prompt is left-padded to its
+    bucket (`sampler.bucketed` of base PROMPT_BUCKET; padding is segment 0: invisible to attention and the indexer)
+    and the cache holds prompt + max_new_tokens slots, rounded up to a bucket of base CACHE_BUCKET within the context
+    (the unused slots are segment 0, invisible): the prefill compiles once per prompt bucket, the decode step once
+    per cache bucket. rng: a jax key (default key(0)); step i samples with fold_in(rng, i)."""
     ids = _prompt_ids(model, ids, cfg)
     n_new = check_prompt(model, len(ids), cfg.max_new_tokens)
     if n_new == 0:
         return
     rng = jax.random.key(0) if rng is None else rng
-    width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET
+    width = bucketed(len(ids), PROMPT_BUCKET)
     total = width + n_new
-    if -(-total // CACHE_BUCKET) * CACHE_BUCKET <= context_length(model):
-        total = -(-total // CACHE_BUCKET) * CACHE_BUCKET
+    if total <= context_length(model):  # (a bucket past the context: the context, one program too)
+        total = min(bucketed(total, CACHE_BUCKET), context_length(model))
     segments, positions = prompt_layout(jnp.asarray([len(ids)], jnp.int32), width, total)
     tokens = jnp.asarray([[cfg.pad_id] * (width - len(ids)) + ids], jnp.int32)
     graphdef, state = nnx.split(model)

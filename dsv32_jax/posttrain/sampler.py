@@ -268,7 +268,17 @@ def _sample_after(graphdef, state, cache, last, slot0, next_pos, row_seg, live, 
                         {name: dict(w) for name, w in widths})
 
 
-PIECE_BUCKET = 16  # a step's pieces are padded to a multiple of this many cache slots
+PIECE_BUCKET = 16  # a step's pieces are padded to a bucket of this base (`bucketed`)
+
+
+def bucketed(n: int, base: int) -> int:
+    """n (>= 1) rounded up to its bucket: a multiple of `base` up to 16 * base, above that a multiple of base times
+    the power of two that keeps the steps at most 1/8 of n. Padding to it adds at most max(base, n / 8) slots, and
+    the lengths up to L fall into about 16 + 8 * log2(L / (16 * base)) buckets, so a program keyed on the width
+    compiles that often (plain multiples of 16 took one program per 16 slots: 8,192 for a 128K context)."""
+    n = max(int(n), 1)
+    step = base * max(1, (1 << (n - 1).bit_length()) // (16 * base))
+    return -(-n // step) * step
 
 
 class MultiTurnSampler:
@@ -312,8 +322,8 @@ class MultiTurnSampler:
         self.next_pos[row] = 0
 
     def _width(self, pieces: list[list[int]]) -> int:
-        """Slots a step's pieces take: the longest piece rounded up to the bucket."""
-        return -(-max([len(p) for p in pieces] + [1]) // self.bucket) * self.bucket
+        """Slots a step's pieces take: the longest piece rounded up to its bucket (`bucketed`)."""
+        return bucketed(max([len(p) for p in pieces] + [1]), self.bucket)
 
     def fits(self, pieces: list[list[int]]) -> bool:
         """Whether `step(pieces, ...)` fits the remaining cache slots (the pieces' width + max_new_tokens)."""
