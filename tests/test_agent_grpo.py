@@ -907,22 +907,23 @@ def test_step_zero_sft_continues_from_its_checkpoint_after_a_stop(tmp_path):
 def test_step_zero_sft_stops_at_a_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, monkeypatch, bad):
     """The recall stage / cold start before step 1 saved whatever its updates produced: a NaN loss went on for the
     whole stage and into its checkpoint (red-team audit). It stops at the first non-finite SFT loss, naming the
-    update and the last SFT checkpoint, which keeps the last finite state."""
+    update and the last SFT checkpoint, which keeps the last finite state (every update is saved here: the
+    non-finite one is not, nor does it replace the last finite one, the manager keeping one)."""
     from dsv32_jax.train.agent_grpo import SFT_CHECKPOINTS_DIR
     from dsv32_jax.train.loop import NonFinite
 
-    kw = dict(envs="lookup", max_turns=1, eval_episodes=1, recall_steps=4, recall_batch=2, sft_checkpoint_every=2)
+    kw = dict(envs="lookup", max_turns=1, eval_episodes=1, recall_steps=4, recall_batch=2, sft_checkpoint_every=1)
     lrn = AgentLearner(_config(**kw), str(tmp_path / "w"))
-    real, calls = lrn._sft_update, []
+    real, calls = lrn._sft, []
 
-    def update(*a, **k):  # update 3: a NaN loss, or a finite loss with NaN gradients (the weights go NaN)
+    def sft(*a, **k):  # the compiled SFT step's update 3: a NaN loss, or a finite loss with NaN gradients
         calls.append(1)
-        loss = real(*a, **k)
-        if len(calls) == 3 and bad == "grad_norm":
-            lrn._sft_checked = dict(lrn._sft_checked, grad_norm=float("nan"))
-        return float("nan") if len(calls) == 3 and bad == "recall_loss" else loss
+        state, m = real(*a, **k)
+        if len(calls) == 3:
+            m = dict(m, **{"sft_loss" if bad == "recall_loss" else "grad_norm": np.float32("nan")})
+        return state, m
 
-    monkeypatch.setattr(lrn, "_sft_update", update)
+    monkeypatch.setattr(lrn, "_sft", sft)
     with pytest.raises(NonFinite, match=rf"^SFT update 3 of step 0: {bad}=nan is not finite; the run stopped "
                                         r"without logging or saving it\. The last checkpoint, SFT update 2 in "
                                         r".*sft_checkpoints, holds the parameters"):

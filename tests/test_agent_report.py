@@ -43,6 +43,8 @@ def test_summary_and_sweep_table_from_metrics(tmp_path, capsys):
     np.testing.assert_allclose(cells["**min**"], [0.0, 0.5, 0.5, 0.2, 0.3, 0.6])
     np.testing.assert_allclose(cells["**median**"], [0.0, 0.7, 0.75, 0.6, 0.5, 0.6])
     np.testing.assert_allclose(cells["**max**"], [0.0, 0.9, 1.0, 0.9, 1.0, 1.2])
+    # the minutes to 0.1 (b: 6 steps x 12 s), the success rates to 0.001
+    assert "| **max** | 0.000 | 0.900 | 1.000 | 0.900 | 1.000 | 1.2 |" in lines
 
 
 def test_paths_without_an_agentic_run_are_named(tmp_path, capsys):

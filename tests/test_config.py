@@ -237,6 +237,14 @@ def test_training_config_checks_name_the_field(stage, field, value, needle):
 
 
 @pytest.mark.parametrize("stage", ["grpo", "agent"])
+def test_a_temperature_of_exactly_the_named_minimum_is_accepted(stage):
+    """The refusal says ">= 1e-06": 1e-06 itself is a temperature the stages take."""
+    from dsv32_jax.train.config import check_config
+
+    check_config(_training_config(stage, **{f"{stage}.temperature": 1e-6}))
+
+
+@pytest.mark.parametrize("stage", ["grpo", "agent"])
 def test_post_training_stages_refuse_microbatches_and_name_the_lm_fields_they_ignore(stage, caplog):
     """The GRPO and agent stages read neither config.microbatches nor the data / loss / eval sections, and dropped
     them silently (a microbatches=4 run went out of memory on its whole batch). Now microbatches > 1 is refused by

@@ -200,3 +200,12 @@ def test_special_token_strings_in_documents_are_text_unless_parsing_is_asked_for
 
     with pytest.raises(ValueError, match=r"data\.special_tokens must be 'text' or 'parse', got 'yes'"):
         finite("jsonl", [jsonl], special_tokens="yes")
+
+    # a grain worker process gets a pickled copy: it keeps the mode; a tokenizer made without one (dsv32-generate's
+    # prompts, rendered with the chat template) parses them
+    import pickle
+
+    for mode, has_specials in (("text", False), ("parse", True)):
+        copy = pickle.loads(pickle.dumps(make_tokenizer(path, special_tokens=mode)))
+        assert bool(specials & set(copy.encode(doc))) == has_specials, mode
+    assert user in make_tokenizer(path).encode(doc)

@@ -282,6 +282,12 @@ def test_the_sweep_summary_refuses_tables_of_different_shapes_naming_both_files(
         eval_sweep.main([a, b])
     with pytest.raises(SystemExit, match="at least 2 runs"):
         eval_sweep.main([a])
+    rows = json.loads(open(a).read())["rows"]  # the same cells, another first row: the gaps' base differs
+    (tmp_path / "r.json").write_text(json.dumps({"rows": rows[::-1]}))
+    with pytest.raises(SystemExit, match=r"r\.json and .*a\.json hold different tables \(cells in one only: \[\]; "
+                                         r"first rows \('sparse \(sparse, step 150\)', 'dsa'\) / "
+                                         r"\('dense \(dense, step 300\)', 'dense'\)\)"):
+        eval_sweep.main([a, str(tmp_path / "r.json")])
     (tmp_path / "c.json").write_text("{not json")
     with pytest.raises(SystemExit, match=r"c\.json: not an eval table"):
         eval_sweep.main([a, str(tmp_path / "c.json")])
@@ -289,7 +295,7 @@ def test_the_sweep_summary_refuses_tables_of_different_shapes_naming_both_files(
     assert json.loads((tmp_path / "o" / "s.json").read_text())["rows"][1]["gap"] == pytest.approx([0.1, 0.2, 0.3])
 
 
-def test_cli_refuses_a_context_past_the_models(capsys):
+def test_cli_refuses_a_context_past_the_models(capsys, monkeypatch):
     """--seq_lens past a model's max_position_embeddings scored it at RoPE positions it does not have (red-team
     audit): refused by name before any evaluation."""
     moe = os.path.join(os.path.dirname(HF_SHORT), "hf_moe_bias")  # max_position_embeddings 2560
@@ -297,6 +303,19 @@ def test_cli_refuses_a_context_past_the_models(capsys):
                                          r"\(max_position_embeddings of its model config\)$"):
         eval_lib.main([f"--workdirs={moe}", "--seq_lens=128,4096", "--batches=1", "--batch_size=2",
                        "--tokenizer=byte"])
+    # a context of exactly the model's (positions 0 .. 2559) is evaluated: past the check, to the held-out batches
+    seen = []
+
+    def batches(cfg, vocab_size, num_batches):
+        seen.append(cfg.seq_len)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(eval_lib, "eval_batches", batches)
+    with pytest.raises(RuntimeError, match="stop here"):
+        eval_lib.eval_table([moe], [2560], 1, 2, data={"source": "builtin", "tokenizer": "byte"})
+    assert seen == [2560]
+    with pytest.raises(eval_lib.SeqLenError, match=rf"^2561 exceeds the context of {moe}: 2560 positions"):
+        eval_lib.eval_table([moe], [2560, 2561], 1, 2, data={"source": "builtin", "tokenizer": "byte"})
 
 
 def test_a_held_out_set_smaller_than_the_evaluation_is_repeated_with_a_warning(tmp_path, caplog):

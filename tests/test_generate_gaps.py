@@ -420,6 +420,7 @@ def test_run_passes_the_flags_into_the_sampling_config(scripted_stream):
     (dict(top_k=8), 64),
     (dict(top_p=0.9, max_candidates=32), 32),
     (dict(top_p=0.9, top_k=300), 300),  # (a top_k past the vocabulary: no error naming no flag; code review)
+    (dict(top_k=32, max_candidates=32), 32),  # (top_k may take the whole candidate set)
 ])
 def test_run_samples_top_p_from_the_whole_vocabulary_unless_told_otherwise(scripted_stream, kw, want):
     """dsv32-generate built SamplingConfig with its default 64 candidates: --top_p=0.99 on a flat distribution kept

@@ -306,6 +306,32 @@ def test_kl_weights_of_an_unknown_task_are_refused(tmp_path):
         learner(tmp_path, 1, **{"grpo.kl_weights": ml_collections.ConfigDict({"mapp": 0.1})})
 
 
+def test_both_learners_report_a_capped_nucleus_once(caplog):
+    """The GRPO and the agent learner log the capped-nucleus warning (kept_mass 0.3 < top_p 0.9 - 0.05 with 4
+    candidates) once, at the first step that shows it, naming their own section; a step whose update reports no
+    kept_mass (a stubbed learner) is no reason to warn. Rollout, update and evaluation are stubbed."""
+    import types
+
+    from dsv32_jax.train.agent_grpo import AgentLearner
+
+    for cls, field, section in ((GRPOLearner, "g", "grpo"), (AgentLearner, "a", "agent")):
+        lrn = object.__new__(cls)
+        lrn.step, lrn.config = 0, types.SimpleNamespace(steps=10)
+        setattr(lrn, field, types.SimpleNamespace(eval_every=0, cold_start_steps=0, recall_steps=0))
+        lrn.sampling = SamplingConfig(top_p=0.9, max_candidates=4)
+        lrn.rollout = lambda step: ({}, {"reward_mean": 0.0})
+        kept = iter([{}, {"kept_mass": 0.3}, {"kept_mass": 0.2}, {"kept_mass": 0.3}])
+        lrn.update = lambda batch, kept=kept: {"loss": 0.0, **next(kept)}
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="absl"):
+            for _ in range(4):
+                lrn.run_step()
+        warned = [r.getMessage() for r in caplog.records if "kept_mass" in r.getMessage()]
+        assert len(warned) == 1, (section, warned)
+        assert warned[0].startswith(f"step 2: the sampled tokens' kept sets held 0.30 of the probability mass "
+                                    f"(metric kept_mass), not config.{section}.top_p=0.9: "), warned[0]
+
+
 @pytest.mark.parametrize("every,want", [(0, [5]), (2, [2, 4, 5]), (1, [1, 2, 3, 4, 5])])
 def test_eval_every_zero_evaluates_at_the_end_only(every, want):
     """config.grpo.eval_every / config.agent.eval_every = 0 (0 means off elsewhere in the config) failed with a

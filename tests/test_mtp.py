@@ -172,3 +172,36 @@ def test_a_packed_documents_mtp_states_and_mtp_indexer_kl_equal_its_own(rng):
             assert rel_err(packed[0][j][part], alone[0][j]) < 1e-5, (len(doc), j)
             assert rel_err(packed[1][j][part], alone[1][j]) < 1e-4, (len(doc), j, packed[1][j][part], alone[1][j])
         start += len(doc)
+
+
+def test_the_warmup_trains_the_mtp_layers_indexer_at_mtp_weight_zero(rng):
+    """The warm-up trains every indexer, the MTP layer's too (its parameters are trainable there whatever
+    loss.mtp_weight): at mtp_weight 0 the MTP layer still runs in the warm-up, so its indexer gets a gradient and
+    its KL joins indexer_kl (the 4-indexer average differs from the 3 main indexers'). Mutant: the MTP layers run
+    only for mtp_weight > 0."""
+    import jax
+
+    from dsv32_jax.train import steps
+
+    tokens, seg, batch = packed_batch(rng, b=2, t=24)
+    starts = [[int(np.argmax(row == row[i])) for i in range(len(row))] for row in seg]
+    batch["positions"] = jnp.asarray(np.arange(seg.shape[1])[None] - np.asarray(starts), jnp.int32)
+    opts = RunOptions(dsa=False, attention="dense", indexer_loss="dense", attn_chunk=8, index_chunk=8)  # (warm-up)
+    weights = steps.LossWeights(mtp_weight=0.0, balance_weight=0.0, indexer_weight=1.0)
+
+    def objective(layers):
+        cfg = load_preset("tiny").replace(num_hidden_layers=3, num_nextn_predict_layers=layers, index_topk=4,
+                                          initializer_range=0.3)
+        model = Transformer(cfg, rngs=nnx.Rngs(0), options=opts)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def f(p):
+            return steps.lm_objective(nnx.merge(graphdef, p, rest), batch, stage="warmup", weights=weights,
+                                      model_cfg=cfg)
+        (loss, (metrics, _, _)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+        return float(metrics["indexer_kl"]), nnx.traversals.flatten_mapping(nnx.to_pure_dict(grads))
+
+    (kl1, g1), (kl0, _) = objective(1), objective(0)
+    mtp_indexer = {k: v for k, v in g1.items() if "mtp" in map(str, k) and "indexer" in map(str, k)}
+    assert mtp_indexer and max(float(jnp.abs(v).max()) for v in mtp_indexer.values()) > 0, sorted(mtp_indexer)
+    assert abs(kl1 - kl0) > 1e-4 * abs(kl0), (kl1, kl0)

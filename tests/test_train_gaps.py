@@ -469,6 +469,13 @@ def test_resuming_with_other_data_files_is_warned_about_by_name(tmp_path, caplog
         assert caplog.text == ""
         checkpointing.check_resume(point, stage="dense", data={**saved, "special_tokens": "text"})
     assert "config.data.special_tokens 'parse' there, 'text' here" in caplog.text
+    # the byte tokenizer has no special-token strings: its stream is the same in either mode, nothing to warn about
+    byte = dict(saved, tokenizer="byte")
+    point.meta["data_config"] = checkpointing.data_fingerprint(byte)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        checkpointing.check_resume(point, stage="dense", data={**byte, "special_tokens": "text"})
+    assert caplog.text == ""
 
 
 def test_a_data_state_of_another_shard_count_is_a_resume_error():
@@ -820,3 +827,62 @@ def test_setup_refuses_contexts_past_the_models(tmp_path):
         Trainer(config, str(tmp_path / "t"))  # (the held-out evaluation's rows: code review)
     config.eval.seq_len = 32
     Trainer(config, str(tmp_path / "t"))  # (rows of exactly the context are fine)
+
+
+def test_the_context_is_checked_before_the_state_is_built_and_for_the_config_init_from_brings(tmp_path,
+                                                                                               monkeypatch):
+    """data.seq_len past the context is refused before the parameters are built (a 671B state took minutes to
+    allocate before the error), and again for the model config that init_from's checkpoint brings (_init_state
+    adopts it: its context may be shorter than the config's)."""
+    from tests.test_train import load_config
+
+    from dsv32_jax.train.trainer import Trainer
+
+    built = []
+    monkeypatch.setattr(Trainer, "_init_state", lambda self: built.append(self.cfg.max_position_embeddings))
+    monkeypatch.setattr(Trainer, "_compile_step", lambda self: None)
+    config = load_config("quickstart", steps=1, model_overrides={"max_position_embeddings": 32},
+                         **{"data.seq_len": 64, "data.batch_size": 2})
+    with pytest.raises(ValueError, match=r"^config\.data\.seq_len=64 exceeds the model's context of 32 positions"):
+        Trainer(config, str(tmp_path / "a"))
+    assert built == []  # (nothing built)
+
+    def adopt(self):  # init_from's checkpoint: a model of 48 positions
+        built.append(self.cfg.max_position_embeddings)
+        self.cfg = self.cfg.replace(max_position_embeddings=48)
+
+    monkeypatch.setattr(Trainer, "_init_state", adopt)
+    config = load_config("quickstart", steps=1, model_overrides={"max_position_embeddings": 64},
+                         **{"data.seq_len": 64, "data.batch_size": 2})
+    with pytest.raises(ValueError, match=r"^config\.data\.seq_len=64 exceeds the model's context of 48 positions"):
+        Trainer(config, str(tmp_path / "b"))
+    assert built == [64]
+
+
+def test_grpo_max_new_tokens_may_fill_the_context_after_the_prompt_and_not_one_more(tmp_path, monkeypatch):
+    """The GRPO context check counts the prompt: max_new_tokens = context - prompt width fits (the last token at
+    the last position), one more is refused at setup (the policy is not built here)."""
+    import re
+
+    from tests.test_train import load_config
+
+    from dsv32_jax.train import grpo
+
+    class Built(Exception):
+        pass
+
+    def build_policy(*a, **k):
+        raise Built
+
+    monkeypatch.setattr(grpo, "build_policy", build_policy)
+    with pytest.raises(ValueError, match=r"max_new_tokens=5000 plus the tasks' prompt width") as e:
+        grpo.GRPOLearner(load_config("grpo_tiny", steps=1, **{"grpo.max_new_tokens": 5000}), str(tmp_path / "a"))
+    width = int(re.search(r"prompt width \((\d+) tokens\)", str(e.value)).group(1))
+    assert 0 < width < 2560
+    with pytest.raises(Built):  # (past the check)
+        grpo.GRPOLearner(load_config("grpo_tiny", steps=1, **{"grpo.max_new_tokens": 2560 - width}),
+                         str(tmp_path / "b"))
+    with pytest.raises(ValueError, match=rf"^config\.grpo\.max_new_tokens={2561 - width} plus the tasks' prompt "
+                                         rf"width \({width} tokens\) exceeds the model's context of 2560 positions"):
+        grpo.GRPOLearner(load_config("grpo_tiny", steps=1, **{"grpo.max_new_tokens": 2561 - width}),
+                         str(tmp_path / "c"))

@@ -250,6 +250,10 @@ class DivergingStage(FakeStage):
                               r"computed on: .* resume from an earlier step \(saved: 1\)"),
     ("grad_norm", float("inf"), 2, r"The last checkpoint, step 1 in .* earlier step \(none is saved\)"),
     ("loss", float("nan"), 1, r"No checkpoint was saved"),
+    # the warm-up's loss is the indexer KL alone: a NaN lm_loss beside it is still a NaN row; the three latest
+    # earlier checkpoints are named
+    ("lm_loss", float("nan"), 6, r"The last checkpoint, step 5 in .* earlier step \(saved: 2, 3, 4\) by moving"),
+    ("sft_loss", float("-inf"), 2, r"The last checkpoint, step 1 in .* earlier step \(none is saved\)"),
 ])
 def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_saving_it(key, value, bad_at, where,
                                                                                       tmp_path, monkeypatch):
@@ -270,6 +274,21 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run_before_logging_or_savi
         assert not os.path.exists(tmp_path / "w")
 
 
+def test_saved_steps_lists_the_finished_checkpoints_ascending_with_a_save_in_flight(tmp_path):
+    """The non-finite note names the checkpoints there are: the last one it names is the newest (the one the loss
+    came from), so the list is ascending and holds a save still in flight (async checkpointing)."""
+    c = ml_collections.ConfigDict(dict(every=1, keep=4, use_async=True))
+    mngr = checkpointing.manager(str(tmp_path), c)
+    try:
+        for step in (2, 5, 7, 9, 11):
+            checkpointing.save(mngr, step, arrays={"params": {"w": np.full((256, 256), step, np.float32)}},
+                               json={"meta": {"step": step}}, force=True)
+        assert checkpointing.saved_steps(mngr) == [5, 7, 9, 11]  # (keep=4: step 2 went)
+    finally:
+        mngr.close()
+
+
+@pytest.mark.heavy  # about 30 s on 2 cores (a CLI run end to end): out of make test's 15 minutes
 def test_cli_a_diverged_run_exits_with_its_step_and_names_the_checkpoint_its_loss_came_from(tmp_path):
     """lr 1e30: step 1's update blows the weights up (finite, ~1e30), step 2's loss on them is NaN. The run stops
     there, unsaved; the message says checkpoint 1 holds the parameters that loss came from (it is no good state to
@@ -517,6 +536,23 @@ def test_cli_a_config_file_that_sets_a_field_the_config_lacks_is_refused_by_line
     res = cli([f"--config={path}", "--workdir=w"], cwd=tmp_path, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+    assert re.search(rf"^error: --config={re.escape(str(path))}, {message}", res.stderr.strip(), re.M), res.stderr
+    assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.parametrize("body,message", [
+    # set in a helper the file calls: the line of the assignment, not of the call
+    ("def tweak(c):\n    c.optimizer.lrr = 5.0\n\n\ndef get_config():\n    c = default_config()\n    tweak(c)\n"
+     "    return c\n", r"line 5: config\.optimizer has no field 'lrr' \(did you mean 'lr'\?\)$"),
+    # a line that does not spell the section: none is guessed
+    ("def get_config():\n    c = default_config()\n    setattr(c.optimizer, 'lrr', 5.0)\n    return c\n",
+     r"line 6: the config has no field 'lrr'$"),
+])
+def test_cli_a_locked_field_set_in_a_helper_or_by_setattr_is_refused_by_its_line(body, message, tmp_path):
+    path = tmp_path / "typo.py"
+    path.write_text("from dsv32_jax.train.config import default_config\n\n\n" + body)
+    res = cli([f"--config={path}", "--workdir=w"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
     assert re.search(rf"^error: --config={re.escape(str(path))}, {message}", res.stderr.strip(), re.M), res.stderr
     assert not os.path.exists(tmp_path / "w")
 
