@@ -27,6 +27,7 @@ def get_config():
     c.loss.bias_update_speed = 1e-3
     c.loss.balance_weight = 1e-4
     c.data.seq_len = 131072
+    c.data.shuffle_window = 16  # rows of 128K: 2M tokens per window (512 held 67M, packed again at each refill)
     c.data.batch_size = 480
     c.microbatches = 15  # 15 sequences per fsdp shard: one 128K sequence per shard per forward + backward
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)

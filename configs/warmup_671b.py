@@ -21,6 +21,7 @@ def get_config():
     c.optimizer.schedule = "constant"
     c.optimizer.warmup_steps = 10
     c.data.seq_len = 131072
+    c.data.shuffle_window = 16  # rows of 128K: 2M tokens per window (512 held 67M, packed again at each refill)
     c.data.batch_size = 16
     c.attn_chunk = 128  # [128, 128 heads, 128K] fp32 logits per query chunk (bench/memory.py)
     c.index_chunk = 128

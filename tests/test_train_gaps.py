@@ -461,6 +461,18 @@ def test_resuming_with_other_data_files_is_warned_about_by_name(tmp_path, caplog
             "config.data.text_field 'text' there, 'body' here)") in caplog.text
     with pytest.raises(checkpointing.ResumeError, match=r"config\.data\.seq_len 16 there, 32 here"):
         checkpointing.check_resume(point, stage="dense", data={**saved, "seq_len": 32})
+    # the row-shuffle window orders the rows the position counts: another one is another stream (a checkpoint from
+    # before the field was a config field recorded none: not compared); without shuffle there is no window
+    assert "shuffle_window" not in recorded
+    checkpointing.check_resume(point, stage="dense", data={**saved, "shuffle_window": 16})
+    windowed = types.SimpleNamespace(meta={"stage": "dense", "data_config": checkpointing.data_fingerprint(
+        {**saved, "shuffle_window": 512})}, workdir="W", step=7)
+    checkpointing.check_resume(windowed, stage="dense", data={**saved, "shuffle_window": 512})
+    with pytest.raises(checkpointing.ResumeError, match=r"config\.data\.shuffle_window 512 there, 16 here"):
+        checkpointing.check_resume(windowed, stage="dense", data={**saved, "shuffle_window": 16})
+    unshuffled = types.SimpleNamespace(meta={"stage": "dense", "data_config": checkpointing.data_fingerprint(
+        {**saved, "shuffle": False, "shuffle_window": 512})}, workdir="W", step=7)
+    checkpointing.check_resume(unshuffled, stage="dense", data={**saved, "shuffle": False, "shuffle_window": 16})
     # a checkpoint from before data.special_tokens parsed special-token strings in the text: resuming with the new
     # default "text" is another stream (code review), "parse" is the same one
     caplog.clear()

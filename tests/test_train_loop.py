@@ -186,6 +186,30 @@ def test_trainer_step_names_the_data_that_ran_out():
         Trainer.run_step(fake)
 
 
+def test_trainer_step_reports_the_time_it_waited_for_its_batch():
+    """data_wait_s is the time next() took (a reader 0.5 s slow shows it), apart from step_time_s, which times only
+    the step (a step that sleeps 0.05 s); tokens_per_s is the step's."""
+    import time as time_mod
+    from types import SimpleNamespace
+
+    from dsv32_jax.train.trainer import Trainer
+
+    def slow():
+        while True:
+            time_mod.sleep(0.5)
+            yield {"tokens": np.zeros((2, 4), np.int32)}
+
+    def train_step(batch):
+        time_mod.sleep(0.05)
+        return {"loss": np.float32(1.0)}
+
+    fake = SimpleNamespace(_data_iter=slow(), config=load_config("dense_tiny", **{"eval.every": 0}),
+                           train_step=train_step, _tokens_per_step=8, _peak=None)
+    m = Trainer.run_step(fake)
+    assert m["data_wait_s"] >= 0.5 and 0.05 <= m["step_time_s"] < 0.5, m
+    assert m["tokens_per_s"] == pytest.approx(8 / m["step_time_s"])
+
+
 def test_finite_epochs_over_several_data_readers_are_refused(tmp_path, monkeypatch):
     """Several processes reading their own rows run out a few batches apart: one that stops would hang the others
     in the next collective, so a finite data.num_epochs is refused there (one reader: allowed)."""

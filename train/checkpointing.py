@@ -139,7 +139,7 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
 
 
 # config.data fields a resume must keep: the data state is a position in the stream these define
-RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle")
+RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle", "shuffle_window")
 # config.data fields a resume may change (a dataset moved, a field renamed), but whose change makes the restored
 # iterator position a position in another stream: warned about by name
 WARN_DATA_FIELDS = ("paths", "text_field", "tokenizer", "add_eos", "special_tokens")
@@ -181,7 +181,8 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
         if legacy and "special_tokens" in here:  # (written before data.special_tokens: its tokenizer parsed them)
             recorded = dict(recorded, special_tokens="parse")
         problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
-                     if k in recorded and recorded[k] != here.get(k)]
+                     if k in recorded and recorded[k] != here.get(k)
+                     and (k != "shuffle_window" or here.get("shuffle"))]  # (no shuffle: no window)
         changed = [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in WARN_DATA_FIELDS
                    if k in recorded and recorded[k] != here.get(k)]
         if changed and not problems:

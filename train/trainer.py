@@ -395,6 +395,7 @@ class Trainer:
         return self.save(mngr, step, data_state, force=force)
 
     def run_step(self) -> dict:
+        t_data = time.perf_counter()
         try:
             batch = next(self._data_iter)
         except StopIteration:
@@ -405,7 +406,9 @@ class Trainer:
         t0 = time.perf_counter()
         metrics = jax.device_get(self.train_step(batch))
         dt = time.perf_counter() - t0
-        metrics.update(step_time_s=dt, tokens_per_s=self._tokens_per_step / dt)
+        # data_wait_s: how long the step waited for its batch (the pipeline packs ahead in a thread: ~0 unless
+        # reading / tokenizing is slower than the step; step_time_s and tokens_per_s leave it out)
+        metrics.update(step_time_s=dt, tokens_per_s=self._tokens_per_step / dt, data_wait_s=t0 - t_data)
         if self._peak:
             metrics["mfu"] = self.flops_per_token * metrics["tokens_per_s"] / jax.device_count() / self._peak
         every = self.config.eval.every if "eval" in self.config else 0

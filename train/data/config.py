@@ -23,8 +23,12 @@ class DataConfig:
     shuffle: bool = True
     num_epochs: int | None = None  # None = repeat forever
     add_eos: bool = True  # append the tokenizer's EOS id to each document (byte tokenizer: none)
-    worker_count: int = 0  # grain worker processes for reading + tokenizing (0 = threads in-process)
-    shuffle_window: int = 512  # with shuffle: packed rows shuffled together in windows of this many (<= 1: off)
+    # grain worker processes for reading + tokenizing (0 = threads in-process; an HF tokenizer holds the GIL, so
+    # threads tokenize on about one core: docs/training.md)
+    worker_count: int = 0
+    # with shuffle: packed rows shuffled together in windows of this many (<= 1: off); a window of seq_len-token
+    # rows is held and packed whole (at the start, a resume and each refill): 16 at 128K is 2M tokens
+    shuffle_window: int = 512
     # Document shards of the stream (0: one per process). The global batch is every shard's batch_size // shards
     # rows in shard order, each process yielding those of its shards: a fixed count keeps the batches (and a
     # checkpoint's data state) the same on any number of processes that divides it.

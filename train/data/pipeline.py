@@ -13,6 +13,7 @@ Pipeline (``make_dataset``)::
       -> pack into rows of seq_len (concatenate, then split: grain.experimental.ConcatThenSplitIterDataset)
       -> shuffle rows in windows of `shuffle_window` (with shuffle: grain.experimental.WindowShuffleIterDataset)
       -> batch(batch_size // process_count)
+      -> prefetch PREFETCH_BATCHES batches in a background thread (packing overlaps the training step)
 
 Each element is a dict of numpy arrays, ``b = batch_size // process_count`` rows of ``seq_len``:
 
@@ -277,14 +278,15 @@ def check_inputs(cfg: DataConfig) -> None:
 
 
 def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
-                 process_count: int = 1) -> grain.IterDataset:
-    """Batches of packed rows for this host (see the module docstring for the fields)."""
+                 process_count: int = 1, source=None) -> grain.IterDataset:
+    """Batches of packed rows for this host (see the module docstring for the fields). source: make_source(cfg)'s
+    (source, blocks), built once and shared by the shards of one process (ShardedBatches); None: built here."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} / process_count {process_count} is not a valid shard")
     if cfg.batch_size % process_count:
         raise ValueError(f"data.batch_size {cfg.batch_size} must be divisible by the process count {process_count}")
     tokenizer = make_tokenizer(cfg.tokenizer, vocab_size, special_tokens=cfg.special_tokens)
-    source, blocks = make_source(cfg)
+    source, blocks = make_source(cfg) if source is None else source
     if len(source) == 0:
         raise ValueError(f"data source {cfg.source!r} {list(cfg.paths)} holds no documents")
     ds = grain.MapDataset.source(source)
@@ -310,7 +312,14 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
     it = pack_documents(it, cfg.seq_len, max_empty_run=2 * len(source), what=what)
     if cfg.shuffle and cfg.shuffle_window > 1:  # spreads the rows of one long document over many batches
         it = grain.experimental.WindowShuffleIterDataset(it, window_size=cfg.shuffle_window, seed=cfg.seed)
-    return it.batch(cfg.batch_size // process_count, drop_remainder=True)
+    it = it.batch(cfg.batch_size // process_count, drop_remainder=True)
+    # packing, the row shuffle and batching in a thread of their own, PREFETCH_BATCHES ahead of the consumer: the
+    # train loop's next() waited for them while the accelerator idled (its step is synchronous), up to seconds at
+    # a window refill. The iterator state is that of the last batch returned (the format is unchanged).
+    return grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=PREFETCH_BATCHES)
+
+
+PREFETCH_BATCHES = 2
 
 
 class ShardedBatches:
@@ -329,7 +338,10 @@ class ShardedBatches:
         k = n // process_count
         self.num_shards = n
         self.ids = list(range(process_index * k, (process_index + 1) * k))
-        self.iters = [iter(make_dataset(cfg, vocab_size=vocab_size, process_index=i, process_count=n))
+        # one source for this process's shards: each built its own (a JSONL line index of 16 bytes per line and
+        # its indexing pass, a decoded Parquet row group in each cache: k times the memory and start-up time)
+        source = make_source(cfg) if k > 1 else None
+        self.iters = [iter(make_dataset(cfg, vocab_size=vocab_size, process_index=i, process_count=n, source=source))
                       for i in self.ids]
 
     def __iter__(self):

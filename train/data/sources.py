@@ -14,8 +14,8 @@ Sources (``DataConfig.source``; ``paths`` are files, directories or glob pattern
 * ``text``: ``.txt`` files (a directory means the ``*.txt`` files under it); each file is one document.
   Files larger than 1 MiB are read as consecutive pieces of about 1 MiB cut at line ends, each piece its
   own document (bounded memory; documents are split into seq_len pieces anyway). Invalid UTF-8 bytes in
-  text files and raw ArrayRecord records decode to U+FFFD, and so do lone surrogates that a JSON string spells
-  (``"\\ud800"``: valid JSON, not encodable text).
+  text files, JSONL lines and raw ArrayRecord records decode to U+FFFD, and so do lone surrogates that a JSON
+  string spells (``"\\ud800"``: valid JSON, not encodable text).
 
 pyarrow (parquet) and array_record (arrayrecord) are optional: imported only when their source is used; a
 missing one raises an ImportError naming ``data.source`` and the pip extra.
@@ -86,11 +86,17 @@ def resolve_paths(patterns: Sequence[str], *, suffixes: tuple[str, ...], what: s
 
 
 class _FileReader:
-    """pread-based reads (thread safe, no shared file position); descriptors reopened after pickling."""
+    """pread-based reads (thread safe, no shared file position); descriptors reopened after pickling.
+
+    At most MAX_OPEN descriptors stay open (least recently used closed first, never while a read uses it): a corpus of
+    thousands of files read in shuffled order would otherwise keep one descriptor per file and fail with EMFILE
+    ("Too many open files") once it met more files than RLIMIT_NOFILE allows (1024 by default on many hosts)."""
+
+    MAX_OPEN = 64
 
     def __init__(self, files: Sequence[str]):
         self.files = list(files)
-        self._fds: dict[int, int] = {}
+        self._fds: collections.OrderedDict[int, list[int]] = collections.OrderedDict()  # file -> [fd, readers]
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -99,17 +105,29 @@ class _FileReader:
     def __setstate__(self, state):
         self.__init__(state["files"])
 
+    def _close_idle(self) -> None:  # (lock held)
+        if len(self._fds) <= self.MAX_OPEN:
+            return
+        for key in [k for k, (_, users) in self._fds.items() if not users][:len(self._fds) - self.MAX_OPEN]:
+            os.close(self._fds.pop(key)[0])
+
     def read(self, file_index: int, start: int, end: int) -> bytes:
-        fd = self._fds.get(file_index)
-        if fd is None:
+        with self._lock:
+            entry = self._fds.get(file_index)
+            if entry is None:
+                entry = self._fds[file_index] = [os.open(self.files[file_index], os.O_RDONLY), 0]
+            else:
+                self._fds.move_to_end(file_index)
+            entry[1] += 1
+        try:
+            return os.pread(entry[0], end - start, start)
+        finally:
             with self._lock:
-                fd = self._fds.get(file_index)
-                if fd is None:
-                    fd = self._fds[file_index] = os.open(self.files[file_index], os.O_RDONLY)
-        return os.pread(fd, end - start, start)
+                entry[1] -= 1
+                self._close_idle()
 
     def __del__(self):
-        for fd in getattr(self, "_fds", {}).values():
+        for fd, _ in getattr(self, "_fds", {}).values():
             try:
                 os.close(fd)
             except OSError:
@@ -178,7 +196,10 @@ class JsonlSource:
         if not raw.strip():
             return ""
         try:
-            record = json.loads(raw)
+            try:
+                record = json.loads(raw)
+            except UnicodeDecodeError:  # invalid UTF-8 bytes (a scraped page): U+FFFD, as in text files, not a dead run
+                record = json.loads(raw.decode("utf-8", errors="replace"))
         except ValueError as e:
             raise ValueError(f"{self._where(index)}: invalid JSON ({e})") from None
         return _text_of(record, self.field, lambda: self._where(index))
