@@ -766,6 +766,13 @@ def test_a_resummary_keeps_items_whose_arguments_or_results_spell_the_separator(
     assert twice[1].content == "task. known results: get(x, f(y))=1, g(2), get(q)=2"
     assert twice[1].items == ("get(x, f(y))=1, g(2)", "get(q)=2")
     # another summarizer's text is still read back, at the separator
+    # the default summarizer passed by name keeps its items as the default does
+    named = manage(once + [Assistant(tool_calls=[get("q")]), ToolResult("2")], "summary",
+                   summarize=extractive_summary)
+    assert named == twice and named[1].items == twice[1].items
+    named_twice = manage(manage(msgs, "summary", summarize=extractive_summary)
+                         + [Assistant(tool_calls=[get("q")]), ToolResult("2")], "summary", summarize=extractive_summary)
+    assert named_twice[1].content == twice[1].content, "reading the items back out of the text split 'x, f(y)'"
     custom = manage(msgs, "summary", summarize=lambda m: "get(a)=1, get(b)=2")
     assert custom[1].items == ()
     later = manage(custom + [Assistant(tool_calls=[get("c")]), ToolResult("3")], "summary")
@@ -976,6 +983,8 @@ def test_a_rollout_refuses_one_environment_instance_in_two_rows():
     (dict(trigger=float("nan")), r"trigger must be a number in \(0, 1\]"),
     (dict(trigger=-1.0), r"trigger must be a number in \(0, 1\]"),
     (dict(trigger="0.8"), r"trigger must be a number in \(0, 1\]"),
+    (dict(trigger=0.0), r"trigger must be a number in \(0, 1\]"),  # (0 is outside (0, 1]: every turn rewritten)
+    (dict(trigger=True), r"trigger must be a number in \(0, 1\]"),
     (dict(max_turns=True), r"max_turns must be an integer >= 1, got True"),
     (dict(context_budget=True), r"context_budget must be an integer >= 1, got True"),
 ])

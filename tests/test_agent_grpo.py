@@ -597,7 +597,7 @@ def test_the_length_penalty_and_language_reward_terms_follow_the_paper():
     np.testing.assert_allclose(terms["length_penalty"], [0.0, -0.03, -0.02, 0.0], atol=1e-7)
     np.testing.assert_allclose(terms["language_reward"], [0.5, 0.25, 0.0, 0.0], atol=1e-7)
     assert not any(t.info for t in trajs)
-    for broken in (2.0, "1", float("nan"), [1]):
+    for broken in (2.0, -0.5, "1", float("nan"), [1]):  # (-0.5: below the range, not only above it)
         envs["es"].broken = broken
         trajs[0].info = {}
         got = AgentLearner.reward_terms(fake, trajs[:1], rows[:1])["language_reward"]

@@ -162,3 +162,50 @@ def test_bf16_key_gradients_sum_in_float32_over_chunks_and_gathers(case):
     err = {c: float(np.linalg.norm(grad(jnp.bfloat16, c) - want) / np.linalg.norm(want)) for c in (2048, 8)}
     assert err[2048] < (0.015 if name == "dense_indexer_kl" else 0.01), err
     assert err[8] <= 1.3 * err[2048], err
+
+
+def test_bf16_mha_key_and_value_gradients_sum_in_float32_over_chunks():
+    """The decompressed MHA reference (`dense_mha`, not among the six paths above) reads its keys and values in every
+    query chunk too: in bf16 their gradients sum over the chunks in float32, so 256 chunks of 8 queries stay within
+    1.3x the error of one chunk of 2048 for the 8 first keys and values (which every query reads), each within bf16
+    rounding (< 1%) of the float32 gradient. Mutant guarded: dense_mha closing over k and v as they are (bf16 sums
+    over the chunks)."""
+    rng = np.random.default_rng(0)
+    b, t, h, d, dv = 1, 2048, 2, 32, 16
+    q, cot = rng.normal(size=(b, t, h, d)) * 0.5, rng.normal(size=(b, t, h, dv)) + 1
+    kv = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32), jnp.asarray(rng.normal(size=(b, t, h, dv)),
+                                                                                jnp.float32))
+    qi, seg = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), jnp.zeros((b, t), jnp.int32)
+
+    def grads(dt, chunk):
+        def loss(kv):
+            out, _ = attention.dense_mha(jnp.asarray(q, dt), *(x.astype(dt) for x in kv), qi, seg, seg, 0.2,
+                                         q_chunk=chunk)
+            return jnp.sum(out.astype(jnp.float32) * cot)
+
+        return [np.asarray(g, np.float64)[0, :8] for g in jax.jit(jax.grad(loss))(kv)]
+
+    want = grads(jnp.float32, 64)
+    got = {c: grads(jnp.bfloat16, c) for c in (2048, 8)}
+    for i, name in enumerate(("k", "v")):
+        err = {c: float(np.linalg.norm(g[i] - want[i]) / np.linalg.norm(want[i])) for c, g in got.items()}
+        assert err[2048] < 0.01 and err[8] <= 1.3 * err[2048], (name, err)
+
+
+def test_shared_keys_are_read_in_float32_exactly_when_their_gradient_sums_over_several_reads():
+    """`shared_across_chunks`'s boundary, as its docstring states it: bf16 keys are read through a float32 copy once
+    the T queries make two chunks (T = chunk + 1: two cotangents to sum) or, for a gather, once there are two
+    queries; one chunk (T = chunk), a decode step (T = 1), no chunking, float32 keys and integers are left as they
+    are. Mutant guarded: float32 only from T > 2 x chunk (two chunks' gradients summed in bf16; the 2048-query test
+    above only takes 1 or 256 chunks)."""
+    bf = jnp.zeros((1, 4, 8), jnp.bfloat16)
+    cases = [(dict(t=65, chunk=64), jnp.float32), (dict(t=128, chunk=64), jnp.float32),
+             (dict(t=64, chunk=64), jnp.bfloat16), (dict(t=1, chunk=64), jnp.bfloat16),
+             (dict(t=4096, chunk=None), jnp.bfloat16),
+             (dict(t=2, chunk=64, gathered=True), jnp.float32), (dict(t=1, chunk=None, gathered=True), jnp.bfloat16)]
+    for kw, want in cases:
+        got = attention.shared_across_chunks(bf, **kw)
+        assert got.dtype == want, (kw, got.dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(bf, np.float32))
+    assert attention.shared_across_chunks(bf.astype(jnp.float32), 128, 64).dtype == jnp.float32
+    assert attention.shared_across_chunks(jnp.zeros((1, 4), jnp.int32), 128, 64).dtype == jnp.int32

@@ -591,6 +591,55 @@ def test_parse_completion_ids_keeps_a_json_escape_of_its_marker_character():
         assert chat.parse_completion(codec.decode(ids))["tool_calls"][0]["arguments"] == {"v": ["\ue000A"]}
 
 
+def test_parse_completion_ids_returns_names_and_keys_that_spell_its_marker_as_written():
+    """The parse marks special-token spellings with a private-use character (doubling it where the text has it):
+    every string it extracts is unescaped once, the tool's name and the parameter keys too, so a name or key
+    holding that character comes back as the model wrote it, as parse_completion reads the decoded text. Mutants
+    guarded: the invoke name, or a parameter key, not unescaped ("f\ue000\ue000")."""
+    codec = chat.load_tokenizer()
+    turn = Assistant("", "r", [ToolCall("f\ue000", {"k\ue000": "v\ue000", "n\ue000": ["\ue000"]})])
+    ids = chat.encode_assistant(turn, codec)
+    want = {"reasoning": "r", "content": "",
+            "tool_calls": [{"name": "f\ue000", "arguments": {"k\ue000": "v\ue000", "n\ue000": ["\ue000"]}}]}
+    assert chat.parse_completion_ids(ids, codec) == want == chat.parse_completion(codec.decode(ids))
+
+
+class _SomeDsmlTags:
+    """The shipped BPE codec as a (non-strict) tokenizer that has only the function_calls tags as single ids: the
+    invoke and parameter tags are spelled in plain ids (`token_to_id` raises for them, as HFCodec's does)."""
+
+    def __init__(self):
+        self._c = chat.load_tokenizer()
+        self.eos_id, self.bos_id, self.pad_id, self.vocab_size = (self._c.eos_id, self._c.bos_id, self._c.pad_id,
+                                                                  self._c.vocab_size)
+
+    def token_to_id(self, tok):
+        if chat.DSML in tok and tok not in (chat.CALLS_OPEN, chat.CALLS_CLOSE):
+            raise ValueError(f"{tok!r} is not a single token")
+        return self._c.token_to_id(tok)
+
+    def decode(self, ids):
+        return self._c.decode(ids)
+
+    def encode_text(self, text):
+        return self._c.encode_text(text)
+
+
+def test_parse_completion_ids_reads_dsml_from_the_text_unless_the_codec_has_every_tag_as_an_id():
+    """A codec without every DSML tag as one id spells the others in plain ids, so its completions' DSML is read
+    from the text (the docstring: DSML tags count as markup only where the codec has them as single ids); a call
+    whose function_calls tags are single ids and whose invoke / parameter tags are plain text is a call. Mutant
+    guarded: `any` tag as an id taken for all of them (the plain invoke tag escaped: "unexpected text in
+    function_calls block", the model of such a tokenizer could make no call)."""
+    codec = _SomeDsmlTags()
+    block = CALL_BLOCK[len("\n\n<｜DSML｜function_calls>"):-len("</｜DSML｜function_calls>")]
+    ids = (codec.encode_text("r") + [codec.token_to_id(chat.THINK_CLOSE)] + codec.encode_text("ok\n\n")
+           + [codec.token_to_id(chat.CALLS_OPEN)] + codec.encode_text(block) + [codec.token_to_id(chat.CALLS_CLOSE)]
+           + [codec.eos_id])
+    assert chat.parse_completion_ids(ids, codec) == {"reasoning": "r", "content": "ok", "tool_calls": [
+        {"name": "secret", "arguments": {"k": "x"}}]}
+
+
 def test_parse_completion_ids_keeps_the_id_level_checks():
     tiny = chat.TinyCodec()
     ids = tiny.encode("r</think>a") + [tiny.eos_id]

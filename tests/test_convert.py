@@ -353,6 +353,42 @@ def test_export_refuses_non_finite_weights_and_writes_nothing(tmp_path, monkeypa
     assert leftovers(str(tmp_path / "hf")) == []
 
 
+def test_export_refuses_an_infinite_weight_or_fp8_scale(tmp_path, monkeypatch, orbax_fp8):
+    """The non-finite refusal covers Inf as well as NaN, and an FP8 weight's block scales as well as the weight
+    (an Inf scale dequantizes to Inf weights). Mutants guarded: a NaN-only check (isnan), and the scales not
+    checked (the test above poisons a float32 weight with NaN only)."""
+    from dsv32_jax.checkpoint import convert as convert_mod
+
+    src = os.path.join(FIXTURES, "hf_moe_bias")
+    hf_to_orbax(src, str(tmp_path / "o32"), dtype="float32", progress=False)
+    open_params = convert_mod.orbax_io.open_params
+
+    def poison(hit):
+        def opened(*a, **k):
+            source = open_params(*a, **k)
+            load = source.reader.load
+
+            def load_inf(paths):
+                return {k: (np.where(np.arange(v.size).reshape(v.shape) == 0, np.inf, v).astype(v.dtype) if hit(k)
+                            else v) for k, v in load(paths).items()}
+
+            monkeypatch.setattr(source.reader, "load", load_inf)
+            return source
+        monkeypatch.setattr(convert_mod.orbax_io, "open_params", opened)
+
+    poison(lambda k: "q_a_proj" in k and k[-1] == "kernel")
+    with pytest.raises(CheckpointError, match=r"parameter layers\.0\.attn\.q_a_proj\.kernel \(HF "
+                                              r"model\.layers\.0\.self_attn\.q_a_proj\.weight\) contains NaN or Inf"):
+        orbax_to_hf(str(tmp_path / "o32"), str(tmp_path / "hf32"), progress=False)
+    assert leftovers(str(tmp_path / "hf32")) == []
+    poison(lambda k: "kv_a_proj" in k and k[-1] == "kernel" + orbax_io.SCALE_SUFFIX)
+    with pytest.raises(CheckpointError, match=r"parameter layers\.0\.attn\.kv_a_proj\.kernel \(its FP8 scales\) "
+                                              r"\(HF model\.layers\.0\.self_attn\.kv_a_proj_with_mqa\.weight\) "
+                                              r"contains NaN or Inf"):
+        orbax_to_hf(orbax_fp8, str(tmp_path / "hf8"), fp8=True, progress=False)
+    assert leftovers(str(tmp_path / "hf8")) == []
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_round_trip_bf16_checkpoint_bit_exact(tmp_path, synth_bf16, dtype):
     """BF16 weights with F32 k_norm and F32 correction bias, MTP included; the export restores the source dtypes."""

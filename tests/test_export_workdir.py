@@ -287,6 +287,14 @@ def test_the_recorded_tokenizer_goes_along(run, tmp_path):
         json.dump(meta, f)
     orbax_to_hf(work, str(tmp_path / "hf_tok"), progress=False)
     assert open(tmp_path / "hf_tok" / "tokenizer.json", "rb").read() == open(CHAT_TOKENIZER_PATH, "rb").read()
+    # a recorded file that is gone (the workdir moved to another machine) is skipped: the export still runs, without
+    # it (`_recorded_tokenizer`: "when that file exists"; mutant guarded: no isfile check, FileNotFoundError)
+    meta["tokenizer"] = str(tmp_path / "gone" / "tokenizer.json")
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    orbax_to_hf(work, str(tmp_path / "hf_gone"), progress=False)
+    assert os.path.exists(tmp_path / "hf_gone" / "config.json")
+    assert not os.path.exists(tmp_path / "hf_gone" / "tokenizer.json")
     (tmp_path / "w" / "tokenizer.json").write_text("{}")
     orbax_to_hf(work, str(tmp_path / "hf_own"), progress=False)
     assert (tmp_path / "hf_own" / "tokenizer.json").read_text() == "{}"

@@ -689,3 +689,21 @@ def test_prompts_past_256_tokens_share_a_prefill_program_per_bucket(model):
         assert gen.generate_ids(model, ids, cfg, jax.random.key(n)) == gen.generate_no_cache(model, ids, cfg,
                                                                                              jax.random.key(n))
     assert gen._prefill._cache_size() - before == 2
+
+
+def test_the_streaming_cache_fills_a_context_that_is_a_whole_cache_bucket():
+    """The decode cache is rounded up to its bucket of base CACHE_BUCKET within the context: a model whose context is
+    exactly one bucket (256 positions) still gets one step program for prompts of 5 and 20 tokens (18 and 34 slots
+    both round to 256 = the context). Mutant guarded: rounding only to a bucket strictly below the context (18 and
+    34 slots: two step programs)."""
+    from dsv32_jax.posttrain import generate as gen
+
+    cfg = load_preset("tiny").replace(initializer_range=0.1, vocab_size=32, index_topk=4, num_hidden_layers=1,
+                                      first_k_dense_replace=0, max_position_embeddings=gen.CACHE_BUCKET)
+    small = Transformer(cfg, rngs=nnx.Rngs(1))
+    sampling = SamplingConfig(max_new_tokens=2, temperature=0.7, eos_id=-1, pad_id=0)
+    before = gen._step._cache_size()
+    for n in (5, 20):
+        ids = [int(x) for x in np.random.default_rng(n).integers(2, 32, n)]
+        assert len(gen.generate_ids(small, ids, sampling, jax.random.key(n))) == 2
+    assert gen._step._cache_size() - before == 1

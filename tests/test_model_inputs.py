@@ -149,6 +149,7 @@ def test_transformer_options_must_be_run_options():
     ("rope_theta", -1.0, r"field 'rope_theta' must be a finite number > 0"),
     ("rope_factor", 0.0, r"field 'rope_scaling\.factor' must be a finite number >= 1 for yarn, got 0\.0"),
     ("rope_factor", -2.0, r"field 'rope_scaling\.factor' must be a finite number >= 1"),
+    ("rope_factor", 0.5, r"field 'rope_scaling\.factor' must be a finite number >= 1 for yarn, got 0\.5"),  # (0, 1)
     ("rope_beta_fast", 0.0, r"field 'rope_scaling\.beta_fast' must be a finite number > 0"),
     ("rope_beta_slow", -1.0, r"field 'rope_scaling\.beta_slow' must be a finite number > 0"),
     ("rope_original_max_position_embeddings", 0,
