@@ -100,3 +100,65 @@ def test_the_shards_of_one_process_share_one_source(tmp_path, monkeypatch):
     for b, rows in zip(one, zip(*parts)):
         for k in b:
             np.testing.assert_array_equal(b[k], np.concatenate([r[k] for r in rows]))
+
+
+def _byte_text(cfg):
+    """The document bytes of every batch of a finite (num_epochs=1, unshuffled) byte-tokenized stream."""
+    toks = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in make_iterator(cfg, vocab_size=256)])
+    return bytes(toks.astype(np.uint8))
+
+
+def test_skip_bad_records_skips_what_the_source_refuses_naming_each(tmp_path, caplog):
+    """A record without the text field, a line of invalid JSON and a non-string text stopped the run at that record,
+    and at every resume; with data.skip_bad_records they read as empty documents, each named in a warning, and the
+    stream is the good documents (the first line, which the start-up check reads, is good)."""
+    import logging
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "first good"}\n{"body": "no text field"}\n{"text": "broken\n{"text": 5}\n'
+                    '{"text": "second good"}\n')
+    cfg = DataConfig(source="jsonl", paths=(str(path),), seq_len=8, batch_size=1, shuffle=False, num_epochs=1)
+    with pytest.raises(KeyError, match=r"d\.jsonl, line 2: text field 'text' missing"):
+        _byte_text(cfg)
+    with caplog.at_level(logging.WARNING):
+        text = _byte_text(DataConfig(**{**cfg.__dict__, "skip_bad_records": True}))
+    assert text == b"first good" + b"second good"
+    warned = [r.getMessage() for r in caplog.records if "skip_bad_records" in r.getMessage()]
+    assert len(warned) == 3, warned
+    for line, what in ((2, "text field 'text' missing"), (3, "invalid JSON"), (4, "text field 'text' holds int, expected a string")):
+        assert any(f"d.jsonl, line {line}: {what}" in w for w in warned), (line, warned)
+    assert any("(3 record(s) skipped by this process so far)" in w for w in warned), warned  # (threads: any order)
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz", "zstd"])
+def test_a_compressed_file_is_refused_by_name(tmp_path, kind):
+    """A .jsonl.gz failed at its first line with "invalid JSON (... byte 0x8b ...)" and a compressed .txt would have
+    trained on the compressed bytes: both are refused at start-up naming the file and the compression."""
+    import bz2
+    import gzip
+    import lzma
+
+    body = b'{"text": "hello"}\n' * 4
+    packed = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+              "zstd": lambda b: b"\x28\xb5\x2f\xfd" + b"\x00" * 8}[kind](body)  # (zstd: its magic, no codec needed)
+    for source, name in (("jsonl", "d.jsonl"), ("text", "d.txt")):
+        path = tmp_path / name
+        path.write_bytes(packed)
+        cfg = DataConfig(source=source, paths=(str(path),), seq_len=8, batch_size=1)
+        with pytest.raises(ValueError, match=rf"^data source '{source}': {path} is {kind}-compressed"):
+            make_iterator(cfg, vocab_size=256)
+    path.write_bytes(b"BZh is how this plain text starts\n")  # (a text that merely starts like bzip2's magic)
+    cfg = DataConfig(source="text", paths=(str(path),), seq_len=8, batch_size=1, shuffle=False, num_epochs=1)
+    assert _byte_text(cfg) == b"BZh is how this plain text starts\n"
+
+
+def test_a_directory_with_hf_dataset_metadata_reads_only_its_data_files(tmp_path):
+    """A directory the HF datasets library wrote holds dataset_info.json / state.json beside the data: they were
+    read as JSON lines and stopped the run at start-up (no text field); they are skipped like hidden files."""
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "alpha"}\n{"text": "beta"}\n')
+    (folder / "dataset_info.json").write_text('{"description": "", "features": {"text": {"dtype": "string"}}}\n')
+    (folder / "state.json").write_text('{"_data_files": [{"filename": "train.jsonl"}]}\n')
+    cfg = DataConfig(source="jsonl", paths=(str(folder),), seq_len=8, batch_size=1, shuffle=False, num_epochs=1)
+    assert _byte_text(cfg) == b"alphabeta"

@@ -391,6 +391,23 @@ def test_trainer_step_names_a_refused_record():
         Trainer.run_step(fake)
 
 
+def test_trainer_step_names_a_data_pipeline_that_failed():
+    """A grain worker process that died (the OOM killer's SIGKILL) raises a RuntimeError from next(): it is a
+    DataError like a refused record, so the loop saves the last finished step before it stops."""
+    from types import SimpleNamespace
+
+    from dsv32_jax.train.trainer import Trainer
+
+    def dying():
+        raise RuntimeError("Worker 0 died with exit code -9")
+        yield
+
+    fake = SimpleNamespace(_data_iter=dying(), config=load_config("dense_tiny"))
+    with pytest.raises(loop.DataError, match=r"^training data: the data pipeline failed: Worker 0 died with exit "
+                                             r"code -9$"):
+        Trainer.run_step(fake)
+
+
 class PreparingStage(FakeStage):
     """A stage with work before step 1 (the agent's SFT stages) that a signal ends early."""
 

@@ -81,7 +81,8 @@ def default_config() -> ml_collections.ConfigDict:
         source="builtin", paths=(), text_field="text", tokenizer="byte", seq_len=128, batch_size=8, seed=0,
         shuffle=True, num_epochs=None, add_eos=True, worker_count=0, shards=0,
         special_tokens="text",  # special-token strings in documents: "text" (as written) or "parse" (special ids)
-        shuffle_window=512))  # with shuffle: rows shuffled together (window x seq_len tokens held and packed at once)
+        shuffle_window=512,  # with shuffle: rows shuffled together (window x seq_len tokens held and packed at once)
+        skip_bad_records=False))  # True: a record the source refuses is skipped with a warning, not a stopped run
     c.data.num_epochs = ml_collections.config_dict.placeholder(int)
 
     # master_dtype: parameters stored narrower (param_dtype bf16) are updated through master copies in this dtype

@@ -403,6 +403,8 @@ class Trainer:
                                 "epoch(s)") from None
         except (KeyError, ValueError, UnicodeError) as e:  # a record the pipeline refused (it names file and line)
             raise DataError(f"training data: {e}") from e
+        except RuntimeError as e:  # a grain worker process that died (the OOM killer): the last step is saved
+            raise DataError(f"training data: the data pipeline failed: {e}") from e
         t0 = time.perf_counter()
         metrics = jax.device_get(self.train_step(batch))
         dt = time.perf_counter() - t0

@@ -39,6 +39,9 @@ class DataConfig:
     # (default) tokenizes them as the text they are; "parse" turns them into the special ids (text rendered with a
     # chat template on purpose)
     special_tokens: str = "text"
+    # a record a source refuses (invalid JSON, the text field missing or not a string) is skipped with a warning
+    # naming it instead of stopping the run (which met it again at every resume); a resume may turn it on
+    skip_bad_records: bool = False
 
     def __post_init__(self):
         paths = self.paths

@@ -43,12 +43,33 @@ def _hidden(name: str) -> bool:
     return name.startswith((".", "_"))  # .cache/, .crc files, .ipynb_checkpoints/, Spark's _SUCCESS / _temporary/
 
 
+# metadata that HF datasets' save_to_disk / push_to_hub and the hub's dataset folders keep beside the data files:
+# not documents (a directory of them failed at start-up, read as JSON lines)
+METADATA_FILES = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
+
+# the first bytes of compressed files (gzip, zstd, bz2, xz): a source reads plain files
+_COMPRESSED = {"gzip": re.compile(rb"\x1f\x8b"), "zstd": re.compile(rb"\x28\xb5\x2f\xfd"),
+               "bzip2": re.compile(rb"BZh[1-9]1AY&SY"), "xz": re.compile(rb"\xfd7zXZ\x00")}
+
+
+def check_not_compressed(path: str, source: str) -> None:
+    """Refuses a compressed file by name: read as JSON lines it failed at its first line with "invalid JSON (...
+    byte 0x8b ...)", read as text it trained on the compressed bytes."""
+    with open(path, "rb") as f:
+        head = f.read(10)
+    for kind, magic in _COMPRESSED.items():
+        if magic.match(head):
+            raise ValueError(f"data source {source!r}: {path} is {kind}-compressed (it starts with the {kind} "
+                             "magic bytes); the sources read plain files: decompress it first")
+
+
 def _data_files(directory: str, suffixes: tuple[str, ...]) -> list[str]:
     """A directory's files that end with one of `suffixes`, or carry one before a shard number
     ('train.array_record-00000-of-00008'); a name that merely contains one, such as corpus.txt.gz or
     part.parquet.crc, is not data. Hidden files and directories are skipped. Sorted."""
     def wanted(name: str) -> bool:
-        return not _hidden(name) and (name.endswith(suffixes) or any(f"{s}-" in name for s in suffixes))
+        return not _hidden(name) and name not in METADATA_FILES and (
+            name.endswith(suffixes) or any(f"{s}-" in name for s in suffixes))
 
     found = []
     for root, dirs, names in os.walk(directory):
@@ -165,6 +186,7 @@ class JsonlSource:
         self._reader = _FileReader(files)
         starts, ends, counts = [], [], []
         for path in files:
+            check_not_compressed(path, "jsonl")
             s, e = _line_spans(path)
             starts.append(s)
             ends.append(e)
@@ -241,6 +263,7 @@ class TextSource:
         self._reader = _FileReader(files)
         self._pieces: list[tuple[int, int, int]] = []
         for i, path in enumerate(files):
+            check_not_compressed(path, "text")
             size = os.path.getsize(path)
             start = 0
             with open(path, "rb") as f:
@@ -410,16 +433,57 @@ def source_files(cfg: DataConfig) -> list[str] | None:
     return resolve_paths(cfg.paths, suffixes=SUFFIXES[cfg.source], what=f"data source {cfg.source!r}")
 
 
+class SkipBadRecords:
+    """data.skip_bad_records: a record the source refuses (invalid JSON, the text field missing or not a string:
+    the KeyError / ValueError that names its file and line) reads as an empty document, which packing drops, with a
+    warning naming it (the first LOG_FIRST of a process, then every LOG_EVERY-th). Positions are the source's, so
+    the stream and a resume are those of the same source with those records empty. The sources' start-up checks
+    (a text field missing from a file's first record: a misnamed field) still stop the run."""
+
+    LOG_FIRST, LOG_EVERY = 20, 1000
+
+    def __init__(self, source):
+        self.source = source
+        self.skipped = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"source": self.source}
+
+    def __setstate__(self, state):
+        self.__init__(state["source"])
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, index):
+        try:
+            return self.source[index]
+        except (KeyError, ValueError) as e:
+            with self._lock:
+                self.skipped += 1
+                n = self.skipped
+            if n <= self.LOG_FIRST or n % self.LOG_EVERY == 0:
+                from absl import logging  # noqa: PLC0415
+
+                logging.warning("data.skip_bad_records: skipped %s (%d record(s) skipped by this process so far)",
+                                e, n)
+            return ""
+
+
 def make_source(cfg: DataConfig):
-    """The random-access document source for cfg, and its locality blocks (None = any order is cheap)."""
+    """The random-access document source for cfg, and its locality blocks (None = any order is cheap); with
+    data.skip_bad_records, wrapped in SkipBadRecords."""
     files = source_files(cfg)
     if files is None:
         return ListSource(builtin_documents(cfg.split)), None
     if cfg.source == "jsonl":
-        return JsonlSource(files, cfg.text_field), None
-    if cfg.source == "text":
-        return TextSource(files), None
-    if cfg.source == "parquet":
+        src, blocks = JsonlSource(files, cfg.text_field), None
+    elif cfg.source == "text":
+        src, blocks = TextSource(files), None
+    elif cfg.source == "parquet":
         src = ParquetSource(files, cfg.text_field)
-        return src, src.blocks
-    return ArrayRecordSource(files, cfg.text_field), None
+        blocks = src.blocks
+    else:
+        src, blocks = ArrayRecordSource(files, cfg.text_field), None
+    return (SkipBadRecords(src) if cfg.skip_bad_records else src), blocks
