@@ -17,7 +17,7 @@ from dsv32_jax.posttrain.chat import ToolCall
 from dsv32_jax.posttrain.envs.base import Action, Env
 from dsv32_jax.posttrain.envs.helpers import integer_score
 from dsv32_jax.posttrain.envs.tools import Tool
-from dsv32_jax.train.agent_grpo import AgentLearner, sft_batch
+from dsv32_jax.train.agent_grpo import AgentLearner, layout_width, sft_batch
 from dsv32_jax.train.config import default_config
 
 
@@ -79,6 +79,16 @@ def test_sft_batch_trains_only_on_the_assistant_tokens():
 
 
 @pytest.mark.heavy  # >= 20 s on 2 AMD EPYC cores (2026-12-01): out of make test's 15 minutes
+@pytest.mark.parametrize("capacity", [512, 1000, 3000, 4100])
+def test_the_trajectory_width_is_bucketed_within_the_capacity(capacity):
+    """The trajectory step's width: at least the slots used, a multiple of 64, never past the capacity rounded up to
+    64 (capacity 4100 took up to 4608 slots of activations), and few distinct widths (one step program each)."""
+    widths = [layout_width(n, capacity) for n in range(1, capacity + 1)]
+    cap = -(-capacity // 64) * 64
+    assert all(n <= w <= cap and w % 64 == 0 for n, w in zip(range(1, capacity + 1), widths))
+    assert len(set(widths)) <= 16 + 8 * max(0.0, np.log2(capacity / 1024)) + 1
+
+
 def test_sft_batches_are_padded_to_the_mesh_with_rows_no_loss_sees():
     """A recall / cold-start batch whose example count the mesh's batch shards do not divide (cold_start_batch 6 on
     fsdp:4; with drop_thinking="every_turn" the row count follows the demonstrations' segments) failed in the first

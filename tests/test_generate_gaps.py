@@ -677,6 +677,33 @@ def test_buckets_pad_by_at_most_an_eighth_and_stay_few(base):
     assert bucketed(0, base) == base
 
 
+def test_a_prompt_near_the_context_pads_by_16_and_its_cache_stays_within_15_slots_of_it(model, monkeypatch):
+    """A prompt whose bucket plus max_new_tokens passes the context is padded to a multiple of 16 as before: its
+    bucket (up to 1/8 of its length) made caches up to 6% past the context and a decode program per prompt length
+    (review). Shorter prompts keep their buckets, within the context. The cache size is read where it is made."""
+    from dsv32_jax.posttrain import generate as gen
+
+    class Made(Exception):
+        pass
+
+    sizes = []
+
+    def init_cache(self, batch, slots):
+        sizes.append(slots)
+        raise Made
+
+    monkeypatch.setattr(type(model), "init_cache", init_cache)
+    ctx = model.config.max_position_embeddings
+    cfg = SamplingConfig(max_new_tokens=64, eos_id=-1, pad_id=0)
+    for n in (ctx - 160, ctx - 100, ctx - 64, ctx - 40, ctx - 1, 300, 1000):
+        with pytest.raises(Made):
+            next(gen.generate_stream(model, [5] * n, cfg))
+        n_new = min(64, ctx - n)
+        want = -(-n // 16) * 16 + n_new  # (16-slot padding near the context)
+        assert sizes[-1] <= max(ctx, want) and sizes[-1] >= n + n_new, (n, sizes[-1])
+        assert sizes[-1] <= ctx + 15, (n, sizes[-1])
+
+
 def test_prompts_past_256_tokens_share_a_prefill_program_per_bucket(model):
     """Prompts of 257-320 tokens took 4 prefill programs (one per 16 tokens); their buckets step by 32 past 256 tokens,
     so 2 programs, and each generation still equals the cache-free one (the extra left padding is invisible)."""

@@ -463,8 +463,10 @@ def test_resuming_with_other_data_files_is_warned_about_by_name(tmp_path, caplog
         checkpointing.check_resume(point, stage="dense", data={**saved, "seq_len": 32})
     # the row-shuffle window orders the rows the position counts: another one is another stream (a checkpoint from
     # before the field was a config field recorded none: not compared); without shuffle there is no window
-    assert "shuffle_window" not in recorded
-    checkpointing.check_resume(point, stage="dense", data={**saved, "shuffle_window": 16})
+    assert "shuffle_window" not in recorded  # (written before the field: every such run had the default, 512)
+    checkpointing.check_resume(point, stage="dense", data={**saved, "shuffle_window": 512})
+    with pytest.raises(checkpointing.ResumeError, match=r"config\.data\.shuffle_window 512 there, 16 here"):
+        checkpointing.check_resume(point, stage="dense", data={**saved, "shuffle_window": 16})
     windowed = types.SimpleNamespace(meta={"stage": "dense", "data_config": checkpointing.data_fingerprint(
         {**saved, "shuffle_window": 512})}, workdir="W", step=7)
     checkpointing.check_resume(windowed, stage="dense", data={**saved, "shuffle_window": 512})

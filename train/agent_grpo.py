@@ -91,6 +91,13 @@ def env_specs(value) -> list[str]:
     return specs
 
 
+def layout_width(slots: int, capacity: int) -> int:
+    """The trajectory step's width for a rollout that used `slots` cache slots (<= capacity): bucketed (fewer
+    recompiles), never wider than the capacity's multiple of 64 (a bucket past it cost activation memory for
+    nothing: capacity 4100 gave up to 4608; review)."""
+    return min(bucketed(slots, 64), -(-capacity // 64) * 64)
+
+
 def sft_batch(trajectories, width: int, bucket: int = 0, rows_multiple: int = 1) -> dict:
     """Chat-encoded trajectories -> an LM batch: predict token t+1 from t where t+1 is an assistant token.
     `bucket` > 0: the batch is only as wide as the longest trajectory rounded up to its bucket (`bucketed`).
@@ -586,7 +593,7 @@ class AgentLearner:
         total = rewards + sum(terms.values(), np.zeros_like(rewards))
         shd.check_same_on_processes("the agent's rewards (verifiers, reward terms)", total)
         adv = group_advantages(total, group_ids)
-        width = bucketed(rec["tokens"].shape[1], 64)  # bucket the layout width: fewer recompiles
+        width = layout_width(rec["tokens"].shape[1], int(self.a.capacity))
         padw = lambda x: np.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         batch = {"tokens": padw(rec["tokens"]), "positions": padw(rec["positions"]), "segments": padw(rec["segments"]),
                  "gen": padw(rec["generated"]), "logp_old": padw(rec["logprobs"]), "kept_ids": padw(rec["kept_ids"]),

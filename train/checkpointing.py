@@ -140,6 +140,7 @@ def check_stored(mngr: ocp.CheckpointManager, step: int, arrays: dict) -> None:
 
 # config.data fields a resume must keep: the data state is a position in the stream these define
 RESUME_DATA_FIELDS = ("source", "seq_len", "batch_size", "seed", "shuffle", "shuffle_window")
+LEGACY_SHUFFLE_WINDOW = 512  # the window of every run whose checkpoint does not record one
 # config.data fields a resume may change (a dataset moved, a field renamed), but whose change makes the restored
 # iterator position a position in another stream: warned about by name
 WARN_DATA_FIELDS = ("paths", "text_field", "tokenizer", "add_eos", "special_tokens")
@@ -180,6 +181,8 @@ def check_resume(point, *, stage: str, model_cfg=None, data=None, ignore_model=(
         legacy = "special_tokens" not in recorded and recorded.get("tokenizer", "byte") != "byte"
         if legacy and "special_tokens" in here:  # (written before data.special_tokens: its tokenizer parsed them)
             recorded = dict(recorded, special_tokens="parse")
+        if "shuffle_window" not in recorded and "shuffle_window" in here:  # (written before it was a config field:
+            recorded = dict(recorded, shuffle_window=LEGACY_SHUFFLE_WINDOW)  # the default, the only value then)
         problems += [f"config.data.{k} {recorded[k]!r} there, {here.get(k)!r} here" for k in RESUME_DATA_FIELDS
                      if k in recorded and recorded[k] != here.get(k)
                      and (k != "shuffle_window" or here.get("shuffle"))]  # (no shuffle: no window)

@@ -88,6 +88,9 @@ def generate_stream(model, ids: Sequence[int], cfg: SamplingConfig, rng=None) ->
         return
     rng = jax.random.key(0) if rng is None else rng
     width = bucketed(len(ids), PROMPT_BUCKET)
+    if width + n_new > context_length(model):  # near the context: multiples of 16, the cache at most 15 slots past
+        width = -(-len(ids) // PROMPT_BUCKET) * PROMPT_BUCKET  # (a bucket's padding put it up to 1/8 past it, and
+        # every prompt length there had a cache size, a decode program, of its own: review)
     total = width + n_new
     if total <= context_length(model):  # (a bucket past the context: the context, one program too)
         total = min(bucketed(total, CACHE_BUCKET), context_length(model))

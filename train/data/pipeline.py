@@ -51,15 +51,17 @@ The sources (``DataConfig.source``) are described in sources.py.
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import threading
+import weakref
 
 import grain
 import numpy as np
 
 from dsv32_jax.train.data.config import DataConfig
-from dsv32_jax.train.data.sources import make_source, source_files
+from dsv32_jax.train.data.sources import ParquetSource, check_not_compressed, make_source, source_files
 from dsv32_jax.train.data.tokenizers import make_tokenizer, tokenizer_file
 
 
@@ -272,7 +274,10 @@ def check_inputs(cfg: DataConfig) -> None:
     """Refuses what make_dataset would refuse about cfg's inputs without reading them: the source and split, a
     path or pattern that names no file, a missing tokenizer file. A run calls it before it builds its model state
     (seconds to minutes of compiles), so a typo in a path is reported at once."""
-    source_files(cfg)
+    files = source_files(cfg)
+    if cfg.source in ("jsonl", "text"):  # (10 bytes a file: refused before the model state, not after it)
+        for path in files:
+            check_not_compressed(path, cfg.source)
     if cfg.tokenizer != "byte":
         tokenizer_file(cfg.tokenizer)
 
@@ -316,10 +321,32 @@ def make_dataset(cfg: DataConfig, *, vocab_size: int, process_index: int = 0,
     # packing, the row shuffle and batching in a thread of their own, PREFETCH_BATCHES ahead of the consumer: the
     # train loop's next() waited for them while the accelerator idled (its step is synchronous), up to seconds at
     # a window refill. The iterator state is that of the last batch returned (the format is unchanged).
-    return grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=PREFETCH_BATCHES)
+    return _Prefetch(it, prefetch_buffer_size=PREFETCH_BATCHES)
 
 
 PREFETCH_BATCHES = 2
+_LIVE_PREFETCH: weakref.WeakSet = weakref.WeakSet()
+
+
+class _Prefetch(grain.experimental.ThreadPrefetchIterDataset):
+    """grain's thread prefetch, whose iterators are closed (their thread stopped and joined) when the interpreter
+    exits: a daemon thread still packing there (inside grain's C++ index_shuffle of a window refill) was killed by
+    the finalization and the process aborted ("terminate called without an active exception", exit 134) after a
+    run that ended normally without closing its iterator."""
+
+    def __iter__(self):
+        it = super().__iter__()
+        _LIVE_PREFETCH.add(it)
+        return it
+
+
+@atexit.register
+def _close_prefetch_threads() -> None:
+    for it in list(_LIVE_PREFETCH):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001 (exiting: a failed close must not hide the run's own outcome)
+            pass
 
 
 class ShardedBatches:
@@ -339,8 +366,13 @@ class ShardedBatches:
         self.num_shards = n
         self.ids = list(range(process_index * k, (process_index + 1) * k))
         # one source for this process's shards: each built its own (a JSONL line index of 16 bytes per line and
-        # its indexing pass, a decoded Parquet row group in each cache: k times the memory and start-up time)
+        # its indexing pass: k times the memory and start-up time). A Parquet source's row-group cache holds k
+        # readers' groups (the shards read apart: a cache of one reader's 4 groups decoded a group per row)
         source = make_source(cfg) if k > 1 else None
+        if source is not None:
+            inner = getattr(source[0], "source", source[0])  # (under SkipBadRecords)
+            if isinstance(inner, ParquetSource):
+                inner.cached_row_groups = ParquetSource.CACHED_ROW_GROUPS * k
         self.iters = [iter(make_dataset(cfg, vocab_size=vocab_size, process_index=i, process_count=n, source=source))
                       for i in self.ids]
 

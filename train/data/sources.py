@@ -221,7 +221,7 @@ class JsonlSource:
             try:
                 record = json.loads(raw)
             except UnicodeDecodeError:  # invalid UTF-8 bytes (a scraped page): U+FFFD, as in text files, not a dead run
-                record = json.loads(raw.decode("utf-8", errors="replace"))
+                record = json.loads(raw.decode("utf-8-sig", errors="replace"))  # (a BOM on a file's first line)
         except ValueError as e:
             raise ValueError(f"{self._where(index)}: invalid JSON ({e})") from None
         return _text_of(record, self.field, lambda: self._where(index))
@@ -301,7 +301,8 @@ class TextSource:
 class ParquetSource:
     """Rows of one string column; decodes a whole row group at a time (small LRU cache)."""
 
-    CACHED_ROW_GROUPS = 4
+    CACHED_ROW_GROUPS = 4  # per reader of the source (ShardedBatches' shards share one: cached_row_groups)
+    MAX_OPEN = 64  # open Parquet files at most (least recently used closed: a corpus of thousands of files)
 
     def __init__(self, files: Sequence[str], field: str):
         self.files = list(files)
@@ -323,16 +324,18 @@ class ParquetSource:
                 rg_where.append((i, g))
         self._rg_where = rg_where
         self._rg_starts = np.cumsum([0] + rg_rows).astype(np.int64)
+        self.cached_row_groups = self.CACHED_ROW_GROUPS
         self._init_cache()
 
     def _init_cache(self):
-        self._files_open: dict[int, Any] = {}
+        self._files_open: collections.OrderedDict = collections.OrderedDict()
         self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._failed: dict[int, str] = {}  # row group -> its read error (a corrupt group is not read once per row)
         self._lock = threading.Lock()
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for k in ("_files_open", "_cache", "_lock"):
+        for k in ("_files_open", "_cache", "_failed", "_lock"):
             state.pop(k)
         return state
 
@@ -362,16 +365,23 @@ class ParquetSource:
             if rows is not None:
                 self._cache.move_to_end(rg)
                 return rows
+            if rg in self._failed:
+                raise ValueError(self._failed[rg])
             f, g = self._rg_where[rg]
             pf = self._files_open.get(f)
             if pf is None:
                 pf = self._files_open[f] = self._open(self.files[f])
+                while len(self._files_open) > self.MAX_OPEN:  # (reads hold the lock: none uses the one closed)
+                    self._files_open.popitem(last=False)[1].close()
+            else:
+                self._files_open.move_to_end(f)
             try:
                 rows = pf.read_row_group(g, columns=[self.field]).column(0).to_pylist()
             except Exception as e:  # noqa: BLE001
-                raise ValueError(f"cannot read row group {g} of Parquet file {self.files[f]}: {e}") from e
+                self._failed[rg] = f"cannot read row group {g} of Parquet file {self.files[f]}: {e}"
+                raise ValueError(self._failed[rg]) from e
             self._cache[rg] = rows
-            while len(self._cache) > self.CACHED_ROW_GROUPS:
+            while len(self._cache) > self.cached_row_groups:
                 self._cache.popitem(last=False)
             return rows
 
@@ -438,7 +448,7 @@ class SkipBadRecords:
     the KeyError / ValueError that names its file and line) reads as an empty document, which packing drops, with a
     warning naming it (the first LOG_FIRST of a process, then every LOG_EVERY-th). Positions are the source's, so
     the stream and a resume are those of the same source with those records empty. The sources' start-up checks
-    (a text field missing from a file's first record: a misnamed field) still stop the run."""
+    of each file's first record (a misnamed text field, a file that is not JSON lines) still stop the run."""
 
     LOG_FIRST, LOG_EVERY = 20, 1000
 
