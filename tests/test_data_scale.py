@@ -272,3 +272,23 @@ def test_skip_bad_records_skips_in_worker_processes_too(tmp_path):
     cfg = DataConfig(source="jsonl", paths=(str(path),), seq_len=8, batch_size=1, shuffle=False, num_epochs=1,
                      skip_bad_records=True, worker_count=1)
     assert _byte_text(cfg) == b"first good" + b"second good"
+
+
+def test_the_data_pipeline_benchmark_runs_and_reports_each_case(tmp_path):
+    """bench/data_pipeline.py end to end at toy sizes (a BPE trained on its corpus, two windows): one JSON line per
+    case with the fields BENCHMARKS.md quotes, a resumed first batch, rates > 0."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "bench", "data_pipeline.py"), "--docs=60", "--bpe=400",
+                          "--seconds=0.5", "--seq_lens=256", "--batch=2", "--shuffle_windows=4,1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert lines[0]["bpe_vocab"] <= 400 and lines[0]["bytes_per_token"] > 1
+    cases = lines[1:]
+    assert [c["shuffle_window"] for c in cases] == [4, 1]
+    for c in cases:
+        assert c["tokenizer"] == "tokenizer.json" and c["seq_len"] == 256 and c["batches"] > 0
+        assert c["tokens_per_s"] > 0 and c["tokens_per_cpu_s"] > 0 and c["resume_first_batch_s"] >= 0
