@@ -27,7 +27,7 @@ def test_a_corpus_of_more_files_than_open_descriptors_allowed(tmp_path):
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
         it = make_iterator(cfg, vocab_size=256)
-        seen = sum(int((b["positions"] == 0).sum() - 0) for b in it)
+        seen = sum(int((b["positions"] == 0).sum()) for b in it)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert seen >= 2 * 300  # every document of both epochs was read (a piece starts at position 0)
@@ -90,7 +90,7 @@ def test_the_shards_of_one_process_share_one_source(tmp_path, monkeypatch):
             f.write(json.dumps({"text": f"document {i} " * (i % 7 + 1)}) + "\n")
     builds = []
     real = pipeline.make_source
-    monkeypatch.setattr(pipeline, "make_source", lambda cfg: (builds.append(1), real(cfg))[1])
+    monkeypatch.setattr(pipeline, "make_source", lambda cfg, **kw: (builds.append(1), real(cfg, **kw))[1])
     cfg = DataConfig(source="jsonl", paths=(str(path),), seq_len=32, batch_size=4, shards=4, num_epochs=1,
                      shuffle_window=1)
     one = list(make_iterator(cfg, vocab_size=256))

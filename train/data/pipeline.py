@@ -61,7 +61,7 @@ import grain
 import numpy as np
 
 from dsv32_jax.train.data.config import DataConfig
-from dsv32_jax.train.data.sources import ParquetSource, check_not_compressed, make_source, source_files
+from dsv32_jax.train.data.sources import check_not_compressed, make_source, source_files
 from dsv32_jax.train.data.tokenizers import make_tokenizer, tokenizer_file
 
 
@@ -366,13 +366,8 @@ class ShardedBatches:
         self.num_shards = n
         self.ids = list(range(process_index * k, (process_index + 1) * k))
         # one source for this process's shards: each built its own (a JSONL line index of 16 bytes per line and
-        # its indexing pass: k times the memory and start-up time). A Parquet source's row-group cache holds k
-        # readers' groups (the shards read apart: a cache of one reader's 4 groups decoded a group per row)
-        source = make_source(cfg) if k > 1 else None
-        if source is not None:
-            inner = getattr(source[0], "source", source[0])  # (under SkipBadRecords)
-            if isinstance(inner, ParquetSource):
-                inner.cached_row_groups = ParquetSource.CACHED_ROW_GROUPS * k
+        # its indexing pass: k times the memory and start-up time); its caches are sized for k readers
+        source = make_source(cfg, readers=k) if k > 1 else None
         self.iters = [iter(make_dataset(cfg, vocab_size=vocab_size, process_index=i, process_count=n, source=source))
                       for i in self.ids]
 

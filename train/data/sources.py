@@ -52,11 +52,13 @@ _COMPRESSED = {"gzip": re.compile(rb"\x1f\x8b"), "zstd": re.compile(rb"\x28\xb5\
                "bzip2": re.compile(rb"BZh[1-9]1AY&SY"), "xz": re.compile(rb"\xfd7zXZ\x00")}
 
 
-def check_not_compressed(path: str, source: str) -> None:
+def check_not_compressed(path: str, source: str, head: bytes | None = None) -> None:
     """Refuses a compressed file by name: read as JSON lines it failed at its first line with "invalid JSON (...
-    byte 0x8b ...)", read as text it trained on the compressed bytes."""
-    with open(path, "rb") as f:
-        head = f.read(10)
+    byte 0x8b ...)", read as text it trained on the compressed bytes. head: the file's first bytes when the caller
+    has read them (None: read here)."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(10)
     for kind, magic in _COMPRESSED.items():
         if magic.match(head):
             raise ValueError(f"data source {source!r}: {path} is {kind}-compressed (it starts with the {kind} "
@@ -172,6 +174,8 @@ def _line_spans(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray
     size = 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
+            if not size:
+                check_not_compressed(path, "jsonl", block[:10])
             newlines.append(np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + size)
             size += len(block)
     ends = np.concatenate(newlines + [np.array([size], np.int64)]).astype(np.int64)
@@ -186,7 +190,6 @@ class JsonlSource:
         self._reader = _FileReader(files)
         starts, ends, counts = [], [], []
         for path in files:
-            check_not_compressed(path, "jsonl")
             s, e = _line_spans(path)
             starts.append(s)
             ends.append(e)
@@ -263,10 +266,10 @@ class TextSource:
         self._reader = _FileReader(files)
         self._pieces: list[tuple[int, int, int]] = []
         for i, path in enumerate(files):
-            check_not_compressed(path, "text")
             size = os.path.getsize(path)
             start = 0
             with open(path, "rb") as f:
+                check_not_compressed(path, "text", f.read(10))
                 while start < size:
                     end = min(start + self.piece_bytes, size)
                     if end < size:
@@ -301,12 +304,15 @@ class TextSource:
 class ParquetSource:
     """Rows of one string column; decodes a whole row group at a time (small LRU cache)."""
 
-    CACHED_ROW_GROUPS = 4  # per reader of the source (ShardedBatches' shards share one: cached_row_groups)
+    CACHED_ROW_GROUPS = 4  # per reader of the source (`readers`: ShardedBatches' shards share one)
     MAX_OPEN = 64  # open Parquet files at most (least recently used closed: a corpus of thousands of files)
 
-    def __init__(self, files: Sequence[str], field: str):
+    def __init__(self, files: Sequence[str], field: str, readers: int = 1):
         self.files = list(files)
         self.field = field
+        # readers that iterate apart over this source (the shards of one process): a cache of one reader's groups
+        # decoded a group again for most rows
+        self.cached_row_groups = self.CACHED_ROW_GROUPS * readers
         pa = require("pyarrow", "parquet", "data.source='parquet'")
         rg_rows, rg_where = [], []
         for i, path in enumerate(self.files):
@@ -324,7 +330,6 @@ class ParquetSource:
                 rg_where.append((i, g))
         self._rg_where = rg_where
         self._rg_starts = np.cumsum([0] + rg_rows).astype(np.int64)
-        self.cached_row_groups = self.CACHED_ROW_GROUPS
         self._init_cache()
 
     def _init_cache(self):
@@ -481,9 +486,10 @@ class SkipBadRecords:
             return ""
 
 
-def make_source(cfg: DataConfig):
+def make_source(cfg: DataConfig, readers: int = 1):
     """The random-access document source for cfg, and its locality blocks (None = any order is cheap); with
-    data.skip_bad_records, wrapped in SkipBadRecords."""
+    data.skip_bad_records, wrapped in SkipBadRecords. readers: how many iterators share it (caches are sized for
+    them)."""
     files = source_files(cfg)
     if files is None:
         return ListSource(builtin_documents(cfg.split)), None
@@ -492,7 +498,7 @@ def make_source(cfg: DataConfig):
     elif cfg.source == "text":
         src, blocks = TextSource(files), None
     elif cfg.source == "parquet":
-        src = ParquetSource(files, cfg.text_field)
+        src = ParquetSource(files, cfg.text_field, readers)
         blocks = src.blocks
     else:
         src, blocks = ArrayRecordSource(files, cfg.text_field), None
